@@ -1,0 +1,172 @@
+"""The `grpo` command: train, eval, plot.
+
+    grpo train [RECIPE.yaml] [key=value ...]     train; no recipe means the default recipe
+    grpo train --help-config                      every config key, its type, default and meaning
+    grpo eval --model PATH --task NAME [--n N] [--k K] [--json FILE]
+    grpo plot RUN_DIR
+
+A bad config or bad data ends in one line naming the key, the function or the row, and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_RECIPE = Path(__file__).parent / "recipes" / "default.yaml"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="grpo", description="Train language models with Group Relative Policy "
+                                     "Optimization (GRPO).", formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="Run `grpo COMMAND --help` for each command's options.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a model (default: the shipped tiny model on arithmetic)",
+                           description="Train with GRPO. RECIPE is a YAML file of config keys; key=value pairs "
+                           "override it (values are YAML: beta=0, report_to=[]). Without RECIPE the default "
+                           f"recipe ({DEFAULT_RECIPE.name}) is used, with the overrides applied.")
+    train.add_argument("args", nargs="*", metavar="RECIPE|key=value")
+    train.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    train.add_argument("--help-config", action="store_true", help="print every config key and exit")
+
+    ev = sub.add_parser("eval", help="score a model on a task's held-out split or a dataset",
+                        description="Accuracy, format rate, pass@k, maj@k and mean length over k samples.")
+    ev.add_argument("--model", required=True, help="model directory, or a run directory (its final/ is used)")
+    ev.add_argument("--task", default=None, help="built-in task whose held-out split is scored (default arithmetic)")
+    ev.add_argument("--dataset", default=None, help="a data file or save_to_disk directory instead of a task")
+    ev.add_argument("--reward-funcs", nargs="+", default=None, help="rewards for --dataset; the first is accuracy")
+    ev.add_argument("--n", type=int, default=500, help="number of held-out problems (default 500)")
+    ev.add_argument("--k", type=int, default=1, help="samples per problem (default 1)")
+    ev.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
+    ev.add_argument("--max-completion-length", type=int, default=128, help="tokens per sample (default 128)")
+    ev.add_argument("--difficulty", type=int, default=1, help="task difficulty (default 1)")
+    ev.add_argument("--seed", type=int, default=0, help="seed of the problems and of sampling (default 0)")
+    ev.add_argument("--json", default=None, help="also write the result (with every completion) to this file")
+
+    plot = sub.add_parser("plot", help="draw reward and accuracy against step for a run directory")
+    plot.add_argument("run_dir")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from grpo.config import ConfigError
+
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            return _train(args)
+        if args.command == "eval":
+            return _eval(args)
+        from grpo.plot import plot_run
+
+        print(plot_run(args.run_dir))
+        return 0
+    except ConfigError as err:
+        print(f"grpo: error: {err}", file=sys.stderr)
+        return 2
+    except _reward_errors() as err:
+        print(f"grpo: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _reward_errors() -> tuple[type, ...]:
+    from grpo.rewards import RewardError
+
+    return (RewardError,)
+
+
+def _train(args) -> int:
+    from grpo.config import GRPOConfig, config_reference
+
+    if args.help_config:
+        sys.stdout.write(config_reference())
+        return 0
+    recipe = None
+    overrides = []
+    for item in args.args:
+        if "=" in item:
+            overrides.append(item)
+        elif recipe is None:
+            recipe = item
+        else:
+            print(f"grpo: error: two recipes given ({recipe}, {item}); give one, then key=value overrides.",
+                  file=sys.stderr)
+            return 2
+    if args.resume:
+        overrides.append("resume=true")
+    cfg = GRPOConfig.load(recipe or DEFAULT_RECIPE, overrides)
+    from grpo.trainer import GRPOTrainer, TrainingStopped
+
+    trainer = GRPOTrainer(args=cfg)
+    try:
+        trainer.train()
+    except TrainingStopped as err:
+        print(f"grpo: stopped: {err}", file=sys.stderr)
+        return 1
+    print(f"done: {cfg.output_dir}/final (metrics: {cfg.output_dir}/metrics.jsonl, plot: {cfg.output_dir}/plot.png)")
+    return 0
+
+
+def _eval(args) -> int:
+    import torch
+
+    from grpo.config import ConfigError, GRPOConfig
+    from grpo.data import build_prompt_set, load_dataset_any
+    from grpo.evaluate import evaluate_prompts
+    from grpo.generation import SamplingParams, TransformersGenerator
+    from grpo.model import load_tokenizer
+    from grpo.rewards import RewardRunner, resolve_reward
+
+    model_path = Path(args.model)
+    if (model_path / "final" / "config.json").exists():
+        model_path = model_path / "final"
+    if not (model_path / "config.json").exists():
+        raise ConfigError(f"--model: {args.model!r} is neither a model directory nor a run directory with final/.")
+    if args.dataset:
+        if not args.reward_funcs:
+            raise ConfigError("--reward-funcs: --dataset needs reward functions (the first one is the accuracy).")
+        cfg = GRPOConfig(model_name_or_path=str(model_path), task=None, dataset_name=args.dataset,
+                         max_prompt_length=None)
+        dataset = load_dataset_any(args.dataset, "test", key="--dataset")
+        dataset = dataset.select(range(min(args.n, len(dataset))))
+        specs, weights, prefill = args.reward_funcs, None, ""
+    else:
+        from grpo.tasks import get_task
+
+        try:
+            task = get_task(args.task or "arithmetic")
+        except ValueError as err:
+            raise ConfigError(f"--task: {err}") from None
+        cfg = GRPOConfig(model_name_or_path=str(model_path), task=task.name, max_prompt_length=None)
+        dataset = task.dataset("test", n=args.n, seed=args.seed, difficulty=args.difficulty)
+        specs, weights, prefill = task.reward_funcs, task.reward_weights, task.prefill
+    funcs = [resolve_reward(s) for s in specs]
+    runner = RewardRunner(funcs, weights, on_error="zero")
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(str(model_path))
+    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
+    prompts = build_prompt_set(dataset, tokenizer, cfg, prefill, "--dataset")
+    torch.manual_seed(args.seed)
+    gen = TransformersGenerator(model, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+    params = SamplingParams(args.max_completion_length, args.temperature)
+    result = evaluate_prompts(gen, tokenizer, prompts, runner, [n for n, _ in funcs], params,
+                              seed=args.seed, k=args.k)
+    _print_table(str(model_path), result)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"model": str(model_path), **result}, indent=1))
+    return 0
+
+
+def _print_table(model: str, result: dict) -> None:
+    print(f"model: {model}")
+    for key, value in result.items():
+        if isinstance(value, float):
+            print(f"  {key:<14} {value:.4f}" if key != "num_prompts" else f"  {key:<14} {int(value)}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,242 @@
+"""The GRPO policy loss: clipped surrogate, KL penalty to a reference policy, and loss aggregation.
+
+Notation: N = B*G completions (rows), T completion tokens; every per-token tensor is (N, T) and `mask` marks the
+completion tokens. The objective maximised by DeepSeekMath (arXiv:2402.03300, eq. 3) is
+
+    J = 1/G sum_i 1/|o_i| sum_t { min(rho_it * A_it, clip(rho_it, 1-eps, 1+eps) * A_it) - beta * KL_it },
+    rho_it = pi_theta(o_it) / pi_old(o_it) = exp(logp - old_logp),
+
+and `policy_loss` returns its negation. Three ideas that other libraries fuse into one `loss_type` string are kept
+apart here, each with its own named argument:
+  * the importance ratio: per token (the paper) or per sequence (`ratio_level="sequence"`, GSPO);
+  * the clip range: `eps_low` and `eps_high` may differ (DAPO's "clip-higher", arXiv:2503.14476);
+  * the aggregation over tokens and sequences: `AGGREGATIONS` below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+RATIO_LEVELS = ("token", "sequence")
+"""Allowed values of `policy_loss(ratio_level=...)`."""
+
+AGGREGATIONS = ("sequence_mean", "token_mean", "constant")
+"""Allowed values of `policy_loss(aggregation=...)`:
+  sequence_mean  1/N sum_i 1/|o_i| sum_t l_it          the paper (every completion weighs the same)
+  token_mean     1/(sum_i |o_i|) sum_i sum_t l_it      DAPO (every token weighs the same)
+  constant       1/(N * max_length) sum_i sum_t l_it   Dr. GRPO, arXiv:2503.20783 (no length normalisation)
+"""
+
+
+# KL estimators from John Schulman, "Approximating KL divergence" (http://joschu.net/blog/kl-approx.html).
+# With samples from pi_theta and r = pi_ref / pi_theta, each estimates KL(pi_theta || pi_ref) per token:
+#   k1 = -log r                   unbiased, high variance, can be negative
+#   k2 = (log r)^2 / 2            biased, low variance, always >= 0
+#   k3 = (r - 1) - log r          unbiased, low variance, always >= 0; the estimator DeepSeekMath uses (eq. 4)
+def _kl_k1(log_r: Tensor) -> Tensor:
+    return -log_r
+
+
+def _kl_k2(log_r: Tensor) -> Tensor:
+    return 0.5 * log_r * log_r
+
+
+def _kl_k3(log_r: Tensor) -> Tensor:
+    return torch.exp(log_r) - log_r - 1
+
+
+KL_ESTIMATORS = {"k1": _kl_k1, "k2": _kl_k2, "k3": _kl_k3}
+"""Name -> function of `log r = ref_logp - logp`; the names `kl_penalty(estimator=...)` accepts."""
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str = "k3") -> Tensor:
+    """Per-token estimate of KL(pi_theta || pi_ref) from the log-probs of the sampled tokens.
+
+    Args:
+        logp: log pi_theta of each sampled token, any shape, e.g. (B*G, T).
+        ref_logp: log pi_ref of the same tokens, same shape.
+        estimator: "k1" (`logp - ref_logp`), "k2" (`(logp - ref_logp)^2 / 2`) or "k3" (default,
+            `exp(ref_logp - logp) - (ref_logp - logp) - 1`); see KL_ESTIMATORS.
+
+    Returns:
+        Tensor of the inputs' shape. No clamping: k3 overflows only for log-ratios above ~88 in float32.
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_penalty: estimator={estimator!r} is not one of {tuple(KL_ESTIMATORS)}")
+    if logp.shape != ref_logp.shape:
+        raise ValueError(f"kl_penalty: logp {tuple(logp.shape)} and ref_logp {tuple(ref_logp.shape)} differ in shape")
+    return KL_ESTIMATORS[estimator](ref_logp - logp)
+
+
+@dataclass
+class LossOutput:
+    """What `policy_loss` returns: the scalar to call `.backward()` on and detached metric tensors."""
+
+    loss: Tensor
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+
+
+def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Mean of `values` over the True entries of `mask` (same shape); 0 when the mask is empty."""
+    return torch.where(mask, values, torch.zeros_like(values)).sum() / mask.sum().clamp(min=1)
+
+
+def _check_loss_tensors(logp, old_logp, advantages, mask, ref_logp, entropy) -> None:
+    """Raise ValueError naming the tensor argument of `policy_loss` whose shape does not fit."""
+    if logp.dim() != 2:
+        raise ValueError(f"policy_loss: logp must be (B*G, T), got {tuple(logp.shape)}")
+    for name, tensor in (("old_logp", old_logp), ("mask", mask), ("ref_logp", ref_logp), ("entropy", entropy)):
+        if tensor is not None and tensor.shape != logp.shape:
+            raise ValueError(f"policy_loss: {name} has shape {tuple(tensor.shape)}, logp has {tuple(logp.shape)}")
+    if advantages.shape not in (logp.shape[:1], logp.shape):
+        raise ValueError(
+            f"policy_loss: advantages must be (B*G,) or (B*G, T) = {tuple(logp.shape)}, got {tuple(advantages.shape)}"
+        )
+
+
+def _check_loss_options(*, ratio_level, aggregation, kl_estimator, eps_low, eps_high, beta, has_ref, max_length,
+                        normalizer) -> None:
+    """Raise ValueError naming the option of `policy_loss` that is unknown or out of range."""
+    for key, value, allowed in (("ratio_level", ratio_level, RATIO_LEVELS), ("aggregation", aggregation, AGGREGATIONS),
+                                ("kl_estimator", kl_estimator, tuple(KL_ESTIMATORS))):
+        if value not in allowed:
+            raise ValueError(f"policy_loss: {key}={value!r} is not one of {allowed}")
+    if not 0 <= eps_low < 1 or eps_high < 0:
+        raise ValueError(f"policy_loss: need 0 <= eps_low < 1 and eps_high >= 0, got {eps_low} and {eps_high}")
+    if beta != 0 and not has_ref:
+        raise ValueError(f"policy_loss: beta={beta} needs ref_logp (log-probs of the reference policy)")
+    if aggregation == "constant" and not (max_length or 0) > 0:
+        raise ValueError("policy_loss: aggregation='constant' needs max_length > 0 (the maximum completion length)")
+    if normalizer is not None and not normalizer > 0:
+        raise ValueError(f"policy_loss: normalizer must be > 0, got {normalizer}")
+
+
+def _importance_ratio(log_ratio: Tensor, mask: Tensor, ratio_level: str) -> Tensor:
+    """(N, T) ratio pi_theta / pi_old from (N, T) per-token log-ratios (0 on masked-out tokens).
+
+    "token": exp(log_ratio) per token. "sequence" (GSPO, arXiv:2507.18071): the geometric mean of the sequence's
+    token ratios, exp(mean_t log_ratio), the same value on every token of the row; it is built from all tokens'
+    log-ratios, so the gradient flows through every token.
+    """
+    if ratio_level == "token":
+        return torch.exp(log_ratio)
+    lengths = mask.sum(-1, keepdim=True).clamp(min=1)  # (N, 1)
+    return torch.exp(log_ratio.sum(-1, keepdim=True) / lengths).expand_as(log_ratio)  # (N, T)
+
+
+def _aggregate(per_token: Tensor, mask: Tensor, aggregation: str, max_length, normalizer) -> Tensor:
+    """Reduce the (N, T) per-token loss to a scalar; see AGGREGATIONS and `policy_loss` for `normalizer`."""
+    masked = torch.where(mask, per_token, torch.zeros_like(per_token))  # (N, T)
+    if aggregation == "token_mean":
+        return masked.sum() / (normalizer if normalizer is not None else mask.sum().clamp(min=1))
+    sequences = normalizer if normalizer is not None else max(mask.shape[0], 1)
+    if aggregation == "sequence_mean":
+        per_sequence = masked.sum(-1) / mask.sum(-1).clamp(min=1)  # (N,)
+        return per_sequence.sum() / sequences
+    return masked.sum() / (sequences * max_length)  # "constant"
+
+
+@torch.no_grad()
+def _loss_metrics(surrogate, ratio, adv, mask, eps_low, eps_high, kl, entropy) -> dict[str, Tensor]:
+    """Detached scalar metrics of `policy_loss`, each a masked mean over the (N, T) tokens of this micro-batch.
+
+    A token counts as clipped when the clipped branch of the min is the active one, i.e. its gradient is cut:
+    low = A < 0 and rho < 1 - eps_low, high = A > 0 and rho > 1 + eps_high (disjoint, so clip_frac = low + high).
+    """
+    low = (adv < 0) & (ratio < 1 - eps_low) & mask
+    high = (adv > 0) & (ratio > 1 + eps_high) & mask
+    adv_mean = _masked_mean(adv, mask)
+    metrics = {
+        "policy_loss": _masked_mean(surrogate, mask),
+        "clip_frac_low": _masked_mean(low.to(ratio.dtype), mask),
+        "clip_frac_high": _masked_mean(high.to(ratio.dtype), mask),
+        "clip_frac": _masked_mean((low | high).to(ratio.dtype), mask),
+        "ratio_mean": _masked_mean(ratio, mask),
+        "advantage_mean": adv_mean,
+        "advantage_std": _masked_mean((adv - adv_mean) ** 2, mask).sqrt(),
+    }
+    if kl is not None:
+        metrics["kl"] = _masked_mean(kl, mask)
+    if entropy is not None:
+        metrics["entropy"] = _masked_mean(entropy.to(ratio.dtype), mask)
+    return metrics
+
+
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    ref_logp: Tensor | None = None,
+    beta: float = 0.0,
+    kl_estimator: str = "k3",
+    eps_low: float = 0.2,
+    eps_high: float | None = None,
+    ratio_level: str = "token",
+    aggregation: str = "sequence_mean",
+    max_length: int | None = None,
+    normalizer: float | None = None,
+    entropy: Tensor | None = None,
+) -> LossOutput:
+    """GRPO loss to minimise: -(clipped surrogate) + beta * KL per token, then aggregated.
+
+    Per token: l_it = -min(rho*A, clip(rho, 1 - eps_low, 1 + eps_high)*A) + beta * KL_it.
+
+    Args:
+        logp: (B*G, T) log pi_theta of the sampled tokens; the only input gradients flow into.
+        old_logp: (B*G, T) log pi_old of the same tokens, from the policy that sampled them (detached here).
+        advantages: (B*G,) one advantage per completion, or (B*G, T) per token (process supervision). Detached.
+        mask: (B*G, T) bool or 0/1, True on completion tokens. Masked-out entries of every input are replaced by 0
+            before any exp(), so padding holding -inf or garbage cannot turn the loss or its gradient into NaN.
+        ref_logp: (B*G, T) log pi_ref, needed when beta != 0; when given, the KL is also reported as a metric.
+        beta: KL coefficient (DeepSeekMath used 0.04; 0 disables the penalty, as in DAPO and TRL's default).
+        kl_estimator: "k1", "k2" or "k3" (default); see `kl_penalty`.
+        eps_low, eps_high: clip range [1 - eps_low, 1 + eps_high]; eps_high=None means eps_high = eps_low.
+        ratio_level: "token" (the paper) or "sequence" (GSPO: per-sequence geometric mean of token ratios).
+        aggregation: "sequence_mean" (the paper), "token_mean" (DAPO) or "constant" (Dr. GRPO); see AGGREGATIONS.
+        max_length: the constant of aggregation="constant" (the maximum completion length); required there.
+        normalizer: replaces this micro-batch's own count in the denominator, so that summing the losses of all
+            micro-batches (and processes) of one optimizer step gives exactly the loss of the whole step:
+            for "token_mean" pass the total number of completion tokens of the step, for "sequence_mean" and
+            "constant" the total number of sequences of the step. None uses this micro-batch's own count
+            (tokens, or rows). Note: a data-parallel wrapper that *averages* gradients over P processes divides
+            by P once more, so multiply the loss by P there (or give normalizer / P).
+        entropy: (B*G, T) per-token entropy of pi_theta (e.g. from `token_entropy`); only reported as a metric.
+
+    Returns:
+        LossOutput(loss, metrics). `loss` is a scalar. `metrics` holds detached scalars, each a plain masked mean
+        over this micro-batch's tokens (not scaled by `normalizer`): policy_loss (the surrogate part of l_it),
+        clip_frac_low (A < 0 and rho < 1 - eps_low), clip_frac_high (A > 0 and rho > 1 + eps_high), clip_frac
+        (their sum), ratio_mean, advantage_mean, advantage_std, plus kl when ref_logp is given and entropy when
+        entropy is given.
+    """
+    eps_high = eps_low if eps_high is None else eps_high
+    _check_loss_tensors(logp, old_logp, advantages, mask, ref_logp, entropy)
+    _check_loss_options(ratio_level=ratio_level, aggregation=aggregation, kl_estimator=kl_estimator, eps_low=eps_low,
+                        eps_high=eps_high, beta=beta, has_ref=ref_logp is not None, max_length=max_length,
+                        normalizer=normalizer)
+    mask = mask.bool()
+    zeros = torch.zeros_like(logp)
+    logp = torch.where(mask, logp, zeros)  # (N, T)
+    old_logp = torch.where(mask, old_logp.detach().to(logp.dtype), zeros)
+    adv = advantages.detach().to(logp.dtype)
+    adv = (adv[:, None] if adv.dim() == 1 else adv).expand_as(logp)  # (N, T)
+
+    ratio = _importance_ratio(logp - old_logp, mask, ratio_level)  # (N, T)
+    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+    surrogate = -torch.minimum(ratio * adv, clipped * adv)  # (N, T); minus: we minimise
+    per_token = surrogate
+    kl = None
+    if ref_logp is not None:
+        ref_logp = torch.where(mask, ref_logp.detach().to(logp.dtype), zeros)
+        kl = kl_penalty(logp, ref_logp, kl_estimator)  # (N, T)
+        if beta != 0:
+            per_token = surrogate + beta * kl
+    loss = _aggregate(per_token, mask, aggregation, max_length, normalizer)
+
+    metrics = _loss_metrics(surrogate, ratio, adv, mask, eps_low, eps_high, kl, entropy)
+    return LossOutput(loss=loss, metrics=metrics)

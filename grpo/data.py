@@ -1,0 +1,168 @@
+"""Training data: load a dataset, find the prompt column, render prompts to token ids, and order them.
+
+Prompts are either plain text or a list of chat messages. Plain text is fed as `system_prompt + prompt + prefill`
+with no separator added (the dataset author controls the text); chat messages go through the tokenizer's chat
+template with the generation prompt, then the prefill. Every other column reaches the reward functions unchanged.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from grpo.config import ConfigError, GRPOConfig
+
+PROMPT_COLUMN_CANDIDATES = ("prompt", "problem", "question")
+FILE_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def load_dataset_any(name: str, split: str, config_name: str | None = None, key: str = "dataset_name"):
+    """A local data file, a `save_to_disk` directory, or a hub name (only when a hub is reachable)."""
+    import datasets
+
+    path = Path(name)
+    if path.is_file():
+        fmt = FILE_FORMATS.get(path.suffix.lower())
+        if fmt is None:
+            raise ConfigError(f"{key}: {name!r} has an unsupported extension; use "
+                              f"{', '.join(FILE_FORMATS)} or a save_to_disk directory.")
+        return datasets.load_dataset(fmt, data_files=str(path), split="train")
+    if path.is_dir():
+        if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
+            ds = datasets.load_from_disk(str(path))
+            if isinstance(ds, datasets.DatasetDict):
+                if split not in ds:
+                    raise ConfigError(f"{key}: {name!r} has splits {list(ds)}, not {split!r}; set the split key.")
+                ds = ds[split]
+            return ds
+        files = sorted(p for p in path.iterdir() if p.suffix.lower() in FILE_FORMATS)
+        match = [p for p in files if p.stem == split] or files
+        if not match:
+            raise ConfigError(f"{key}: directory {name!r} holds no data file ({', '.join(FILE_FORMATS)}) "
+                              "and is not a save_to_disk directory.")
+        return load_dataset_any(str(match[0]), split, key=key)
+    if name.startswith((".", "/", "~")):
+        raise ConfigError(f"{key}: {name!r} does not exist.")
+    try:
+        return datasets.load_dataset(name, config_name, split=split)
+    except Exception as err:  # noqa: BLE001 - datasets raises many kinds; say what to do instead
+        raise ConfigError(f"{key}: could not load {name!r} from the hub ({type(err).__name__}: {err}). "
+                          "Point it at a local file or save_to_disk directory.") from None
+
+
+def find_prompt_column(columns: list[str], configured: str | None) -> str:
+    if configured is not None:
+        if configured not in columns:
+            raise ConfigError(f"prompt_column: {configured!r} is not a column of the dataset "
+                              f"(columns: {', '.join(columns)}).")
+        return configured
+    for name in PROMPT_COLUMN_CANDIDATES:
+        if name in columns:
+            return name
+    raise ConfigError(f"prompt_column: the dataset has none of {', '.join(PROMPT_COLUMN_CANDIDATES)} "
+                      f"(columns: {', '.join(columns)}); set prompt_column.")
+
+
+def check_prompts(prompts: list[Any], column: str) -> None:
+    """Every prompt is a non-empty string or a non-empty list of {role, content} messages; name the first bad row."""
+    for i, p in enumerate(prompts):
+        ok = (isinstance(p, str) and p != "") or (
+            isinstance(p, list) and p and all(isinstance(m, dict) and "role" in m and "content" in m for m in p))
+        if not ok:
+            raise ConfigError(f"dataset row {i}: column {column!r} must be a non-empty string or a list of "
+                              f"{{role, content}} messages (got {str(p)[:80]!r}).")
+
+
+@dataclass
+class PromptSet:
+    """The training prompts, rendered and tokenized once. `columns` holds every column for the rewards."""
+
+    prompts: list[Any]  # as in the dataset: str or list of messages (what reward functions receive)
+    prompt_ids: list[list[int]]  # rendered and tokenized, left-truncated if allowed
+    columns: dict[str, list[Any]]
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def rows(self, index: list[int]) -> tuple[list[Any], list[list[int]], dict[str, list[Any]]]:
+        return ([self.prompts[i] for i in index], [self.prompt_ids[i] for i in index],
+                {k: [v[i] for i in index] for k, v in self.columns.items()})
+
+
+def render_prompt(prompt: Any, tokenizer, cfg: GRPOConfig, prefill: str) -> str:
+    use_template = cfg.use_chat_template
+    if use_template == "auto":
+        use_template = getattr(tokenizer, "chat_template", None) is not None
+    if isinstance(prompt, str) and not use_template:
+        return (cfg.system_prompt + "\n" if cfg.system_prompt else "") + prompt + prefill
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ConfigError("use_chat_template: the dataset has chat messages (or use_chat_template is true) but the "
+                          "tokenizer has no chat template; give plain-text prompts or a chat model.")
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if cfg.system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": cfg.system_prompt}] + messages
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return text + prefill
+
+
+def build_prompt_set(dataset, tokenizer, cfg: GRPOConfig, prefill: str, name: str = "dataset") -> PromptSet:
+    if len(dataset) == 0:
+        raise ConfigError(f"{name}: the dataset is empty; GRPO needs at least one prompt.")
+    column = find_prompt_column(list(dataset.column_names), cfg.prompt_column)
+    prompts = list(dataset[column])
+    check_prompts(prompts, column)
+    texts = [render_prompt(p, tokenizer, cfg, prefill) for p in prompts]
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    ids = _limit_prompt_length(ids, cfg)
+    columns = {c: list(dataset[c]) for c in dataset.column_names if c != column}
+    return PromptSet(prompts=prompts, prompt_ids=ids, columns=columns)
+
+
+def _limit_prompt_length(ids: list[list[int]], cfg: GRPOConfig) -> list[list[int]]:
+    limit = cfg.max_prompt_length
+    if limit is None:
+        return ids
+    long = [i for i, x in enumerate(ids) if len(x) > limit]
+    if not long:
+        return ids
+    if cfg.prompt_truncation == "error":
+        raise ConfigError(f"max_prompt_length: {len(long)} of {len(ids)} prompts are longer than {limit} tokens "
+                          f"(first: row {long[0]}, {len(ids[long[0]])} tokens); raise max_prompt_length or set "
+                          "prompt_truncation=left.")
+    warnings.warn(f"{len(long)} of {len(ids)} prompts longer than max_prompt_length={limit} were left-truncated.")
+    return [x[-limit:] for x in ids]
+
+
+class PromptSampler:
+    """Shuffled prompt order, one epoch after another. Its whole state is (epoch, position), so resume is exact."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed = n, seed
+        self.epoch, self.position = 0, 0
+        self._order = self._make_order()
+
+    def _make_order(self) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return torch.randperm(self.n, generator=g).tolist()
+
+    def next(self, k: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < k:
+            if self.position == self.n:
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._make_order()
+            take = min(k - len(out), self.n - self.position)
+            out += self._order[self.position:self.position + take]
+            self.position += take
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = state["epoch"], state["position"]
+        self._order = self._make_order()

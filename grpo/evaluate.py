@@ -1,0 +1,77 @@
+"""Score a model on held-out prompts: accuracy, format rate, pass@k, maj@k, mean length.
+
+The first reward function is the accuracy one (a sample is correct when it scores at least 1); a reward whose name
+contains "format" gives the format rate. pass@k counts a prompt solved when any of its k samples is correct;
+maj@k when the most frequent extracted answer among its k samples is a correct one (ties: first seen).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+from grpo.data import PromptSet
+from grpo.generation import SamplingParams
+from grpo.rollout import as_completion, strip_eos
+
+_ANSWER = re.compile(r"<answer>([\s\S]*?)</answer>")
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer of a completion: <answer>..</answer>, else \\boxed{..}, else None."""
+    for pattern in (_ANSWER, _BOXED):
+        found = pattern.findall(text)
+        if found:
+            return found[-1].strip()
+    return None
+
+
+def evaluate_prompts(generator, tokenizer, prompts: PromptSet, rewards, reward_names: list[str],
+                     params: SamplingParams, seed: int = 0, k: int = 1,
+                     batch_size: int = 256) -> dict[str, float | list]:
+    """k samples per prompt; returns the metrics and, under "rows", one record per prompt."""
+    eos = {tokenizer.eos_token_id}
+    acc_name = reward_names[0]
+    fmt_name = next((n for n in reward_names if "format" in n), None)
+    n = len(prompts)
+    order = [i for i in range(n) for _ in range(k)]
+    correct, formatted, lengths, answers, texts = [], [], [], [], []
+    for start in range(0, len(order), batch_size):
+        idx = order[start:start + batch_size]
+        p, ids, cols = prompts.rows(idx)
+        out = generator.generate(ids, params, [seed * 1_000_003 + start + r for r in range(len(idx))])
+        stripped = [strip_eos(c, eos) for c in out.ids]
+        decoded = tokenizer.batch_decode(stripped, skip_special_tokens=False)
+        scored = rewards(p, [as_completion(q, t) for q, t in zip(p, decoded)], out.ids, cols)
+        acc = scored.per_func[acc_name]
+        correct += [v is not None and v >= 1.0 - 1e-9 for v in acc]
+        if fmt_name:
+            formatted += [v is not None and v >= 1.0 - 1e-9 for v in scored.per_func[fmt_name]]
+        lengths += [len(c) for c in out.ids]
+        answers += [extract_answer(t) for t in decoded]
+        texts += decoded
+    by_prompt = [list(range(i * k, (i + 1) * k)) for i in range(n)]
+    pass_k = sum(any(correct[j] for j in js) for js in by_prompt) / n
+    maj_k = sum(_majority_correct([answers[j] for j in js], [correct[j] for j in js]) for js in by_prompt) / n
+    result: dict[str, float | list] = {
+        "accuracy": sum(correct) / len(correct),
+        f"pass@{k}": pass_k,
+        f"maj@{k}": maj_k,
+        "mean_length": sum(lengths) / len(lengths),
+        "num_prompts": float(n),
+    }
+    if fmt_name:
+        result["format_rate"] = sum(formatted) / len(formatted)
+    result["rows"] = [{"prompt": prompts.prompts[i] if isinstance(prompts.prompts[i], str) else prompts.prompts[i],
+                       "completions": [texts[j] for j in js], "correct": [correct[j] for j in js]}
+                      for i, js in enumerate(by_prompt)]
+    return result
+
+
+def _majority_correct(answers: list[str | None], correct: list[bool]) -> bool:
+    votes = Counter(a for a in answers if a is not None)
+    if not votes:
+        return False
+    top = votes.most_common(1)[0][0]
+    return correct[answers.index(top)]

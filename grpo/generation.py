@@ -1,0 +1,168 @@
+"""Rollout generation behind one narrow interface: prompt token ids and sampling settings in, completions out.
+
+`TransformersGenerator` samples with the policy itself through a KV cache, in a loop short enough to read: one
+forward over the (left-padded) prompts, then one token per forward. Each row draws from its own random generator,
+seeded by the caller (from the run seed, the step and the row's global index), so a completion does not depend on
+which other rows share its batch or process: 1 and N processes sample the same completions, and a resumed run
+needs no generator state.
+`ScriptedGenerator` returns completions from a function, so the trainer can be tested without sampling.
+A vLLM backend implements the same two methods and is imported only when chosen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+
+
+@dataclass
+class Completions:
+    """Generated token ids, one list per prompt row; EOS is kept when the row stopped on it."""
+
+    ids: list[list[int]]
+    truncated: list[bool]  # True when the row hit max_new_tokens without EOS
+
+
+class Generator(Protocol):
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seeds: list[int]) -> Completions: ...
+
+
+def row_seed(seed: int, step: int, row: int) -> int:
+    """The sampling seed of one completion: a function of the run seed, the step and the row's global index."""
+    return (seed * 1_000_003 + step * 65_537 + row) % (2**63 - 1)
+
+
+def sample_rows(probs: torch.Tensor, rngs: list[torch.Generator]) -> torch.Tensor:
+    """One token per row of (N, V) probabilities, each row from its own generator: (N,)."""
+    return torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(rngs)])
+
+
+def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, L) ids and attention mask, rows aligned to the right edge."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+            mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+def process_logits(logits: torch.Tensor, seen: torch.Tensor | None, p: SamplingParams) -> torch.Tensor:
+    """Apply the sampling settings to (N, V) float32 logits, in transformers' order.
+
+    `seen` is (N, V) bool: tokens already in the row (for the repetition penalty, CTRL paper's rule).
+    Filtered-out tokens get -inf.
+    """
+    if p.repetition_penalty != 1.0 and seen is not None:
+        penalized = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
+        logits = torch.where(seen, penalized, logits)
+    logits = logits / p.temperature
+    if p.top_k > 0 and p.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, p.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = cum - sorted_logits.softmax(-1) >= p.top_p  # keep the smallest prefix reaching top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    if p.min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < p.min_p * probs.max(-1, keepdim=True).values, float("-inf"))
+    return logits
+
+
+class TransformersGenerator:
+    """Sample from a `transformers` causal LM with its KV cache.
+
+    `batch_size` bounds the rows sampled together (memory); `eos_ids` are the token ids that end a completion.
+    """
+
+    def __init__(self, model, pad_id: int, eos_ids: list[int], batch_size: int | None = None):
+        self.model, self.pad_id, self.eos_ids, self.batch_size = model, pad_id, list(eos_ids), batch_size
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seeds: list[int]) -> Completions:
+        size = self.batch_size or len(prompt_ids)
+        ids: list[list[int]] = []
+        truncated: list[bool] = []
+        for start in range(0, len(prompt_ids), size):
+            rngs = [torch.Generator().manual_seed(s) for s in seeds[start:start + size]]
+            part = self._generate_batch(prompt_ids[start:start + size], params, rngs)
+            ids += part.ids
+            truncated += part.truncated
+        return Completions(ids, truncated)
+
+    def _generate_batch(self, prompt_ids: list[list[int]], p: SamplingParams,
+                        rngs: list[torch.Generator]) -> Completions:
+        was_training = self.model.training
+        self.model.eval()
+        device = next(self.model.parameters()).device
+        ids, mask = left_pad(prompt_ids, self.pad_id)
+        ids, mask = ids.to(device), mask.to(device)
+        n = ids.shape[0]
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        eos = torch.tensor(self.eos_ids, device=device)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         logits_to_keep=1)
+        vocab = out.logits.shape[-1]
+        seen = None
+        if p.repetition_penalty != 1.0:
+            seen = torch.zeros((n, vocab), dtype=torch.bool, device=device)
+            seen.scatter_(1, ids.clamp(max=vocab - 1), mask.bool())
+        new_tokens = torch.full((n, p.max_new_tokens), self.pad_id, dtype=torch.long, device=device)
+        done = torch.zeros(n, dtype=torch.bool, device=device)
+        length = torch.zeros(n, dtype=torch.long, device=device)
+        pos = positions[:, -1:]
+        for t in range(p.max_new_tokens):
+            logits = process_logits(out.logits[:, -1, :].float(), seen, p)
+            # Sampling on CPU generators keeps the random streams independent of the device.
+            token = sample_rows(logits.softmax(-1).cpu(), rngs).to(device)
+            token = torch.where(done, torch.full_like(token, self.pad_id), token)
+            new_tokens[:, t] = token
+            length += (~done).long()
+            done = done | torch.isin(token, eos)
+            if seen is not None:
+                seen[torch.arange(n, device=device), token] = True
+            if bool(done.all()) or t == p.max_new_tokens - 1:
+                break
+            mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=device)], dim=1)
+            pos = pos + 1
+            out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=pos,
+                             past_key_values=out.past_key_values, use_cache=True)
+        if was_training:
+            self.model.train()
+        rows = new_tokens.cpu().tolist()
+        lengths = length.cpu().tolist()
+        ended = done.cpu().tolist()
+        return Completions([r[:k] for r, k in zip(rows, lengths)], [not e for e in ended])
+
+
+class ScriptedGenerator:
+    """Completions from a function `complete(prompt_ids, rng) -> list[int]`, for tests and dry runs.
+
+    The function sees the prompt ids and the row's own seeded generator; a row that ends with an id in `eos_ids`
+    counts as finished, anything else as truncated.
+    """
+
+    def __init__(self, complete: Callable[[list[int], torch.Generator], list[int]], eos_ids: list[int]):
+        self.complete, self.eos_ids = complete, set(eos_ids)
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seeds: list[int]) -> Completions:
+        ids = [list(self.complete(p, torch.Generator().manual_seed(s)))[:params.max_new_tokens]
+               for p, s in zip(prompt_ids, seeds)]
+        return Completions(ids, [not (r and r[-1] in self.eos_ids) for r in ids])

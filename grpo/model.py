@@ -1,0 +1,150 @@
+"""Loading the policy (and its reference) with `transformers` and `peft`, and its per-token log-probs.
+
+The reference model exists only when beta > 0. With LoRA the reference is the same network with its adapters
+disabled, so there is no second copy of the weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+
+from grpo.config import ConfigError, GRPOConfig
+from grpo.core import token_entropy, token_logprobs
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.eos_token_id is None:
+        raise ConfigError(f"model_name_or_path: the tokenizer of {path!r} has no EOS token; completions could "
+                          "never end. Set tokenizer.eos_token and save it.")
+    if tok.pad_token_id is None:
+        import warnings
+
+        warnings.warn(f"the tokenizer of {path!r} has no pad token; using its EOS token for padding.")
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(cfg: GRPOConfig):
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"dtype": DTYPES[cfg.torch_dtype]}
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    if cfg.load_in_4bit:
+        if not torch.cuda.is_available():
+            raise ConfigError("load_in_4bit: 4-bit (QLoRA) loading needs a CUDA GPU and bitsandbytes; this machine "
+                              "has no GPU. Set load_in_4bit=false.")
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                           bnb_4bit_compute_dtype=torch.bfloat16)
+    try:
+        return AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, **kwargs)
+    except OSError as err:
+        raise ConfigError(f"model_name_or_path: cannot load {cfg.model_name_or_path!r}: {err}") from None
+
+
+def lora_config(cfg: GRPOConfig):
+    from peft import LoraConfig
+
+    return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=cfg.lora_target_modules, task_type="CAUSAL_LM")
+
+
+def prepare_model(model, cfg: GRPOConfig, peft_config=None):
+    """Apply LoRA and gradient checkpointing; returns (policy, reference or None)."""
+    if cfg.use_peft and peft_config is None:
+        peft_config = lora_config(cfg)
+    if peft_config is not None:
+        from peft import get_peft_model, prepare_model_for_kbit_training
+
+        if cfg.load_in_4bit:
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
+        model = get_peft_model(model, peft_config)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs=cfg.gradient_checkpointing_kwargs or {"use_reentrant": False})
+        model.config.use_cache = False
+    reference = None
+    if cfg.beta > 0 and peft_config is None:
+        reference = copy.deepcopy(model).eval()
+        reference.requires_grad_(False)
+    return model, reference
+
+
+def is_peft(model) -> bool:
+    return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
+
+
+@contextlib.contextmanager
+def reference_view(policy, reference):
+    """The network that scores the reference log-probs: the frozen copy, or the policy with adapters off."""
+    if reference is not None:
+        yield reference
+    elif is_peft(policy):
+        with policy.disable_adapter():
+            yield policy
+    else:
+        raise RuntimeError("reference_view: beta > 0 needs a reference model or a LoRA policy.")
+
+
+def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
+                        temperature: float, with_entropy: bool = False):
+    """Log-probs (N, T) of the last T=completion_len tokens of each row under `model`, at the sampling temperature.
+
+    input_ids (N, P+T): prompts left-padded to P, completions right-padded to T. Logits at position j predict
+    token j+1, so the T completion tokens are predicted by positions P-1 .. P+T-2; `logits_to_keep=T+1` asks the
+    model for just those rows (plus the last, dropped), so prompt positions never reach the LM head.
+    With `with_entropy`, returns (logp, entropy (N, T), detached) instead.
+    """
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                logits_to_keep=completion_len + 1, use_cache=False)
+    logits = out.logits[:, :-1, :]  # (N, T, V)
+    targets = input_ids[:, -completion_len:]  # (N, T)
+    logp = token_logprobs(logits, targets, temperature=temperature)
+    if not with_entropy:
+        return logp
+    with torch.no_grad():
+        return logp, token_entropy(logits.detach(), temperature=temperature)
+
+
+def trainable_state(model) -> dict[str, torch.Tensor]:
+    """The weights a checkpoint must hold: the adapters for LoRA, everything otherwise."""
+    if is_peft(model):
+        from peft import get_peft_model_state_dict
+
+        return get_peft_model_state_dict(model)
+    return model.state_dict()
+
+
+def load_trainable_state(model, weights: dict[str, torch.Tensor]) -> None:
+    if is_peft(model):
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, weights)
+    else:
+        model.load_state_dict(weights)
+
+
+def save_final(model, tokenizer, path, merge: bool) -> None:
+    """Hugging Face format that `AutoModelForCausalLM.from_pretrained(path)` loads; adapters also kept."""
+    from pathlib import Path
+
+    path = Path(path)
+    if is_peft(model):
+        model.save_pretrained(path / "adapter")
+        if merge:
+            merged = copy.deepcopy(model).merge_and_unload()
+            merged.save_pretrained(path)
+    else:
+        model.save_pretrained(path)
+    tokenizer.save_pretrained(path)

@@ -1,0 +1,113 @@
+"""From a config entry to a named reward function: one explicit table, plus import paths and checkpoints.
+
+A spec is one of:
+- a built-in name (`"think_format"`) or an open-r1 alias (`"accuracy"`, `"format"`);
+- `"package.module:function"`, imported (a user's file on `sys.path`);
+- a local directory holding a sequence-classification checkpoint (`config.json`), loaded as a `RewardModel`;
+- a callable, named by its `__name__`;
+- a dict `{"name": <one of the above>, **settings}`: the settings configure a built-in (`countdown` with
+  `exact_use: true`), are passed to `RewardModel` for a checkpoint, or, for an imported object, are passed to it as
+  a factory (`mymodule:get_cosine_scaled_reward` with `max_len: 500`, open-r1 style).
+"""
+
+import importlib
+import inspect
+import os
+from collections.abc import Callable
+from typing import Any
+
+from .base import ConfigurableReward
+from .countdown import countdown
+from .format import reasoning_steps, tag_count, think_format
+from .math_accuracy import math_accuracy
+from .reward_model import RewardModel
+from .shaping import cosine_length, repetition_penalty, soft_overlong
+from .steps import arithmetic_steps
+
+BUILTINS: dict[str, Callable] = {
+    "think_format": think_format,
+    "countdown": countdown,
+    "math_accuracy": math_accuracy,
+    "tag_count": tag_count,
+    "reasoning_steps": reasoning_steps,
+    "cosine_length": cosine_length,
+    "repetition_penalty": repetition_penalty,
+    "soft_overlong": soft_overlong,
+}
+ALIASES = {"accuracy": "math_accuracy", "format": "think_format"}
+STEP_BUILTINS: dict[str, Callable] = {"arithmetic_steps": arithmetic_steps}
+
+
+def resolve_reward(spec: Any) -> tuple[str, Callable]:
+    """(name, function) for an outcome reward spec; `ValueError` listing the built-ins for an unknown name."""
+    return _resolve(spec, BUILTINS, ALIASES, allow_model=True)
+
+
+def resolve_step_reward(spec: Any) -> tuple[str, Callable]:
+    """(name, function) for a step-reward spec: `arithmetic_steps`, an import path, a callable, or a dict."""
+    return _resolve(spec, STEP_BUILTINS, {}, allow_model=False)
+
+
+def _resolve(spec: Any, table: dict, aliases: dict, allow_model: bool) -> tuple[str, Callable]:
+    settings: dict[str, Any] = {}
+    if isinstance(spec, dict):
+        if "name" not in spec:
+            raise ValueError(f"a reward given as a mapping needs a 'name' key, got keys {sorted(spec)}")
+        settings = {key: value for key, value in spec.items() if key != "name"}
+        spec = spec["name"]
+    if callable(spec):
+        func = _configured(spec, settings, _name_of(spec, "reward"))
+        return _name_of(func, _name_of(spec, "reward")), func
+    if not isinstance(spec, str):
+        raise ValueError(f"a reward spec must be a name, a path, a callable or a mapping, got {type(spec).__name__}")
+    name = aliases.get(spec, spec)
+    if name in table:
+        return name, _configured(table[name], settings, name)
+    if allow_model and os.path.isdir(spec):
+        if not os.path.isfile(os.path.join(spec, "config.json")):
+            raise ValueError(f"reward model directory {spec!r} has no config.json")
+        model = RewardModel(spec, **settings)
+        return model.__name__, model
+    if ":" in spec:
+        func = _configured(_import(spec), settings, spec)
+        return _name_of(func, spec.rsplit(":", 1)[1]), func
+    known = sorted(table) + [f"{alias} (= {target})" for alias, target in sorted(aliases.items())]
+    forms = "'package.module:function'" + (", a checkpoint directory" if allow_model else "")
+    raise ValueError(f"unknown reward {spec!r}; built-ins: {', '.join(known)}; or give {forms}")
+
+
+def _configured(target: Callable, settings: dict, label: str) -> Callable:
+    """The target itself, or the reward it builds from the settings."""
+    if isinstance(target, ConfigurableReward):
+        return target.configure(**settings) if settings else target
+    if inspect.isclass(target):
+        return target(**settings)  # a reward class: instantiate it (with or without settings)
+    if not settings:
+        return target
+    try:
+        inspect.signature(target).bind(**settings)
+    except TypeError as error:
+        raise ValueError(f"reward {label!r} does not accept the settings {sorted(settings)}: {error}") from None
+    try:
+        built = target(**settings)
+    except Exception as error:
+        raise ValueError(f"building reward {label!r} from settings {settings} failed: {error!r}") from error
+    if not callable(built):
+        raise ValueError(f"reward factory {label!r} returned {type(built).__name__}, not a reward function")
+    return built
+
+
+def _import(path: str) -> Any:
+    module_name, _, attribute = path.rpartition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"cannot import module {module_name!r} for reward {path!r}: {error}") from error
+    if not hasattr(module, attribute):
+        raise ValueError(f"module {module_name!r} has no attribute {attribute!r} (reward {path!r})")
+    return getattr(module, attribute)
+
+
+def _name_of(func: Callable, default: str) -> str:
+    name = getattr(func, "__name__", None)
+    return name if isinstance(name, str) and name else default

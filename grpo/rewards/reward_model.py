@@ -1,0 +1,91 @@
+"""A learned reward: any `AutoModelForSequenceClassification` checkpoint, called like a TRL reward function.
+
+As TRL's `GRPOTrainer` does for a model given in `reward_funcs`: the reward model has its own tokenizer; a
+conversational prompt and completion go through that tokenizer's chat template, anything else is concatenated as
+text; the score is `logits[:, 0]`, computed under `inference_mode` in batches.
+"""
+
+import os
+from typing import Any
+
+import torch
+
+from .text import completion_text, content_text
+
+
+class RewardModel:
+    """Score (prompt, completion) pairs with a sequence-classification model from a local directory.
+
+    Args:
+        path: checkpoint directory (`config.json` + weights).
+        tokenizer: tokenizer directory, if not the checkpoint's own.
+        batch_size: pairs per forward pass.
+        device: where the model runs ("cpu", "cuda", "cuda:1", ...).
+        max_length: truncate longer inputs to this many tokens (None: no truncation).
+    """
+
+    def __init__(
+        self,
+        path: str,
+        tokenizer: str | None = None,
+        batch_size: int = 8,
+        device: str = "cpu",
+        max_length: int | None = None,
+    ):
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        if batch_size < 1:
+            raise ValueError(f"RewardModel: batch_size must be at least 1, got {batch_size}")
+        self.path = path
+        self.batch_size = batch_size
+        self.device = torch.device(device)
+        self.max_length = max_length
+        self.__name__ = os.path.basename(os.path.normpath(path))
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or path)
+        self.model = AutoModelForSequenceClassification.from_pretrained(path).to(self.device).eval()
+        if self.tokenizer.pad_token is None:
+            # TRL does the same: batching needs a pad token, and the eos token is the usual stand-in.
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        if self.tokenizer.pad_token is None:
+            raise ValueError(f"reward model {path!r}: its tokenizer has neither a pad token nor an eos token")
+        # The model finds each sequence's last real token by comparing with pad_token_id.
+        self.model.config.pad_token_id = self.tokenizer.pad_token_id
+
+    def __call__(self, prompts: list, completions: list, **kwargs) -> list[float]:
+        """(B*G,) prompts and completions in, (B*G,) scores out."""
+        texts = [self.text(prompt, completion) for prompt, completion in zip(prompts, completions, strict=True)]
+        scores: list[float] = []
+        for start in range(0, len(texts), self.batch_size):
+            scores.extend(self._score(texts[start : start + self.batch_size]))
+        return scores
+
+    def text(self, prompt: Any, completion: Any) -> str:
+        """The text the reward model reads for one pair."""
+        if isinstance(prompt, list) and self.tokenizer.chat_template:
+            reply = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
+            return self.tokenizer.apply_chat_template(prompt + reply, tokenize=False)
+        return _prompt_text(prompt) + completion_text(completion)
+
+    @torch.inference_mode()
+    def _score(self, texts: list[str]) -> list[float]:
+        # Special tokens come from the chat template (or are absent on purpose), as in TRL.
+        batch = self.tokenizer(
+            texts,
+            return_tensors="pt",
+            padding=True,
+            padding_side="right",
+            add_special_tokens=False,
+            truncation=self.max_length is not None,
+            max_length=self.max_length,
+        )
+        # Only these two: some tokenizers also return token_type_ids, which decoder models do not accept.
+        logits = self.model(
+            input_ids=batch["input_ids"].to(self.device), attention_mask=batch["attention_mask"].to(self.device)
+        ).logits  # (b, num_labels)
+        return logits[:, 0].float().tolist()
+
+
+def _prompt_text(prompt: Any) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(content_text(message.get("content")) for message in prompt)

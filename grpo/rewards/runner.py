@@ -1,0 +1,294 @@
+"""Call reward functions on a batch and combine them: TRL's protocol, with every failure named.
+
+Protocol (TRL `GRPOTrainer._calculate_rewards`): each function is called with keyword arguments `prompts`,
+`completions`, `completion_ids` and one keyword per dataset column, and returns one `float | None` per completion;
+`None` means "does not apply to this sample". The total is TRL's nansum: sum over functions of weight * reward,
+skipping None (reliability.md 3.1, features.md section 3).
+
+Where TRL crashes or silently spoils a step (reliability.md 3.1, measured), this runner:
+- raises `RewardError` naming the function for a wrong-length or non-numeric return;
+- raises `RewardError` naming the row when every function returned None for it (TRL only logs a warning, and the
+  step trains on nothing);
+- for a function that raises: `on_error="raise"` re-runs it row by row to name the failing row, then raises;
+  `on_error="zero"` scores the failing rows 0.0, logs and counts them;
+- for NaN/inf (TRL: an inf zeroes the whole group's advantages without a warning): `on_nonfinite="raise"` raises
+  naming function and row; `on_nonfinite="none"` makes the value None, logs and counts it.
+`async def` reward functions run concurrently on an event loop, as TRL gathers them.
+"""
+
+import asyncio
+import concurrent.futures
+import inspect
+import logging
+import math
+import numbers
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from .text import completion_text
+
+logger = logging.getLogger(__name__)
+
+RESERVED = ("prompts", "completions", "completion_ids")
+# Columns TRL does not pass as keywords: the prompt arrives as `prompts`, and the rest would clash.
+_NOT_PASSED = {"prompt", "completion", *RESERVED}
+
+
+class RewardError(ValueError):
+    """A reward function broke the protocol or failed; the message names the function and, when known, the row."""
+
+
+@dataclass
+class RewardOutput:
+    """Rewards of one batch of B*G completions.
+
+    total: (B*G,) weighted sum over the functions that applied (None skipped).
+    per_func: function name -> (B*G,) rewards as returned (non-finite ones as None with on_nonfinite="none").
+    errors: function name -> rows that raised (on_error="zero") or were non-finite (on_nonfinite="none").
+    """
+
+    total: list[float]
+    per_func: dict[str, list[float | None]]
+    errors: dict[str, int]
+
+
+def column_requirements(func: Callable) -> list[tuple[str, ...]]:
+    """The dataset columns a reward function needs; each entry lists accepted names (any one suffices).
+
+    Built-ins declare `column_requirements`; for any other function, every parameter without a default that is
+    not `prompts` / `completions` / `completion_ids` is a required column.
+    """
+    declared = getattr(func, "column_requirements", None)
+    if declared is not None:
+        return [tuple(names) for names in declared]
+    signature = _signature(func)
+    if signature is None:
+        return []
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [
+        (p.name,)
+        for p in signature.parameters.values()
+        if p.kind in named and p.default is inspect.Parameter.empty and p.name not in RESERVED
+    ]
+
+
+class RewardRunner:
+    """Weighted combination of named reward functions; see the module docstring for the error policy."""
+
+    def __init__(
+        self,
+        funcs: list[tuple[str, Callable]],
+        weights: list[float] | None = None,
+        on_error: str = "raise",
+        on_nonfinite: str = "raise",
+    ):
+        if not funcs:
+            raise ValueError("RewardRunner needs at least one reward function")
+        self.names = [name for name, _ in funcs]
+        self.funcs = [func for _, func in funcs]
+        duplicates = sorted({name for name in self.names if self.names.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"reward function names must be unique, repeated: {', '.join(duplicates)}")
+        for name, func in funcs:
+            if not callable(func):
+                raise ValueError(f"reward function '{name}' is not callable ({type(func).__name__})")
+        weights = [1.0] * len(funcs) if weights is None else [float(w) for w in weights]
+        if len(weights) != len(funcs):
+            raise ValueError(f"got {len(weights)} reward weights for {len(funcs)} reward functions ({self.names})")
+        if not all(math.isfinite(w) for w in weights):
+            raise ValueError(f"reward weights must be finite numbers, got {weights}")
+        if on_error not in ("raise", "zero"):
+            raise ValueError(f"on_error must be 'raise' or 'zero', got {on_error!r}")
+        if on_nonfinite not in ("raise", "none"):
+            raise ValueError(f"on_nonfinite must be 'raise' or 'none', got {on_nonfinite!r}")
+        self.weights = weights
+        self.on_error = on_error
+        self.on_nonfinite = on_nonfinite
+
+    def check_columns(self, columns: Iterable[str]) -> None:
+        """Raise `RewardError` before training when a function needs a column the dataset lacks."""
+        available = set(columns)
+        listing = ", ".join(sorted(available)) or "none"
+        problems = []
+        for name, func in zip(self.names, self.funcs):
+            for accepted in column_requirements(func):
+                if not available.intersection(accepted):
+                    wanted = " or ".join(f"'{column}'" for column in accepted)
+                    problems.append(
+                        f"reward function '{name}' needs column {wanted}, which the dataset lacks (columns: {listing})"
+                    )
+        if problems:
+            raise RewardError("\n".join(problems))
+
+    def __call__(
+        self, prompts: list, completions: list, completion_ids: list[list[int]], columns: dict[str, list]
+    ) -> RewardOutput:
+        """Score B*G completions. prompts, completion_ids and each column hold one entry per completion."""
+        n = len(completions)
+        _check_lengths(n, {"prompts": prompts, "completion_ids": completion_ids, **columns})
+        batch = {
+            "prompts": list(prompts),
+            "completions": list(completions),
+            "completion_ids": list(completion_ids),
+            **{key: list(value) for key, value in columns.items() if key not in _NOT_PASSED},
+        }
+        errors = {name: 0 for name in self.names}
+        per_func = {}
+        results = _call_all(self.funcs, batch)
+        for name, func, result in zip(self.names, self.funcs, results):
+            if isinstance(result, Exception):
+                values = self._row_by_row(name, func, batch, result, errors)
+            else:
+                values = _validate(name, result, n)
+            per_func[name] = self._finite(name, values, errors)
+        return RewardOutput(self._combine(per_func, completions), per_func, errors)
+
+    def _row_by_row(self, name: str, func: Callable, batch: dict, error: Exception, errors: dict) -> list:
+        """Re-run a function that raised on the batch one row at a time, to name (or zero) the failing rows."""
+        values: list[float | None] = []
+        failed = 0
+        for row in range(len(batch["completions"])):
+            single = {key: value[row : row + 1] for key, value in batch.items()}
+            result = _call_all([func], single)[0]
+            if not isinstance(result, Exception):
+                values.extend(_validate(name, result, 1))
+                continue
+            failed += 1
+            where = f"row {row} (completion {_preview(batch['completions'][row])})"
+            if self.on_error == "raise":
+                raise RewardError(
+                    f"reward function '{name}' raised {type(result).__name__}: {result} on {where}. Fix the "
+                    "function, or set on_error='zero' to score such rows 0 and count them."
+                ) from result
+            logger.warning("reward function '%s' raised %s on %s; scored 0", name, repr(result), where)
+            values.append(0.0)
+        if failed == 0 and self.on_error == "raise":
+            raise RewardError(
+                f"reward function '{name}' raised {type(error).__name__}: {error} on the batch of "
+                f"{len(values)} completions, but on no single row when re-run one at a time"
+            ) from error
+        if failed == 0:
+            # A transient failure (a dropped connection, ...): the row-by-row rewards stand; the failure is counted.
+            logger.warning("reward function '%s' raised %r on the batch; row-by-row rewards used", name, error)
+        errors[name] += max(failed, 1)
+        return values
+
+    def _finite(self, name: str, values: list[float | None], errors: dict) -> list[float | None]:
+        for row, value in enumerate(values):
+            if value is None or math.isfinite(value):
+                continue
+            if self.on_nonfinite == "raise":
+                raise RewardError(
+                    f"reward function '{name}' returned {value} for row {row}; rewards must be finite. "
+                    "Fix the function, or set on_nonfinite='none' to skip such values (they are counted)."
+                )
+            logger.warning("reward function '%s' returned %s for row %d; treated as None", name, value, row)
+            values[row] = None
+            errors[name] += 1
+        return values
+
+    def _combine(self, per_func: dict[str, list[float | None]], completions: list) -> list[float]:
+        total = []
+        for row in range(len(completions)):
+            terms = [
+                w * per_func[name][row] for name, w in zip(self.names, self.weights) if per_func[name][row] is not None
+            ]
+            if not terms:
+                raise RewardError(
+                    f"every reward function ({', '.join(self.names)}) returned None for row {row} "
+                    f"(completion {_preview(completions[row])}); at least one must apply to each sample"
+                )
+            total.append(sum(terms))
+        return total
+
+
+def _check_lengths(n: int, lists: dict[str, Any]) -> None:
+    for key, value in lists.items():
+        if len(value) != n:
+            raise RewardError(f"'{key}' has {len(value)} entries for {n} completions; one per completion is needed")
+
+
+def _call_all(funcs: list[Callable], batch: dict) -> list[Any]:
+    """Call each function; await the async ones together. An exception is returned in place of the result."""
+    results: list[Any] = []
+    for func in funcs:
+        try:
+            results.append(func(**_arguments(func, batch)))
+        except Exception as error:
+            results.append(error)
+    pending = [i for i, result in enumerate(results) if inspect.isawaitable(result)]
+    if pending:
+        for i, value in zip(pending, _run_awaitables([results[i] for i in pending])):
+            results[i] = value
+    return results
+
+
+def _arguments(func: Callable, batch: dict) -> dict:
+    # TRL passes everything; a function without **kwargs gets only the names it declares instead of a TypeError.
+    signature = _signature(func)
+    if signature is None or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()):
+        return batch
+    return {key: value for key, value in batch.items() if key in signature.parameters}
+
+
+def _run_awaitables(awaitables: list) -> list:
+    async def gather():
+        return await asyncio.gather(*awaitables, return_exceptions=True)
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(gather())
+    # Called from inside a running loop (a notebook): run ours on a thread of its own.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, gather()).result()
+
+
+def _signature(func: Callable) -> inspect.Signature | None:
+    try:
+        return inspect.signature(func)
+    except (TypeError, ValueError):
+        return None
+
+
+def _validate(name: str, result: Any, n: int) -> list[float | None]:
+    """One float or None per completion, or `RewardError` naming the function (and row)."""
+    if isinstance(result, (str, bytes, dict)) or not hasattr(result, "__len__") or not hasattr(result, "__iter__"):
+        raise RewardError(
+            f"reward function '{name}' returned {type(result).__name__}; it must return a list with one float or "
+            f"None per completion ({n})"
+        )
+    values = list(result)
+    if len(values) != n:
+        raise RewardError(
+            f"reward function '{name}' returned {len(values)} rewards for {n} completions; it must return one "
+            "float or None per completion"
+        )
+    return [_number(name, row, value) for row, value in enumerate(values)]
+
+
+def _number(name: str, row: int, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not (isinstance(value, numbers.Real) or hasattr(value, "__float__")):
+        raise RewardError(
+            f"reward function '{name}' returned {value!r} ({type(value).__name__}) for row {row}; "
+            "a reward must be a number or None"
+        )
+    try:
+        return float(value)
+    except OverflowError:  # a Python int such as 10**400: a non-finite reward, handled by on_nonfinite
+        return math.inf if value > 0 else -math.inf
+    except (TypeError, ValueError) as error:
+        raise RewardError(
+            f"reward function '{name}' returned {value!r} for row {row}, which is not a single number: {error}"
+        ) from None
+
+
+def _preview(completion: Any) -> str:
+    try:
+        text = completion_text(completion)
+    except TypeError:
+        text = str(completion)
+    return repr(text[:60] + ("..." if len(text) > 60 else ""))

@@ -1,0 +1,479 @@
+"""`GRPOTrainer`: the GRPO loop, readable top to bottom.
+
+    for each step:
+        prompts      <- the next B prompts (same on every process)
+        completions  <- G samples per prompt from the policy (this process's share of the B*G rows)
+        rewards      <- every reward function, weighted and summed; gathered so group statistics see all G
+        advantages   <- (r - group mean) / group std   [+ process-supervision advantages from step rewards]
+        old/ref      <- log-probs of the sampling policy (when num_iterations > 1) and of the reference (beta > 0)
+        update       <- num_iterations AdamW steps on the clipped surrogate + beta * KL, in micro-batches
+        log, eval, checkpoint
+
+A step is one rollout batch. Checkpoints are written between steps, so resume never needs a half-used rollout.
+The math lives in `grpo.core`; this file only moves tensors between it, the model and the rewards.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from grpo import checkpoint as ckpt
+from grpo.config import ConfigError, GRPOConfig
+from grpo.core import group_advantages, mix_advantages, policy_loss, process_advantages
+from grpo.data import PromptSampler, build_prompt_set, load_dataset_any
+from grpo.generation import SamplingParams, TransformersGenerator, row_seed
+from grpo.model import (completion_logprobs, load_model, load_tokenizer, load_trainable_state, prepare_model,
+                        reference_view, save_final, trainable_state)
+from grpo.rollout import RolloutBatch, as_completion, char_to_token_ends, group_stats, pack, strip_eos
+
+
+# grpo.core metric -> logged name (the seed tutorial's names where it has one).
+LOSS_METRIC_NAMES = {"policy_loss": "policy/loss", "kl": "policy/kl_divergence"}
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped itself (e.g. repeated non-finite losses); the last good checkpoint is intact."""
+
+
+class GRPOTrainer:
+    """Train a causal LM with GRPO.
+
+    model: a path / hub name, or a loaded `transformers` model (then `processing_class` is its tokenizer).
+    reward_funcs: reward specs or callables (TRL signature); default: the config's, else the built-in task's.
+    train_dataset / eval_dataset: `datasets.Dataset`; default: the config's dataset or built-in task.
+    peft_config: a `peft.LoraConfig` (or set `use_peft` in the config).
+    generator: a rollout backend (`grpo.generation.Generator`); default: sample with the policy.
+    """
+
+    def __init__(self, model: Any = None, reward_funcs: list | None = None, args: GRPOConfig | None = None,
+                 train_dataset=None, eval_dataset=None, peft_config=None, processing_class=None,
+                 generator=None, step_reward_funcs: list | None = None):
+        from accelerate import Accelerator
+
+        self.cfg = cfg = args or GRPOConfig()
+        self.accel = Accelerator(cpu=not torch.cuda.is_available())
+        self.world, self.rank = self.accel.num_processes, self.accel.process_index
+        seed_everything(cfg.seed)
+        self.task = _task(cfg) if train_dataset is None and cfg.dataset_name is None else None
+        self.prefill = cfg.prefill if cfg.prefill is not None else (self.task.prefill if self.task else "")
+        self.rewards, self.reward_names = _reward_runner(cfg, reward_funcs, self.task)
+        self.step_rewards = _step_rewards(cfg, step_reward_funcs)
+        train_dataset, eval_dataset = _datasets(cfg, self.task, train_dataset, eval_dataset)
+        self.rewards.check_columns(list(train_dataset.column_names))  # before any model load
+        self.B, self.G = _batch_layout(cfg, self.world)
+
+        if model is None or isinstance(model, (str, Path)):
+            if model is not None:
+                cfg.model_name_or_path = str(model)
+            self.tokenizer = processing_class or load_tokenizer(cfg.model_name_or_path)
+            model = load_model(cfg)
+        else:
+            self.tokenizer = processing_class or load_tokenizer(model.name_or_path)
+        self.eos_ids = {self.tokenizer.eos_token_id}
+        self.train_set = build_prompt_set(train_dataset, self.tokenizer, cfg, self.prefill, "dataset_name")
+        self.eval_set = (build_prompt_set(eval_dataset, self.tokenizer, cfg, self.prefill, "eval_dataset_name")
+                         if eval_dataset is not None else None)
+        model, self.reference = prepare_model(model, cfg, peft_config)
+        self.total_steps = _total_steps(cfg, len(self.train_set), self.B)
+
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                           eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(cfg, self.total_steps))
+        self.model, self.optimizer = self.accel.prepare(model, self.optimizer)
+        if self.reference is not None:
+            self.reference.to(self.accel.device)
+        self.policy = self.accel.unwrap_model(self.model)
+        self.generator = generator or TransformersGenerator(self.policy, self.tokenizer.pad_token_id,
+                                                            list(self.eos_ids))
+        self.sampler = PromptSampler(len(self.train_set), cfg.seed)
+        self.params = SamplingParams(cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p,
+                                     cfg.repetition_penalty)
+        self.step = 0
+        self.nonfinite_in_a_row = 0
+        self.nonfinite_total = 0
+
+    # ---- the loop ----------------------------------------------------------------------------------------------
+    def train(self) -> dict[str, float]:
+        from grpo.display import LiveDisplay, NullDisplay
+        from grpo.tracking import NullLogger, RunLogger
+
+        cfg, out = self.cfg, Path(self.cfg.output_dir)
+        main = self.accel.is_main_process
+        if cfg.resume:
+            self._resume()
+        if main:
+            out.mkdir(parents=True, exist_ok=True)
+            cfg.save(out / "config.yaml")
+        report = [r for r in cfg.report_to if r != "none"]
+        logger = RunLogger(out, report, cfg.to_dict(), resume_step=self.step) if main else NullLogger()
+        display = LiveDisplay(self.total_steps) if main else NullDisplay()
+        last: dict[str, float] = {}
+        try:
+            if self.step == 0 and self.eval_set is not None and cfg.eval_steps > 0:
+                logger.log(0, self.evaluate())
+            while self.step < self.total_steps:
+                metrics = self.train_step()
+                self.step += 1
+                if self.eval_set is not None and (
+                        (cfg.eval_steps and self.step % cfg.eval_steps == 0) or self.step == self.total_steps):
+                    metrics.update(self.evaluate())
+                if self.step % cfg.logging_steps == 0 or self.step == self.total_steps or "eval/accuracy" in metrics:
+                    logger.log(self.step, metrics)
+                    display.update(self.step, metrics)
+                if cfg.log_completions_steps and self.step % cfg.log_completions_steps == 0:
+                    logger.log_samples(self.step, self._last_samples)
+                if cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < self.total_steps:
+                    self.save_checkpoint()
+                last = metrics
+        finally:
+            display.close()
+            logger.close()
+        self.save_model(out / "final")
+        if main:
+            try:
+                from grpo.plot import plot_run
+
+                plot_run(out)
+            except Exception as err:  # noqa: BLE001 - a plot must never lose a finished run
+                print(f"warning: could not draw the plot: {err}")
+        return last
+
+    def train_step(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        batch = self.rollout()
+        t1 = time.perf_counter()
+        metrics = self.update(batch)
+        metrics.update(batch.metrics)
+        metrics["time/update"] = time.perf_counter() - t1
+        metrics["time/step"] = time.perf_counter() - t0
+        self._last_samples = batch.samples
+        return metrics
+
+    # ---- rollout: generate, score, advantages ------------------------------------------------------------------
+    def rollout(self) -> RolloutBatch:
+        cfg, B, G = self.cfg, self.B, self.G
+        n_local = B * G // self.world
+        prompts_idx = self.sampler.next(B)
+        first = self.rank * n_local
+        rows = [i for i in prompts_idx for _ in range(G)][first:first + n_local]
+        prompts, prompt_ids, columns = self.train_set.rows(rows)
+
+        t0 = time.perf_counter()
+        seeds = [row_seed(cfg.seed, self.step, first + r) for r in range(n_local)]
+        out = self.generator.generate(prompt_ids, self.params, seeds)
+        t1 = time.perf_counter()
+        ids = [strip_eos(c, self.eos_ids) for c in out.ids]
+        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=False)
+        completions = [as_completion(p, t) for p, t in zip(prompts, texts)]
+        scored = self.rewards(prompts, completions, out.ids, columns)
+        rewards = self._gather(torch.tensor(scored.total, dtype=torch.float32)).view(B, G)
+        outcome = group_advantages(rewards, scale=cfg.scale_rewards, eps=cfg.advantage_eps,
+                                   unbiased=cfg.unbiased_std).view(-1)[self.rank * n_local:(self.rank + 1) * n_local]
+        keep = [not (cfg.mask_truncated_completions and t) for t in out.truncated]
+        input_ids, attention, cmask = pack(prompt_ids, out.ids, self.tokenizer.pad_token_id, keep)
+        advantages, step_metrics = outcome, {}
+        if self.step_rewards:
+            advantages, step_metrics = self._process_advantages(prompts, completions, ids, columns, outcome, cmask)
+        t2 = time.perf_counter()
+
+        batch = RolloutBatch(input_ids, attention, cmask, advantages)
+        self._score_logprobs(batch)
+        metrics = self._rollout_metrics(scored, rewards, outcome, out, cmask)
+        metrics.update(step_metrics)
+        metrics.update({"time/generation": t1 - t0, "time/scoring": t2 - t1, "time/logprobs": time.perf_counter() - t2})
+        batch.metrics = metrics
+        batch.samples = [{"prompt": p if isinstance(p, str) else p[-1]["content"], "completion": t,
+                          "reward": r, "advantage": float(a),
+                          **{f"reward/{k}": v[i] for k, v in scored.per_func.items()}}
+                         for i, (p, t, r, a) in enumerate(zip(prompts, texts, scored.total, outcome))][:16]
+        return batch
+
+    def _process_advantages(self, prompts, completions, ids, columns, outcome, cmask):
+        """Step rewards -> token positions -> DeepSeekMath 4.1.3 process advantages, mixed with the outcome ones."""
+        cfg = self.cfg
+        step_scores: list[list[float]] = [[] for _ in ids]
+        step_ends: list[list[int]] = [[] for _ in ids]
+        for func in self.step_rewards:
+            result = func(prompts=prompts, completions=completions, **columns)
+            for i, steps in enumerate(result):
+                if steps:
+                    chars, scores = zip(*steps)
+                    step_scores[i] += list(scores)
+                    step_ends[i] += char_to_token_ends(self.tokenizer, ids[i], list(chars))
+        scores_all, ends_all = self._gather_objects(step_scores), self._gather_objects(step_ends)
+        T = cmask.shape[1]
+        n_local = len(ids)
+        mask_all = torch.zeros(len(scores_all), T)
+        mask_all[self.rank * n_local:(self.rank + 1) * n_local] = cmask
+        lengths = self._gather(cmask.sum(1))
+        for r in range(len(scores_all)):  # other ranks' rows: a mask up to their lengths suffices for the stats
+            mask_all[r, :int(min(lengths[r], T))] = 1.0
+        process = process_advantages(scores_all, ends_all, mask_all, self.G, eps=cfg.advantage_eps,
+                                     unbiased=cfg.unbiased_std)[self.rank * n_local:(self.rank + 1) * n_local]
+        mixed = mix_advantages(outcome, process, cmask, outcome_weight=cfg.outcome_weight,
+                               process_weight=cfg.process_weight)
+        flat = [s for row in step_scores for s in row]
+        first_wrong = [any(s <= 0 for s in row) for row in step_scores]
+        return mixed, {"reward/step/mean": float(np.mean(flat)) if flat else 0.0,
+                       "reward/step/count": float(len(flat)) / max(1, len(ids)),
+                       "reward/step/first_wrong_found_frac": float(np.mean(first_wrong)) if first_wrong else 0.0}
+
+    @torch.no_grad()
+    def _score_logprobs(self, batch: RolloutBatch) -> None:
+        """The sampling policy's log-probs (only needed when the batch is reused) and the reference's."""
+        cfg = self.cfg
+        if cfg.num_iterations > 1:
+            batch.old_logp = self._logprobs_in_chunks(self.policy, batch)
+        if cfg.beta > 0:
+            with reference_view(self.policy, self.reference) as ref:
+                batch.ref_logp = self._logprobs_in_chunks(ref, batch)
+
+    def _logprobs_in_chunks(self, model, batch: RolloutBatch) -> torch.Tensor:
+        T, size = batch.completion_width, self.cfg.per_device_train_batch_size
+        parts = [completion_logprobs(model, batch.input_ids[s:s + size], batch.attention_mask[s:s + size], T,
+                                     self.cfg.temperature) for s in range(0, batch.input_ids.shape[0], size)]
+        return torch.cat(parts)
+
+    def _rollout_metrics(self, scored, rewards, outcome, out, cmask) -> dict[str, float]:
+        lengths = torch.tensor([len(c) for c in out.ids], dtype=torch.float32)
+        lengths_all = self._gather(lengths)
+        truncated = self._gather(torch.tensor(out.truncated, dtype=torch.float32))
+        m = {"reward/total": float(rewards.nanmean()), "reward/total_std": float(rewards.std()),
+             "advantage/mean": float(outcome.mean()), "advantage/std": float(outcome.std()),
+             "completion/mean_length": float(lengths_all.mean()), "completion/max_length": float(lengths_all.max()),
+             "completion/truncated_frac": float(truncated.mean())}
+        for name, values in scored.per_func.items():
+            vals = torch.tensor([float("nan") if v is None else float(v) for v in values])
+            m[f"reward/{name}"] = float(self._gather(vals).nanmean())
+        for name, count in scored.errors.items():
+            m[f"reward/errors/{name}"] = float(count)
+        m.update(group_stats(rewards))
+        return m
+
+    # ---- update: num_iterations optimizer steps over the rollout ------------------------------------------------
+    def update(self, batch: RolloutBatch) -> dict[str, float]:
+        cfg = self.cfg
+        n = batch.input_ids.shape[0]
+        size = cfg.per_device_train_batch_size
+        chunks = [slice(s, min(s + size, n)) for s in range(0, n, size)]
+        # Normalizers over the whole step on all processes make micro-batching and multi-process exact.
+        if cfg.loss_aggregation == "token_mean":
+            normalizer = float(self._gather(batch.completion_mask.sum().reshape(1)).sum())
+        else:
+            normalizer = float(n * self.world)
+        sums: dict[str, float] = {}
+        weight_total = 0.0
+        for it in range(cfg.num_iterations):
+            self.optimizer.zero_grad(set_to_none=True)
+            for k, sl in enumerate(chunks):
+                sync = k == len(chunks) - 1
+                ctx = self.accel.no_sync(self.model) if not sync else _nullcontext()
+                with ctx:
+                    metrics, w = self._micro_step(batch, sl, normalizer, with_entropy=it == 0)
+                for key, value in metrics.items():
+                    sums[key] = sums.get(key, 0.0) + value * w
+                weight_total += w
+            grad_norm = self._optimizer_step()
+        out = {LOSS_METRIC_NAMES.get(k, f"policy/{k}"): v / max(weight_total, 1e-9) for k, v in sums.items()
+               if not k.startswith("advantage")}  # advantages are logged once per rollout
+        out["train/grad_norm"] = grad_norm
+        out["train/learning_rate"] = self.scheduler.get_last_lr()[0]
+        out["health/nonfinite_steps"] = float(self.nonfinite_total)
+        return out
+
+    def _micro_step(self, batch: RolloutBatch, sl: slice, normalizer: float, with_entropy: bool):
+        cfg = self.cfg
+        cmask = batch.completion_mask[sl]
+        width = int(batch.attention_mask[sl, batch.input_ids.shape[1] - batch.completion_width:].sum(1).max())
+        width = max(width, 1)
+        cut = batch.completion_width - width  # trailing columns that are padding in every row of this chunk
+        end = batch.input_ids.shape[1] - cut
+        ids, attn = batch.input_ids[sl, :end], batch.attention_mask[sl, :end]
+        logp, entropy = completion_logprobs(self.model, ids, attn, width, cfg.temperature, with_entropy=True)
+        cm = cmask[:, :width]
+        adv = batch.advantages[sl]
+        adv = adv[:, :width] if adv.dim() == 2 else adv
+        old = batch.old_logp[sl, :width] if batch.old_logp is not None else logp.detach()
+        ref = batch.ref_logp[sl, :width] if batch.ref_logp is not None else None
+        out = policy_loss(logp, old, adv, cm, ref_logp=ref, beta=cfg.beta, kl_estimator=cfg.kl_estimator,
+                          eps_low=cfg.epsilon, eps_high=cfg.epsilon_high, ratio_level=cfg.importance_sampling_level,
+                          aggregation=cfg.loss_aggregation, max_length=cfg.max_completion_length,
+                          normalizer=normalizer, entropy=entropy if with_entropy else None)
+        # DDP averages gradients over processes; the loss is already a share of the global sum, so undo the mean.
+        self.accel.backward(out.loss * self.world)
+        metrics = {k: float(v) for k, v in out.metrics.items()}
+        return metrics, float(cm.sum())
+
+    def _optimizer_step(self) -> float:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        if not math.isfinite(grad_norm):
+            # Skip: AdamW would write NaN into every weight (measured in TRL 1.16, reliability.md 3.2).
+            self.optimizer.zero_grad(set_to_none=True)
+            self.nonfinite_total += 1
+            self.nonfinite_in_a_row += 1
+            if self.nonfinite_in_a_row >= 3:
+                raise TrainingStopped(f"step {self.step + 1}: 3 non-finite gradient norms in a row; stopped with "
+                                      "the last checkpoint intact. Lower learning_rate or check the rewards.")
+            return grad_norm
+        self.nonfinite_in_a_row = 0
+        self.optimizer.step()
+        self.scheduler.step()
+        return grad_norm
+
+    # ---- eval, save, resume ---------------------------------------------------------------------------------
+    def evaluate(self) -> dict[str, float]:
+        from grpo.evaluate import evaluate_prompts
+
+        params = SamplingParams(self.cfg.max_completion_length, self.cfg.eval_temperature)
+        result = evaluate_prompts(self.generator, self.tokenizer, self.eval_set, self.rewards, self.reward_names,
+                                  params, seed=self.cfg.seed + 12345, k=self.cfg.eval_num_samples)
+        return {f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float))}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "sampler": self.sampler.state_dict(), "rng": ckpt.rng_state(),
+                "nonfinite_total": self.nonfinite_total}
+
+    def save_checkpoint(self) -> Path | None:
+        if not self.accel.is_main_process:
+            return None
+        return ckpt.save_checkpoint(self.cfg.output_dir, self.step, trainable_state(self.policy), self.state_dict(),
+                                    self.cfg.save_total_limit)
+
+    def _resume(self) -> None:
+        path = ckpt.latest_checkpoint(self.cfg.output_dir)
+        if path is None:
+            print(f"resume: no complete checkpoint in {self.cfg.output_dir}; starting from step 0.")
+            return
+        weights, state = ckpt.load_checkpoint(path)
+        load_trainable_state(self.policy, weights)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.sampler.load_state_dict(state["sampler"])
+        ckpt.set_rng_state(state["rng"])
+        self.step, self.nonfinite_total = state["step"], state["nonfinite_total"]
+        print(f"resume: continuing from {path} (step {self.step}).")
+
+    def save_model(self, path: str | Path) -> None:
+        self.accel.wait_for_everyone()
+        if self.accel.is_main_process:
+            save_final(self.policy, self.tokenizer, path, merge=self.cfg.merge_lora_on_save)
+
+    # ---- process-group helpers ---------------------------------------------------------------------------------
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.world == 1 else self.accel.gather(t.to(self.accel.device)).cpu()
+
+    def _gather_objects(self, rows: list) -> list:
+        if self.world == 1:
+            return rows
+        from accelerate.utils import gather_object
+
+        return gather_object(rows)
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _task(cfg: GRPOConfig):
+    from grpo.tasks import get_task
+
+    try:
+        return get_task(cfg.task)
+    except ValueError as err:
+        raise ConfigError(f"task: {err}") from None
+
+
+def _reward_runner(cfg: GRPOConfig, reward_funcs, task):
+    from grpo.rewards import RewardRunner, resolve_reward
+
+    specs = reward_funcs if reward_funcs is not None else (cfg.reward_funcs or (task.reward_funcs if task else []))
+    if not specs:
+        raise ConfigError("reward_funcs: no reward function given; name at least one (e.g. reward_funcs: "
+                          "[math_accuracy, think_format]) or use a built-in task.")
+    weights = cfg.reward_weights
+    if weights is None and task is not None and not cfg.reward_funcs and reward_funcs is None:
+        weights = task.reward_weights
+    if weights is not None and len(weights) != len(specs):
+        raise ConfigError(f"reward_weights: {len(weights)} weights for {len(specs)} reward functions.")
+    funcs = [resolve_reward(s) for s in specs]
+    names = [name for name, _ in funcs]
+    return RewardRunner(funcs, weights, on_error=cfg.reward_on_error, on_nonfinite=cfg.reward_on_nonfinite), names
+
+
+def _step_rewards(cfg: GRPOConfig, step_reward_funcs) -> list[Callable]:
+    from grpo.rewards import resolve_step_reward
+
+    specs = step_reward_funcs if step_reward_funcs is not None else cfg.step_reward_funcs
+    return [resolve_step_reward(s)[1] for s in specs]
+
+
+def _datasets(cfg: GRPOConfig, task, train_dataset, eval_dataset):
+    if train_dataset is None:
+        if cfg.dataset_name is None and task is None:
+            raise ConfigError("dataset_name: set dataset_name (a data file or directory) or task (arithmetic, "
+                              "countdown), or pass train_dataset.")
+        if cfg.dataset_name is not None:
+            train_dataset = load_dataset_any(cfg.dataset_name, cfg.dataset_split, cfg.dataset_config)
+        else:
+            train_dataset = task.dataset("train", n=cfg.task_train_size, seed=cfg.seed,
+                                         difficulty=cfg.task_difficulty)
+    if eval_dataset is None:
+        if cfg.eval_dataset_name is not None:
+            eval_dataset = load_dataset_any(cfg.eval_dataset_name, cfg.eval_split, key="eval_dataset_name")
+        elif task is not None and cfg.task_eval_size > 0:
+            eval_dataset = task.dataset("test", n=cfg.task_eval_size, seed=cfg.seed, difficulty=cfg.task_difficulty)
+    return train_dataset, eval_dataset
+
+
+def _batch_layout(cfg: GRPOConfig, world: int) -> tuple[int, int]:
+    G = cfg.num_generations
+    B = cfg.prompts_per_step
+    if B is None:
+        B = max(1, cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world // G)
+    if (B * G) % world:
+        raise ConfigError(f"prompts_per_step: {B} prompts x {G} generations = {B * G} completions cannot be split "
+                          f"evenly over {world} processes; choose prompts_per_step so that B x G divides by {world}.")
+    return B, G
+
+
+def _total_steps(cfg: GRPOConfig, n_prompts: int, B: int) -> int:
+    if cfg.max_steps > 0:
+        return cfg.max_steps
+    return max(1, math.ceil(cfg.num_train_epochs * n_prompts / B))
+
+
+def _schedule(cfg: GRPOConfig, total: int) -> Callable[[int], float]:
+    warmup = cfg.warmup_steps or int(cfg.warmup_ratio * total)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if cfg.lr_scheduler_type == "constant":
+            return 1.0
+        progress = (step - warmup) / max(1, total - warmup)
+        if cfg.lr_scheduler_type == "linear":
+            return max(0.0, 1.0 - progress)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor

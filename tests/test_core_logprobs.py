@@ -1,0 +1,171 @@
+"""Tests of grpo.core.logprobs: golden values, agreement with the naive full-softmax computation (values and
+gradients), chunk coverage, and that backward does not keep an (N, T, V) tensor alive."""
+
+import math
+
+import pytest
+import torch
+
+from grpo.core import hidden_logprobs, token_entropy, token_logprobs
+from grpo.core.logprobs import _chunks
+
+
+def naive_logprobs(logits, tokens, temperature=1.0):
+    """The obvious version: a full float32 log_softmax over (N, T, V)."""
+    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def naive_entropy(logits, temperature=1.0):
+    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return -(log_probs.exp() * log_probs).sum(-1)
+
+
+def random_case(seed, rows=3, cols=5, vocab=11, hidden_size=6, dtype=torch.float32):
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(rows, cols, hidden_size, generator=generator, dtype=dtype)
+    weight = torch.randn(vocab, hidden_size, generator=generator, dtype=dtype)
+    bias = torch.randn(vocab, generator=generator, dtype=dtype)
+    tokens = torch.randint(0, vocab, (rows, cols), generator=generator)
+    return hidden, weight, bias, tokens
+
+
+def test_golden_two_token_vocabulary():
+    # logits [0, ln 3] -> p = [1/4, 3/4]: log p(token 1) = ln 0.75 = -0.287682, log p(token 0) = ln 0.25 = -1.386294,
+    # entropy = -(0.25 ln 0.25 + 0.75 ln 0.75) = 0.346574 + 0.215762 = 0.562335 nats.
+    # With temperature 2 the logits [0, 2 ln 3] are divided back to [0, ln 3]: same numbers.
+    logits = torch.tensor([[[0.0, math.log(3)], [0.0, math.log(3)]]])
+    tokens = torch.tensor([[1, 0]])
+    torch.testing.assert_close(token_logprobs(logits, tokens), torch.tensor([[math.log(0.75), math.log(0.25)]]))
+    entropy = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    torch.testing.assert_close(token_entropy(logits), torch.full((1, 2), entropy))
+    torch.testing.assert_close(token_logprobs(2 * logits, tokens, temperature=2.0),
+                               torch.tensor([[math.log(0.75), math.log(0.25)]]))
+    torch.testing.assert_close(token_entropy(2 * logits, temperature=2.0), torch.full((1, 2), entropy))
+
+
+@pytest.mark.parametrize("rows, cols, positions", [(3, 5, 1), (3, 5, 4), (3, 5, 10), (3, 5, 100), (1, 7, 3), (0, 4, 2)])
+def test_chunks_cover_every_position_once_within_budget(rows, cols, positions):
+    seen = torch.zeros(rows, cols, dtype=torch.long)
+    for rs, cs in _chunks(rows, cols, positions):
+        assert seen[rs, cs].numel() <= positions
+        seen[rs, cs] += 1
+    assert bool((seen == 1).all())
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1, 4, 7, 1000])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logprobs_and_entropy_match_naive_with_gradients(chunk_size, temperature):
+    generator = torch.Generator().manual_seed(0)
+    # Slice off the last position, as a trainer does with model logits: a non-contiguous view.
+    full = torch.randn(3, 6, 13, generator=generator, requires_grad=True)
+    logits = full[:, :-1]
+    tokens = torch.randint(0, 13, (3, 5), generator=generator)
+    weights = torch.randn(3, 5, generator=generator)  # an arbitrary upstream gradient
+
+    logp = token_logprobs(logits, tokens, temperature=temperature, chunk_size=chunk_size)
+    entropy = token_entropy(logits, chunk_size=chunk_size, temperature=temperature)
+    assert logp.dtype == torch.float32 and logp.shape == (3, 5)
+    (grad,) = torch.autograd.grad((logp * weights).sum() + (entropy * weights).sum(), full)
+
+    expected_logp = naive_logprobs(logits, tokens, temperature)
+    expected_entropy = naive_entropy(logits, temperature)
+    (expected_grad,) = torch.autograd.grad((expected_logp * weights).sum() + (expected_entropy * weights).sum(), full)
+    torch.testing.assert_close(logp, expected_logp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, expected_entropy, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad, expected_grad, atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_logits_give_float32_logprobs():
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 4, 9, generator=generator).to(torch.bfloat16)
+    tokens = torch.randint(0, 9, (2, 4), generator=generator)
+    logp = token_logprobs(logits, tokens, chunk_size=3)
+    assert logp.dtype == torch.float32
+    torch.testing.assert_close(logp, naive_logprobs(logits, tokens), atol=1e-6, rtol=1e-6)
+
+
+def test_minus_inf_logits_give_finite_entropy():
+    # A masked-out vocabulary entry (-inf logit) has p = 0 and contributes 0 log 0 = 0: entropy of [1/2, 1/2, 0]
+    # is ln 2 = 0.693147, and its gradient must not be NaN.
+    logits = torch.tensor([[[0.0, 0.0, -float("inf")]]], requires_grad=True)
+    entropy = token_entropy(logits)
+    torch.testing.assert_close(entropy, torch.tensor([[math.log(2)]]))
+    entropy.sum().backward()
+    assert torch.isfinite(logits.grad).all()
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 6, 1024])
+@pytest.mark.parametrize("use_bias", [False, True])
+def test_hidden_logprobs_match_naive_full_logits(chunk_size, use_bias):
+    hidden, weight, bias, tokens = random_case(seed=chunk_size)
+    bias = bias if use_bias else None
+    temperature = 0.8
+    leaves = [t.clone().requires_grad_() for t in ((hidden, weight, bias) if use_bias else (hidden, weight))]
+    logp, entropy = hidden_logprobs(leaves[0], leaves[1], tokens, temperature, chunk_size,
+                                    bias=leaves[2] if use_bias else None, with_entropy=True)
+    upstream = torch.linspace(-1, 1, tokens.numel()).reshape(tokens.shape)
+    grads = torch.autograd.grad((logp * upstream).sum() + (entropy * upstream).sum(), leaves)
+
+    naive_leaves = [t.clone().requires_grad_() for t in leaves]
+    logits = naive_leaves[0] @ naive_leaves[1].T + (naive_leaves[2] if use_bias else 0)  # (N, T, V): all of it
+    expected_logp, expected_entropy = naive_logprobs(logits, tokens, temperature), naive_entropy(logits, temperature)
+    expected = torch.autograd.grad((expected_logp * upstream).sum() + (expected_entropy * upstream).sum(), naive_leaves)
+    torch.testing.assert_close(logp, expected_logp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, expected_entropy, atol=1e-5, rtol=1e-5)
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_hidden_logprobs_with_frozen_head_and_no_entropy():
+    # LoRA-style: the LM head is frozen, only the hidden states need a gradient.
+    hidden, weight, _, tokens = random_case(seed=3)
+    hidden.requires_grad_()
+    logp, entropy = hidden_logprobs(hidden, weight, tokens, chunk_size=2)
+    assert entropy is None
+    logp.sum().backward()
+    naive_hidden = hidden.detach().clone().requires_grad_()
+    naive_logprobs(naive_hidden @ weight.T, tokens).sum().backward()
+    torch.testing.assert_close(hidden.grad, naive_hidden.grad, atol=1e-5, rtol=1e-5)
+    assert weight.grad is None
+
+
+def test_float64_gradcheck():
+    # Finite differences against our hand-written backward passes (float64 in, float64 out).
+    hidden, weight, bias, tokens = random_case(seed=5, rows=2, cols=3, vocab=5, hidden_size=3, dtype=torch.float64)
+    leaves = tuple(t.requires_grad_() for t in (hidden, weight, bias))
+    assert torch.autograd.gradcheck(
+        lambda h, w, b: hidden_logprobs(h, w, tokens, 0.9, 4, b, with_entropy=True), leaves)
+    logits = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x: token_logprobs(x, tokens, 1.3, chunk_size=2), (logits,))
+    assert torch.autograd.gradcheck(lambda x: token_entropy(x, chunk_size=4), (logits,))
+
+
+def test_backward_keeps_no_full_vocabulary_tensor():
+    # The naive version saves an (N, T, V) float32 log-softmax for backward. Ours saves only the caller's own
+    # inputs: for token_logprobs the logits themselves (no copy), for hidden_logprobs nothing of size N*T*V.
+    hidden, weight, _, tokens = random_case(seed=7, rows=4, cols=8, vocab=50, hidden_size=4)
+    hidden.requires_grad_()
+    logp, _ = hidden_logprobs(hidden, weight, tokens, chunk_size=5)
+    saved = logp.grad_fn.saved_tensors
+    assert max(t.numel() for t in saved if t is not None) < tokens.numel() * weight.shape[0]
+
+    logits = (hidden @ weight.T).detach().requires_grad_()
+    logp = token_logprobs(logits, tokens, chunk_size=5)
+    for tensor in logp.grad_fn.saved_tensors:
+        if tensor is not None and tensor.numel() == logits.numel():
+            assert tensor.data_ptr() == logits.data_ptr() and tensor.dtype == logits.dtype
+
+
+def test_bad_arguments_raise_clear_errors():
+    logits = torch.zeros(2, 3, 4)
+    with pytest.raises(ValueError, match=r"token_logprobs: tokens must have shape \(N, T\) = \(2, 3\)"):
+        token_logprobs(logits, torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="integer token ids"):
+        token_logprobs(logits, torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        token_entropy(logits, temperature=0.0)
+    with pytest.raises(ValueError, match="chunk_size must be a positive"):
+        token_logprobs(logits, torch.zeros(2, 3, dtype=torch.long), chunk_size=0)
+    with pytest.raises(ValueError, match=r"hidden_logprobs: need hidden \(N, T, H\) and weight \(V, H\)"):
+        hidden_logprobs(torch.zeros(2, 3, 5), torch.zeros(4, 6), torch.zeros(2, 3, dtype=torch.long))
