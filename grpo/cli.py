@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     from grpo.config import ConfigError
 
     args = _parser().parse_args(argv)
+    _quiet_libraries()
     try:
         if args.command == "train":
             return _train(args)
@@ -70,6 +71,17 @@ def main(argv: list[str] | None = None) -> int:
     except _reward_errors() as err:
         print(f"grpo: error: {err}", file=sys.stderr)
         return 2
+
+
+def _quiet_libraries() -> None:
+    """Loading bars of transformers and datasets would interleave with the live display."""
+    import os
+
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
 
 
 def _reward_errors() -> tuple[type, ...]:

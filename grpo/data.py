@@ -24,13 +24,20 @@ def load_dataset_any(name: str, split: str, config_name: str | None = None, key:
     """A local data file, a `save_to_disk` directory, or a hub name (only when a hub is reachable)."""
     import datasets
 
+    datasets.disable_progress_bars()  # the run has its own display; these bars would interleave with it
+
     path = Path(name)
     if path.is_file():
         fmt = FILE_FORMATS.get(path.suffix.lower())
         if fmt is None:
             raise ConfigError(f"{key}: {name!r} has an unsupported extension; use "
                               f"{', '.join(FILE_FORMATS)} or a save_to_disk directory.")
-        return datasets.load_dataset(fmt, data_files=str(path), split="train")
+        if path.stat().st_size == 0:
+            raise ConfigError(f"{key}: {name!r} is empty; GRPO needs at least one prompt.")
+        try:
+            return datasets.load_dataset(fmt, data_files=str(path), split="train")
+        except Exception as err:  # noqa: BLE001 - malformed files fail in many ways inside datasets
+            raise ConfigError(f"{key}: could not read {name!r} as {fmt} ({type(err).__name__}: {err}).") from None
     if path.is_dir():
         if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
             ds = datasets.load_from_disk(str(path))

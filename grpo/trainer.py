@@ -66,7 +66,7 @@ class GRPOTrainer:
         self.rewards, self.reward_names = _reward_runner(cfg, reward_funcs, self.task)
         self.step_rewards = _step_rewards(cfg, step_reward_funcs)
         train_dataset, eval_dataset = _datasets(cfg, self.task, train_dataset, eval_dataset)
-        self.rewards.check_columns(list(train_dataset.column_names))  # before any model load
+        self._check_reward_columns(list(train_dataset.column_names))  # before any model load
         self.B, self.G = _batch_layout(cfg, self.world)
 
         if model is None or isinstance(model, (str, Path)):
@@ -99,6 +99,14 @@ class GRPOTrainer:
         self.step = 0
         self.nonfinite_in_a_row = 0
         self.nonfinite_total = 0
+
+    def _check_reward_columns(self, columns: list[str]) -> None:
+        from grpo.rewards import RewardError
+
+        try:
+            self.rewards.check_columns(columns)
+        except RewardError as err:
+            raise ConfigError(str(err).replace("\n", "; ")) from None
 
     # ---- the loop ----------------------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
@@ -416,7 +424,10 @@ def _reward_runner(cfg: GRPOConfig, reward_funcs, task):
         weights = task.reward_weights
     if weights is not None and len(weights) != len(specs):
         raise ConfigError(f"reward_weights: {len(weights)} weights for {len(specs)} reward functions.")
-    funcs = [resolve_reward(s) for s in specs]
+    try:
+        funcs = [resolve_reward(s) for s in specs]
+    except (ValueError, ImportError) as err:
+        raise ConfigError(f"reward_funcs: {err}") from None
     names = [name for name, _ in funcs]
     return RewardRunner(funcs, weights, on_error=cfg.reward_on_error, on_nonfinite=cfg.reward_on_nonfinite), names
 
@@ -425,7 +436,10 @@ def _step_rewards(cfg: GRPOConfig, step_reward_funcs) -> list[Callable]:
     from grpo.rewards import resolve_step_reward
 
     specs = step_reward_funcs if step_reward_funcs is not None else cfg.step_reward_funcs
-    return [resolve_step_reward(s)[1] for s in specs]
+    try:
+        return [resolve_step_reward(s)[1] for s in specs]
+    except (ValueError, ImportError) as err:
+        raise ConfigError(f"step_reward_funcs: {err}") from None
 
 
 def _datasets(cfg: GRPOConfig, task, train_dataset, eval_dataset):

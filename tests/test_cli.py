@@ -1,0 +1,70 @@
+"""The `grpo` command: help, and every bad input as one clear line with exit status 2 before any training."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from grpo.cli import main
+
+
+def test_help_lists_every_command(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("train", "eval", "plot"):
+        assert command in out
+
+
+def test_help_config_prints_the_reference(capsys):
+    assert main(["train", "--help-config"]) == 0
+    assert "| `num_generations` |" in capsys.readouterr().out
+
+
+@pytest.fixture()
+def data_file(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"Calculate {i} + 1\n", "answer": str(i + 1)}) + "\n"
+                            for i in range(8)))
+    return path
+
+
+def run_bad(capsys, args):
+    code = main(["train"] + args)
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert len(err.splitlines()) == 1, err  # one line, not a traceback
+    return err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["num_generations=1"], "num_generations: must be an integer >= 2 (got 1)"),
+    (["num_generations=0"], "num_generations: must be an integer >= 2 (got 0)"),
+    (["prompts_per_step=null", "generation_batch_size=12"], "generation_batch_size: 12 completions is not a multiple of num_generations=8"),
+    (["learnig_rate=1e-5"], "unknown config key 'learnig_rate' (did you mean 'learning_rate'?)"),
+    (["reward_funcs=[no_such_reward]"], "reward_funcs: unknown reward 'no_such_reward'"),
+    (["reward_funcs=[countdown]"], "reward function 'countdown' needs column 'target', which the dataset lacks"),
+    (["reward_funcs=[math_accuracy]", "reward_weights=[1, 2]"], "reward_weights: has 2 entries but reward_funcs has 1"),
+    (["reward_funcs=[math_accuracy]", "prompt_column=question"], "prompt_column: 'question' is not a column"),
+    (["reward_funcs=[math_accuracy]", "max_prompt_length=3"], "max_prompt_length: 8 of 8 prompts are longer than 3"),
+])
+def test_bad_train_inputs_are_one_line(capsys, tmp_path, tiny_model_dir, data_file, extra, message):
+    args = [f"model_name_or_path={tiny_model_dir}", f"dataset_name={data_file}", f"output_dir={tmp_path / 'run'}"]
+    err = run_bad(capsys, args + extra)
+    assert message in err
+
+
+def test_empty_dataset_is_an_error(capsys, tmp_path, tiny_model_dir):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    err = run_bad(capsys, [f"model_name_or_path={tiny_model_dir}", f"dataset_name={empty}",
+                           "reward_funcs=[math_accuracy]", f"output_dir={tmp_path / 'run'}"])
+    assert "dataset_name:" in err and "is empty" in err
+
+
+def test_missing_files_are_named(capsys, tmp_path):
+    assert "recipe 'nope.yaml' not found" in run_bad(capsys, ["nope.yaml"])
+    err = run_bad(capsys, [f"dataset_name={tmp_path}/missing.jsonl", "reward_funcs=[math_accuracy]"])
+    assert "dataset_name:" in err and "does not exist" in err
