@@ -79,7 +79,7 @@ def test_fast_path_needs_no_worker():
     completions = ["<answer>42</answer>", "<answer>41</answer>", "\\boxed{0.5}", "#### 1,000"]
     start = time.perf_counter()
     assert math_accuracy(completions, solution=["42", "42", "1/2", "1000"]) == [1.0, 0.0, 1.0, 1.0]
-    assert time.perf_counter() - start < 0.01
+    assert time.perf_counter() - start < 0.05  # measured: about 0.2 ms
     assert shared_worker().pid is None
 
 

@@ -24,7 +24,7 @@ class ConfigurableReward:
         """Check each setting against its annotation, so that a YAML typo fails at load time with a clear message."""
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if typing.get_origin(field.type) is tuple:
+            if typing.get_origin(field.type) is tuple and typing.get_args(field.type)[0] is str:
                 if not isinstance(value, (tuple, list)) or not all(isinstance(item, str) for item in value):
                     raise ValueError(f"{self.name}: setting {field.name} must be a list of names, got {value!r}")
                 object.__setattr__(self, field.name, tuple(value))  # YAML gives a list; keep instances hashable

@@ -26,7 +26,10 @@ import sys
 import threading
 import time
 
-_BOOTSTRAP = "import runpy, sys; runpy.run_path(sys.argv.pop(1), run_name='__main__')"
+# Drops '' (the working directory) from sys.path, so that a user's `sympy.py` or `code.py` there shadows nothing.
+_BOOTSTRAP = (
+    "import runpy, sys; sys.path = [p for p in sys.path if p]; runpy.run_path(sys.argv.pop(1), run_name='__main__')"
+)
 DEFAULT_MEMORY_BYTES = 2 << 30
 
 logger = logging.getLogger(__name__)
