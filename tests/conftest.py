@@ -2,24 +2,24 @@
 
 from __future__ import annotations
 
-import string
-
 import pytest
 
-CHARS = list(string.ascii_lowercase + string.digits + " +-*=\n<>/")
 
 
 def build_char_tokenizer(path):
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    """One token per byte (a BPE with no merges over the byte-level alphabet), so decode(encode(s)) == s and
+    transformers 5's Qwen2 tokenizer class, which re-applies byte-level splitting on load, keeps it intact."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2}
-    for c in CHARS:
-        vocab.setdefault(c, len(vocab))
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {t: i for i, t in enumerate(["<eos>", "<pad>", *alphabet])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<eos>", "<pad>")])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                   clean_up_tokenization_spaces=False)
     fast.save_pretrained(path)
     return fast
 
@@ -41,5 +41,5 @@ def build_tiny_model(path, hidden: int = 32, layers: int = 2, seed: int = 0):
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    """A 2-layer, 32-wide Qwen2 model and a character tokenizer (about 40 tokens), saved to a temp directory."""
+    """A 2-layer, 32-wide Qwen2 model and a byte tokenizer (258 tokens), saved to a temp directory."""
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny-model")))

@@ -41,7 +41,7 @@ def test_reward_rises_on_a_learnable_reward(tiny_model_dir, tmp_path):
     r = rewards_of(tmp_path / "run")
     assert len(r) == 20
     first, last = sum(r[:3]) / 3, sum(r[-3:]) / 3
-    # A random 45-token vocabulary gives ~1/45 'a'; learning must lift it by a clear margin, not noise.
+    # A random 258-token vocabulary gives ~1/258 "a"; learning must lift it by a clear margin, not noise.
     assert first < 0.15 and last > first + 0.3, (r[:3], r[-3:])
 
 

@@ -16,6 +16,7 @@ Step rewards (process supervision) return per completion a list of (end char off
 """
 
 from .base import ConfigurableReward
+from .coding import Code, code, code_syntax
 from .countdown import Countdown, countdown
 from .format import reasoning_steps, tag_count, think_format
 from .math_accuracy import MathAccuracy, math_accuracy
@@ -26,6 +27,9 @@ from .shaping import CosineLength, RepetitionPenalty, SoftOverlong, cosine_lengt
 from .steps import ArithmeticSteps, arithmetic_steps
 
 __all__ = [
+    "Code",
+    "code",
+    "code_syntax",
     "ALIASES",
     "BUILTINS",
     "STEP_BUILTINS",

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .base import ConfigurableReward
+from .coding import code, code_syntax
 from .countdown import countdown
 from .format import reasoning_steps, tag_count, think_format
 from .math_accuracy import math_accuracy
@@ -25,6 +26,8 @@ from .shaping import cosine_length, repetition_penalty, soft_overlong
 from .steps import arithmetic_steps
 
 BUILTINS: dict[str, Callable] = {
+    "code": code,
+    "code_syntax": code_syntax,
     "think_format": think_format,
     "countdown": countdown,
     "math_accuracy": math_accuracy,
