@@ -1,0 +1,63 @@
+"""`grpo eval` and the metrics behind it: accuracy, format rate, pass@k, maj@k, checked on scripted completions."""
+
+from __future__ import annotations
+
+import json
+
+from datasets import Dataset
+
+from grpo.cli import main
+from grpo.config import GRPOConfig
+from grpo.data import build_prompt_set
+from grpo.evaluate import evaluate_prompts, extract_answer
+from grpo.generation import SamplingParams, ScriptedGenerator
+from grpo.rewards import RewardRunner, resolve_reward
+
+
+def test_extract_answer():
+    assert extract_answer("x</think>\n<answer> 14 </answer>") == "14"
+    assert extract_answer("so \\boxed{7}") == "7"
+    assert extract_answer("no answer here") is None
+
+
+def test_pass_and_majority_over_k_samples(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    # Prompt 0 (answer 4): samples 4, 5, 5 -> pass@3 yes, maj@3 no (5 wins the vote).
+    # Prompt 1 (answer 2): samples 2, 2, 3 -> pass@3 yes, maj@3 yes. Accuracy 3 of 6; format 6 of 6.
+    script = {0: ["4", "5", "5"], 1: ["2", "2", "3"]}
+    served = []
+
+    def complete(prompt_ids, rng):
+        prompt = 0 if "2 + 2" in tok.decode(prompt_ids) else 1
+        k = sum(1 for p in served if p == prompt)
+        served.append(prompt)
+        return tok(f"x</think>\n<answer>{script[prompt][k]}</answer>", add_special_tokens=False)["input_ids"]
+
+    data = Dataset.from_dict({"prompt": ["2 + 2\n", "1 + 1\n"], "answer": ["4", "2"]})
+    cfg = GRPOConfig(task=None, max_prompt_length=None)
+    prompts = build_prompt_set(data, tok, cfg, "<think>")
+    funcs = [resolve_reward("math_accuracy"), resolve_reward("think_format")]
+    result = evaluate_prompts(ScriptedGenerator(complete, [tok.eos_token_id]), tok, prompts, RewardRunner(funcs),
+                              ["math_accuracy", "think_format"], SamplingParams(32), k=3)
+    assert result["accuracy"] == 0.5 and result["pass@3"] == 1.0 and result["maj@3"] == 0.5
+    assert result["format_rate"] == 1.0
+
+
+def test_eval_command_on_a_dataset_writes_json(tmp_path, tiny_model_dir, capsys):
+    data = tmp_path / "test.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i} + 1 = ", "answer": str(i + 1)}) + "\n" for i in range(6)))
+    out = tmp_path / "eval.json"
+    code = main(["eval", "--model", tiny_model_dir, "--dataset", str(data), "--reward-funcs", "math_accuracy",
+                 "think_format", "--k", "2", "--max-completion-length", "8", "--json", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["num_prompts"] == 6 and len(result["rows"]) == 6 and len(result["rows"][0]["completions"]) == 2
+    assert 0.0 <= result["accuracy"] <= 1.0 and "pass@2" in result and "maj@2" in result
+    assert "accuracy" in capsys.readouterr().out
+
+
+def test_eval_rejects_a_path_that_is_no_model(tmp_path, capsys):
+    assert main(["eval", "--model", str(tmp_path)]) == 2
+    assert "neither a model directory nor a run directory" in capsys.readouterr().err
