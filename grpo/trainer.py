@@ -15,11 +15,11 @@ The math lives in `grpo.core`; this file only moves tensors between it, the mode
 
 from __future__ import annotations
 
+import contextlib
 import math
-import random
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,11 +27,13 @@ import torch
 from grpo import checkpoint as ckpt
 from grpo.config import ConfigError, GRPOConfig
 from grpo.core import group_advantages, mix_advantages, policy_loss, process_advantages
-from grpo.data import PromptSampler, build_prompt_set, load_dataset_any
+from grpo.data import PromptSampler, build_prompt_set
 from grpo.generation import SamplingParams, TransformersGenerator, row_seed
 from grpo.model import (completion_logprobs, load_model, load_tokenizer, load_trainable_state, prepare_model,
                         reference_view, save_final, trainable_state)
 from grpo.rollout import RolloutBatch, as_completion, char_to_token_ends, group_stats, pack, strip_eos
+from grpo.setup import (batch_layout, make_datasets, make_reward_runner, make_schedule, make_step_rewards,
+                        seed_everything, total_steps, load_task)
 
 
 # grpo.core metric -> logged name (the seed tutorial's names where it has one).
@@ -61,13 +63,13 @@ class GRPOTrainer:
         self.accel = Accelerator(cpu=not torch.cuda.is_available())
         self.world, self.rank = self.accel.num_processes, self.accel.process_index
         seed_everything(cfg.seed)
-        self.task = _task(cfg) if train_dataset is None and cfg.dataset_name is None else None
+        self.task = load_task(cfg) if train_dataset is None and cfg.dataset_name is None else None
         self.prefill = cfg.prefill if cfg.prefill is not None else (self.task.prefill if self.task else "")
-        self.rewards, self.reward_names = _reward_runner(cfg, reward_funcs, self.task)
-        self.step_rewards = _step_rewards(cfg, step_reward_funcs)
-        train_dataset, eval_dataset = _datasets(cfg, self.task, train_dataset, eval_dataset)
+        self.rewards, self.reward_names = make_reward_runner(cfg, reward_funcs, self.task)
+        self.step_rewards = make_step_rewards(cfg, step_reward_funcs)
+        train_dataset, eval_dataset = make_datasets(cfg, self.task, train_dataset, eval_dataset)
         self._check_reward_columns(list(train_dataset.column_names))  # before any model load
-        self.B, self.G = _batch_layout(cfg, self.world)
+        self.B, self.G = batch_layout(cfg, self.world)
 
         if model is None or isinstance(model, (str, Path)):
             if model is not None:
@@ -81,12 +83,12 @@ class GRPOTrainer:
         self.eval_set = (build_prompt_set(eval_dataset, self.tokenizer, cfg, self.prefill, "eval_dataset_name")
                          if eval_dataset is not None else None)
         model, self.reference = prepare_model(model, cfg, peft_config)
-        self.total_steps = _total_steps(cfg, len(self.train_set), self.B)
+        self.total_steps = total_steps(cfg, len(self.train_set), self.B)
 
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                            eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(cfg, self.total_steps))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, make_schedule(cfg, self.total_steps))
         self.model, self.optimizer = self.accel.prepare(model, self.optimizer)
         if self.reference is not None:
             self.reference.to(self.accel.device)
@@ -283,7 +285,7 @@ class GRPOTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             for k, sl in enumerate(chunks):
                 sync = k == len(chunks) - 1
-                ctx = self.accel.no_sync(self.model) if not sync else _nullcontext()
+                ctx = self.accel.no_sync(self.model) if not sync else contextlib.nullcontext()
                 with ctx:
                     metrics, w = self._micro_step(batch, sl, normalizer, with_entropy=it == 0)
                 for key, value in metrics.items():
@@ -387,107 +389,3 @@ class GRPOTrainer:
         from accelerate.utils import gather_object
 
         return gather_object(rows)
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def _task(cfg: GRPOConfig):
-    from grpo.tasks import get_task
-
-    try:
-        return get_task(cfg.task)
-    except ValueError as err:
-        raise ConfigError(f"task: {err}") from None
-
-
-def _reward_runner(cfg: GRPOConfig, reward_funcs, task):
-    from grpo.rewards import RewardRunner, resolve_reward
-
-    specs = reward_funcs if reward_funcs is not None else (cfg.reward_funcs or (task.reward_funcs if task else []))
-    if not specs:
-        raise ConfigError("reward_funcs: no reward function given; name at least one (e.g. reward_funcs: "
-                          "[math_accuracy, think_format]) or use a built-in task.")
-    weights = cfg.reward_weights
-    if weights is None and task is not None and not cfg.reward_funcs and reward_funcs is None:
-        weights = task.reward_weights
-    if weights is not None and len(weights) != len(specs):
-        raise ConfigError(f"reward_weights: {len(weights)} weights for {len(specs)} reward functions.")
-    try:
-        funcs = [resolve_reward(s) for s in specs]
-    except (ValueError, ImportError) as err:
-        raise ConfigError(f"reward_funcs: {err}") from None
-    names = [name for name, _ in funcs]
-    return RewardRunner(funcs, weights, on_error=cfg.reward_on_error, on_nonfinite=cfg.reward_on_nonfinite), names
-
-
-def _step_rewards(cfg: GRPOConfig, step_reward_funcs) -> list[Callable]:
-    from grpo.rewards import resolve_step_reward
-
-    specs = step_reward_funcs if step_reward_funcs is not None else cfg.step_reward_funcs
-    try:
-        return [resolve_step_reward(s)[1] for s in specs]
-    except (ValueError, ImportError) as err:
-        raise ConfigError(f"step_reward_funcs: {err}") from None
-
-
-def _datasets(cfg: GRPOConfig, task, train_dataset, eval_dataset):
-    if train_dataset is None:
-        if cfg.dataset_name is None and task is None:
-            raise ConfigError("dataset_name: set dataset_name (a data file or directory) or task (arithmetic, "
-                              "countdown), or pass train_dataset.")
-        if cfg.dataset_name is not None:
-            train_dataset = load_dataset_any(cfg.dataset_name, cfg.dataset_split, cfg.dataset_config)
-        else:
-            train_dataset = task.dataset("train", n=cfg.task_train_size, seed=cfg.seed,
-                                         difficulty=cfg.task_difficulty)
-    if eval_dataset is None:
-        if cfg.eval_dataset_name is not None:
-            eval_dataset = load_dataset_any(cfg.eval_dataset_name, cfg.eval_split, key="eval_dataset_name")
-        elif task is not None and cfg.task_eval_size > 0:
-            eval_dataset = task.dataset("test", n=cfg.task_eval_size, seed=cfg.seed, difficulty=cfg.task_difficulty)
-    return train_dataset, eval_dataset
-
-
-def _batch_layout(cfg: GRPOConfig, world: int) -> tuple[int, int]:
-    G = cfg.num_generations
-    B = cfg.prompts_per_step
-    if B is None:
-        B = max(1, cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world // G)
-    if (B * G) % world:
-        raise ConfigError(f"prompts_per_step: {B} prompts x {G} generations = {B * G} completions cannot be split "
-                          f"evenly over {world} processes; choose prompts_per_step so that B x G divides by {world}.")
-    return B, G
-
-
-def _total_steps(cfg: GRPOConfig, n_prompts: int, B: int) -> int:
-    if cfg.max_steps > 0:
-        return cfg.max_steps
-    return max(1, math.ceil(cfg.num_train_epochs * n_prompts / B))
-
-
-def _schedule(cfg: GRPOConfig, total: int) -> Callable[[int], float]:
-    warmup = cfg.warmup_steps or int(cfg.warmup_ratio * total)
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        if cfg.lr_scheduler_type == "constant":
-            return 1.0
-        progress = (step - warmup) / max(1, total - warmup)
-        if cfg.lr_scheduler_type == "linear":
-            return max(0.0, 1.0 - progress)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor

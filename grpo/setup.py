@@ -1,0 +1,112 @@
+"""Building a run from its config, before the loop starts: task, rewards, datasets, batch layout, schedule.
+
+Every check here runs before any model is loaded, so a bad config fails in milliseconds with the key's name.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Callable
+
+import numpy as np
+import torch
+
+from grpo.config import ConfigError, GRPOConfig
+from grpo.data import load_dataset_any
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def load_task(cfg: GRPOConfig):
+    from grpo.tasks import get_task
+
+    try:
+        return get_task(cfg.task)
+    except ValueError as err:
+        raise ConfigError(f"task: {err}") from None
+
+
+def make_reward_runner(cfg: GRPOConfig, reward_funcs, task):
+    from grpo.rewards import RewardRunner, resolve_reward
+
+    specs = reward_funcs if reward_funcs is not None else (cfg.reward_funcs or (task.reward_funcs if task else []))
+    if not specs:
+        raise ConfigError("reward_funcs: no reward function given; name at least one (e.g. reward_funcs: "
+                          "[math_accuracy, think_format]) or use a built-in task.")
+    weights = cfg.reward_weights
+    if weights is None and task is not None and not cfg.reward_funcs and reward_funcs is None:
+        weights = task.reward_weights
+    if weights is not None and len(weights) != len(specs):
+        raise ConfigError(f"reward_weights: {len(weights)} weights for {len(specs)} reward functions.")
+    try:
+        funcs = [resolve_reward(s) for s in specs]
+    except (ValueError, ImportError) as err:
+        raise ConfigError(f"reward_funcs: {err}") from None
+    names = [name for name, _ in funcs]
+    return RewardRunner(funcs, weights, on_error=cfg.reward_on_error, on_nonfinite=cfg.reward_on_nonfinite), names
+
+
+def make_step_rewards(cfg: GRPOConfig, step_reward_funcs) -> list[Callable]:
+    from grpo.rewards import resolve_step_reward
+
+    specs = step_reward_funcs if step_reward_funcs is not None else cfg.step_reward_funcs
+    try:
+        return [resolve_step_reward(s)[1] for s in specs]
+    except (ValueError, ImportError) as err:
+        raise ConfigError(f"step_reward_funcs: {err}") from None
+
+
+def make_datasets(cfg: GRPOConfig, task, train_dataset, eval_dataset):
+    if train_dataset is None:
+        if cfg.dataset_name is None and task is None:
+            raise ConfigError("dataset_name: set dataset_name (a data file or directory) or task (arithmetic, "
+                              "countdown), or pass train_dataset.")
+        if cfg.dataset_name is not None:
+            train_dataset = load_dataset_any(cfg.dataset_name, cfg.dataset_split, cfg.dataset_config)
+        else:
+            train_dataset = task.dataset("train", n=cfg.task_train_size, seed=cfg.seed,
+                                         difficulty=cfg.task_difficulty)
+    if eval_dataset is None:
+        if cfg.eval_dataset_name is not None:
+            eval_dataset = load_dataset_any(cfg.eval_dataset_name, cfg.eval_split, key="eval_dataset_name")
+        elif task is not None and cfg.task_eval_size > 0:
+            eval_dataset = task.dataset("test", n=cfg.task_eval_size, seed=cfg.seed, difficulty=cfg.task_difficulty)
+    return train_dataset, eval_dataset
+
+
+def batch_layout(cfg: GRPOConfig, world: int) -> tuple[int, int]:
+    G = cfg.num_generations
+    B = cfg.prompts_per_step
+    if B is None:
+        B = max(1, cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world // G)
+    if (B * G) % world:
+        raise ConfigError(f"prompts_per_step: {B} prompts x {G} generations = {B * G} completions cannot be split "
+                          f"evenly over {world} processes; choose prompts_per_step so that B x G divides by {world}.")
+    return B, G
+
+
+def total_steps(cfg: GRPOConfig, n_prompts: int, B: int) -> int:
+    if cfg.max_steps > 0:
+        return cfg.max_steps
+    return max(1, math.ceil(cfg.num_train_epochs * n_prompts / B))
+
+
+def make_schedule(cfg: GRPOConfig, total: int) -> Callable[[int], float]:
+    warmup = cfg.warmup_steps or int(cfg.warmup_ratio * total)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if cfg.lr_scheduler_type == "constant":
+            return 1.0
+        progress = (step - warmup) / max(1, total - warmup)
+        if cfg.lr_scheduler_type == "linear":
+            return max(0.0, 1.0 - progress)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
