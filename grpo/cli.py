@@ -42,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--k", type=int, default=1, help="samples per problem (default 1)")
     ev.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
     ev.add_argument("--max-completion-length", type=int, default=128, help="tokens per sample (default 128)")
-    ev.add_argument("--difficulty", type=int, default=1, help="task difficulty (default 1)")
+    ev.add_argument("--difficulty", type=int, default=None, help="task difficulty (default: the task's)")
     ev.add_argument("--seed", type=int, default=0, help="seed of the problems and of sampling (default 0)")
     ev.add_argument("--json", default=None, help="also write the result (with every completion) to this file")
 
@@ -153,7 +153,8 @@ def _eval(args) -> int:
         except ValueError as err:
             raise ConfigError(f"--task: {err}") from None
         cfg = GRPOConfig(model_name_or_path=str(model_path), task=task.name, max_prompt_length=None)
-        dataset = task.dataset("test", n=args.n, seed=args.seed, difficulty=args.difficulty)
+        level = {} if args.difficulty is None else {"difficulty": args.difficulty}
+        dataset = task.dataset("test", n=args.n, seed=args.seed, **level)
         specs, weights, prefill = task.reward_funcs, task.reward_weights, task.prefill
     funcs = [resolve_reward(s) for s in specs]
     runner = RewardRunner(funcs, weights, on_error="zero")

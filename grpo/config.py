@@ -74,7 +74,7 @@ class GRPOConfig:
     # ---- data --------------------------------------------------------------------------------------------------
     task: str | None = _f("arithmetic", "Built-in task (arithmetic, countdown) used when dataset_name is "
                           "not set; it also supplies default rewards and prefill.")
-    task_difficulty: int = _f(1, "Difficulty level of the built-in task.")
+    task_difficulty: int | None = _f(None, "Difficulty level of the built-in task (default: the task's own).")
     task_train_size: int = _f(20000, "Number of generated training problems of the built-in task.")
     task_eval_size: int = _f(200, "Number of held-out problems of the built-in task used for eval during training.")
     dataset_name: str | None = _f(None, "Training data: a jsonl/json/csv/parquet file, a save_to_disk "
@@ -101,6 +101,8 @@ class GRPOConfig:
                               "it and score 0.", ("raise", "zero"))
     reward_on_nonfinite: str = _f("raise", "A NaN/inf reward: stop with an error, or treat it as 'does not "
                                   "apply' (None) and count it.", ("raise", "none"))
+    reward_timeout: float | None = _f(60.0, "Seconds one reward-function call may take before it counts as failed "
+                                      "(reward_on_error decides: stop, or score the batch 0). null: no limit.")
     step_reward_funcs: list = _f([], "Step-reward functions for process supervision (e.g. arithmetic_steps).")
     process_weight: float = _f(1.0, "Weight of the process (step) advantages when step_reward_funcs is set.")
     outcome_weight: float = _f(1.0, "Weight of the outcome advantages when step_reward_funcs is set "
@@ -334,6 +336,7 @@ def _validate(cfg: GRPOConfig) -> None:
     _check(cfg.max_grad_norm >= 0, "max_grad_norm", "must be >= 0 (0 turns clipping off).")
     _check(cfg.max_steps == -1 or cfg.max_steps >= 1, "max_steps", "must be >= 1, or -1 to use num_train_epochs.")
     _check(cfg.max_steps >= 1 or cfg.num_train_epochs > 0, "num_train_epochs", "must be > 0.")
+    _check(cfg.reward_timeout is None or cfg.reward_timeout > 0, "reward_timeout", "must be > 0 seconds, or null.")
     _check(cfg.advantage_eps >= 0, "advantage_eps", "must be >= 0.")
     _check(cfg.eval_num_samples >= 1, "eval_num_samples", "must be >= 1.")
     _check(cfg.logging_steps >= 1, "logging_steps", "must be >= 1.")

@@ -48,7 +48,9 @@ def make_reward_runner(cfg: GRPOConfig, reward_funcs, task):
     except (ValueError, ImportError) as err:
         raise ConfigError(f"reward_funcs: {err}") from None
     names = [name for name, _ in funcs]
-    return RewardRunner(funcs, weights, on_error=cfg.reward_on_error, on_nonfinite=cfg.reward_on_nonfinite), names
+    runner = RewardRunner(funcs, weights, on_error=cfg.reward_on_error, on_nonfinite=cfg.reward_on_nonfinite,
+                          timeout_s=cfg.reward_timeout)
+    return runner, names
 
 
 def make_step_rewards(cfg: GRPOConfig, step_reward_funcs) -> list[Callable]:
@@ -69,14 +71,17 @@ def make_datasets(cfg: GRPOConfig, task, train_dataset, eval_dataset):
         if cfg.dataset_name is not None:
             train_dataset = load_dataset_any(cfg.dataset_name, cfg.dataset_split, cfg.dataset_config)
         else:
-            train_dataset = task.dataset("train", n=cfg.task_train_size, seed=cfg.seed,
-                                         difficulty=cfg.task_difficulty)
+            train_dataset = task.dataset("train", n=cfg.task_train_size, seed=cfg.seed, **_level(cfg))
     if eval_dataset is None:
         if cfg.eval_dataset_name is not None:
             eval_dataset = load_dataset_any(cfg.eval_dataset_name, cfg.eval_split, key="eval_dataset_name")
         elif task is not None and cfg.task_eval_size > 0:
-            eval_dataset = task.dataset("test", n=cfg.task_eval_size, seed=cfg.seed, difficulty=cfg.task_difficulty)
+            eval_dataset = task.dataset("test", n=cfg.task_eval_size, seed=cfg.seed, **_level(cfg))
     return train_dataset, eval_dataset
+
+
+def _level(cfg: GRPOConfig) -> dict:
+    return {} if cfg.task_difficulty is None else {"difficulty": cfg.task_difficulty}
 
 
 def batch_layout(cfg: GRPOConfig, world: int) -> tuple[int, int]:

@@ -265,6 +265,8 @@ class GRPOTrainer:
             m[f"reward/{name}"] = float(self._gather(vals).nanmean())
         for name, count in scored.errors.items():
             m[f"reward/errors/{name}"] = float(count)
+        for name, count in scored.timeouts.items():
+            m[f"reward/timeouts/{name}"] = float(count)
         m.update(group_stats(rewards))
         return m
 

@@ -280,3 +280,46 @@ def test_resolve_import_paths_and_factories(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="does not accept the settings"):
         resolve_reward({"name": "my_rewards:get_length_reward", "size": 3})
     sys.modules.pop("my_rewards", None)
+
+
+# ---- timeouts: a hanging reward costs seconds, not the run ---------------------------------------------------------
+def _hangs(completions, **kwargs):
+    import time
+
+    time.sleep(30)
+    return [1.0] * len(completions)
+
+
+async def _hangs_async(completions, **kwargs):
+    import asyncio
+
+    await asyncio.sleep(30)
+    return [1.0] * len(completions)
+
+
+def _fine(completions, **kwargs):
+    return [0.5] * len(completions)
+
+
+@pytest.mark.parametrize("hang", [_hangs, _hangs_async], ids=["sync", "async"])
+def test_timeout_raise_names_the_function(hang):
+    import time
+
+    runner = RewardRunner([("hangs", hang), ("fine", _fine)], timeout_s=0.3)
+    start = time.monotonic()
+    with pytest.raises(RewardError, match=r"reward function 'hangs' did not return within 0.3 s"):
+        runner(["p", "q"], ["a", "b"], [[1], [2]], {})
+    assert time.monotonic() - start < 5
+
+
+@pytest.mark.parametrize("hang", [_hangs, _hangs_async], ids=["sync", "async"])
+def test_timeout_zero_scores_the_batch_and_counts(hang):
+    runner = RewardRunner([("hangs", hang), ("fine", _fine)], weights=[1.0, 2.0], on_error="zero", timeout_s=0.3)
+    out = runner(["p", "q"], ["a", "b"], [[1], [2]], {})
+    assert out.per_func["hangs"] == [0.0, 0.0] and out.total == [1.0, 1.0]  # 1*0 + 2*0.5
+    assert out.timeouts == {"hangs": 1, "fine": 0} and out.errors["hangs"] == 1
+
+
+def test_timeout_leaves_fast_functions_alone():
+    runner = RewardRunner([("fine", _fine)], timeout_s=5.0)
+    assert runner(["p"], ["a"], [[1]], {}).per_func["fine"] == [0.5]

@@ -14,6 +14,12 @@ Where TRL crashes or silently spoils a step (reliability.md 3.1, measured), this
 - for NaN/inf (TRL: an inf zeroes the whole group's advantages without a warning): `on_nonfinite="raise"` raises
   naming function and row; `on_nonfinite="none"` makes the value None, logs and counts it.
 `async def` reward functions run concurrently on an event loop, as TRL gathers them.
+
+With `timeout_s` set (TRL has no timeout: a hanging function blocks its run forever, reliability.md 3.4), each call
+has a deadline. A sync function runs on a daemon thread that is abandoned if it overruns (Python cannot kill a
+thread; a function that must be stopped belongs in a process, as `math_accuracy` and `code` do); an async one is
+cancelled. An overrun is a `RewardError` naming the function, or with `on_error="zero"` scores the whole batch 0
+for that function and is counted in `timeouts` (it is not re-run row by row, which would hang once per row).
 """
 
 import asyncio
@@ -22,7 +28,9 @@ import inspect
 import logging
 import math
 import numbers
+import threading
 from collections.abc import Callable, Iterable
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,18 +47,25 @@ class RewardError(ValueError):
     """A reward function broke the protocol or failed; the message names the function and, when known, the row."""
 
 
+class RewardTimeout(Exception):
+    """A reward function call overran `timeout_s`."""
+
+
 @dataclass
 class RewardOutput:
     """Rewards of one batch of B*G completions.
 
     total: (B*G,) weighted sum over the functions that applied (None skipped).
     per_func: function name -> (B*G,) rewards as returned (non-finite ones as None with on_nonfinite="none").
-    errors: function name -> rows that raised (on_error="zero") or were non-finite (on_nonfinite="none").
+    errors: function name -> rows that raised (on_error="zero") or were non-finite (on_nonfinite="none"),
+        plus one per timed-out call.
+    timeouts: function name -> calls that overran timeout_s (on_error="zero").
     """
 
     total: list[float]
     per_func: dict[str, list[float | None]]
     errors: dict[str, int]
+    timeouts: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def column_requirements(func: Callable) -> list[tuple[str, ...]]:
@@ -82,6 +97,7 @@ class RewardRunner:
         weights: list[float] | None = None,
         on_error: str = "raise",
         on_nonfinite: str = "raise",
+        timeout_s: float | None = None,
     ):
         if not funcs:
             raise ValueError("RewardRunner needs at least one reward function")
@@ -102,7 +118,10 @@ class RewardRunner:
             raise ValueError(f"on_error must be 'raise' or 'zero', got {on_error!r}")
         if on_nonfinite not in ("raise", "none"):
             raise ValueError(f"on_nonfinite must be 'raise' or 'none', got {on_nonfinite!r}")
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s!r}")
         self.weights = weights
+        self.timeout_s = timeout_s
         self.on_error = on_error
         self.on_nonfinite = on_nonfinite
 
@@ -134,15 +153,29 @@ class RewardRunner:
             **{key: list(value) for key, value in columns.items() if key not in _NOT_PASSED},
         }
         errors = {name: 0 for name in self.names}
+        timeouts = {name: 0 for name in self.names}
         per_func = {}
-        results = _call_all(self.funcs, batch)
+        results = _call_all(self.funcs, batch, self.timeout_s)
         for name, func, result in zip(self.names, self.funcs, results):
-            if isinstance(result, Exception):
+            if isinstance(result, RewardTimeout):
+                values = self._timed_out(name, n, errors, timeouts)
+            elif isinstance(result, Exception):
                 values = self._row_by_row(name, func, batch, result, errors)
             else:
                 values = _validate(name, result, n)
             per_func[name] = self._finite(name, values, errors)
-        return RewardOutput(self._combine(per_func, completions), per_func, errors)
+        return RewardOutput(self._combine(per_func, completions), per_func, errors, timeouts)
+
+    def _timed_out(self, name: str, n: int, errors: dict, timeouts: dict) -> list[float | None]:
+        if self.on_error == "raise":
+            raise RewardError(
+                f"reward function '{name}' did not return within {self.timeout_s} s on a batch of {n} completions. "
+                "Make it faster, raise reward_timeout, or set on_error='zero' to score such batches 0 and count them."
+            )
+        logger.warning("reward function '%s' timed out after %s s; its %d rewards scored 0", name, self.timeout_s, n)
+        timeouts[name] += 1
+        errors[name] += 1
+        return [0.0] * n
 
     def _row_by_row(self, name: str, func: Callable, batch: dict, error: Exception, errors: dict) -> list:
         """Re-run a function that raised on the batch one row at a time, to name (or zero) the failing rows."""
@@ -150,7 +183,7 @@ class RewardRunner:
         failed = 0
         for row in range(len(batch["completions"])):
             single = {key: value[row : row + 1] for key, value in batch.items()}
-            result = _call_all([func], single)[0]
+            result = _call_all([func], single, self.timeout_s)[0]
             if not isinstance(result, Exception):
                 values.extend(_validate(name, result, 1))
                 continue
@@ -209,19 +242,46 @@ def _check_lengths(n: int, lists: dict[str, Any]) -> None:
             raise RewardError(f"'{key}' has {len(value)} entries for {n} completions; one per completion is needed")
 
 
-def _call_all(funcs: list[Callable], batch: dict) -> list[Any]:
+def _call_all(funcs: list[Callable], batch: dict, timeout_s: float | None = None) -> list[Any]:
     """Call each function; await the async ones together. An exception is returned in place of the result."""
     results: list[Any] = []
     for func in funcs:
         try:
-            results.append(func(**_arguments(func, batch)))
+            results.append(_call(func, _arguments(func, batch), timeout_s))
         except Exception as error:
             results.append(error)
     pending = [i for i, result in enumerate(results) if inspect.isawaitable(result)]
     if pending:
-        for i, value in zip(pending, _run_awaitables([results[i] for i in pending])):
-            results[i] = value
+        awaitables = [_deadline(results[i], timeout_s) for i in pending]
+        for i, value in zip(pending, _run_awaitables(awaitables)):
+            results[i] = RewardTimeout() if isinstance(value, asyncio.TimeoutError) else value
     return results
+
+
+def _call(func: Callable, kwargs: dict, timeout_s: float | None) -> Any:
+    """func(**kwargs), abandoned after timeout_s on a daemon thread (an async function returns its coroutine)."""
+    if timeout_s is None or inspect.iscoroutinefunction(func):
+        return func(**kwargs)
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = func(**kwargs)
+        except BaseException as error:  # noqa: BLE001 - handed back to the caller's thread below
+            box["error"] = error
+
+    thread = threading.Thread(target=target, daemon=True, name="grpo-reward")
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise RewardTimeout()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+async def _deadline(awaitable, timeout_s: float | None):
+    return await (awaitable if timeout_s is None else asyncio.wait_for(awaitable, timeout_s))
 
 
 def _arguments(func: Callable, batch: dict) -> dict:
