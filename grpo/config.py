@@ -133,6 +133,8 @@ class GRPOConfig:
     adam_beta2: float = _f(0.999, "AdamW beta2.")
     adam_epsilon: float = _f(1e-8, "AdamW epsilon.")
     max_grad_norm: float = _f(1.0, "Clip the gradient norm to this (0: no clipping).")
+    max_nonfinite_steps: int = _f(3, "Stop after this many optimizer steps in a row with a non-finite gradient "
+                                  "(each one is skipped and its inputs saved under output_dir/nonfinite/).")
     max_steps: int = _f(-1, "Steps to train; a step is one rollout batch. -1: use num_train_epochs.")
     num_train_epochs: float = _f(1.0, "Passes over the training prompts (when max_steps is -1).")
     per_device_train_batch_size: int = _f(8, "Completions per forward/backward pass on one process (memory knob).")
@@ -337,6 +339,7 @@ def _validate(cfg: GRPOConfig) -> None:
     _check(cfg.max_steps == -1 or cfg.max_steps >= 1, "max_steps", "must be >= 1, or -1 to use num_train_epochs.")
     _check(cfg.max_steps >= 1 or cfg.num_train_epochs > 0, "num_train_epochs", "must be > 0.")
     _check(cfg.reward_timeout is None or cfg.reward_timeout > 0, "reward_timeout", "must be > 0 seconds, or null.")
+    _check(cfg.max_nonfinite_steps >= 1, "max_nonfinite_steps", "must be >= 1.")
     _check(cfg.advantage_eps >= 0, "advantage_eps", "must be >= 0.")
     _check(cfg.eval_num_samples >= 1, "eval_num_samples", "must be >= 1.")
     _check(cfg.logging_steps >= 1, "logging_steps", "must be >= 1.")

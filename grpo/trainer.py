@@ -88,7 +88,9 @@ class GRPOTrainer:
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                            eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, make_schedule(cfg, self.total_steps))
+        # The schedule counts optimizer updates: num_iterations of them per step.
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, make_schedule(cfg, self.total_steps * cfg.num_iterations))
         self.model, self.optimizer = self.accel.prepare(model, self.optimizer)
         if self.reference is not None:
             self.reference.to(self.accel.device)
@@ -293,7 +295,7 @@ class GRPOTrainer:
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + value * w
                 weight_total += w
-            grad_norm = self._optimizer_step()
+            grad_norm = self._optimizer_step(batch)
         out = {LOSS_METRIC_NAMES.get(k, f"policy/{k}"): v / max(weight_total, 1e-9) for k, v in sums.items()
                if not k.startswith("advantage")}  # advantages are logged once per rollout
         out["train/grad_norm"] = grad_norm
@@ -324,7 +326,7 @@ class GRPOTrainer:
         metrics = {k: float(v) for k, v in out.metrics.items()}
         return metrics, float(cm.sum())
 
-    def _optimizer_step(self) -> float:
+    def _optimizer_step(self, batch: RolloutBatch) -> float:
         params = [p for p in self.model.parameters() if p.requires_grad]
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
@@ -333,14 +335,27 @@ class GRPOTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.nonfinite_total += 1
             self.nonfinite_in_a_row += 1
-            if self.nonfinite_in_a_row >= 3:
-                raise TrainingStopped(f"step {self.step + 1}: 3 non-finite gradient norms in a row; stopped with "
-                                      "the last checkpoint intact. Lower learning_rate or check the rewards.")
+            saved = self._save_nonfinite_inputs(batch)
+            print(f"warning: step {self.step + 1}: non-finite gradient norm ({grad_norm}); optimizer step skipped, "
+                  f"inputs saved to {saved}.")
+            if self.nonfinite_in_a_row >= self.cfg.max_nonfinite_steps:
+                raise TrainingStopped(
+                    f"step {self.step + 1}: {self.nonfinite_in_a_row} non-finite gradient norms in a row "
+                    f"(max_nonfinite_steps={self.cfg.max_nonfinite_steps}); stopped with the last checkpoint intact. "
+                    f"Inspect {saved}, lower learning_rate, or check the rewards.")
             return grad_norm
         self.nonfinite_in_a_row = 0
         self.optimizer.step()
         self.scheduler.step()
         return grad_norm
+
+    def _save_nonfinite_inputs(self, batch: RolloutBatch) -> Path:
+        """The step's tensors and sample texts, so a NaN can be reproduced and inspected offline."""
+        path = Path(self.cfg.output_dir) / "nonfinite" / f"step_{self.step + 1:06d}_rank{self.rank}.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fields = ("input_ids", "attention_mask", "completion_mask", "advantages", "old_logp", "ref_logp")
+        torch.save({**{f: getattr(batch, f) for f in fields}, "samples": batch.samples}, path)
+        return path
 
     # ---- eval, save, resume ---------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
