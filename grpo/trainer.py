@@ -62,6 +62,8 @@ class GRPOTrainer:
         self.cfg = cfg = args or GRPOConfig()
         self.accel = Accelerator(cpu=not torch.cuda.is_available())
         self.world, self.rank = self.accel.num_processes, self.accel.process_index
+        if cfg.num_threads is not None:
+            torch.set_num_threads(cfg.num_threads)
         seed_everything(cfg.seed)
         self.task = load_task(cfg) if train_dataset is None and cfg.dataset_name is None else None
         self.prefill = cfg.prefill if cfg.prefill is not None else (self.task.prefill if self.task else "")

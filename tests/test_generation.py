@@ -1,0 +1,61 @@
+"""The sampler: inverse-CDF draws follow the probabilities, filters match hand-derived cases, and a row's
+completion depends only on its own seed, not on which rows share its batch."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from grpo.generation import (SamplingParams, TransformersGenerator, left_pad, process_logits, sample_rows,
+                             uniform_streams)
+
+
+def test_inverse_cdf_frequencies_and_zero_mass():
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3]]).repeat(20000, 1)
+    u = uniform_streams([torch.Generator().manual_seed(i) for i in range(20000)], 1)[:, 0]
+    freq = torch.bincount(sample_rows(probs, u), minlength=4) / 20000
+    # 20,000 draws: the std of a frequency is at most sqrt(0.25 / 20000) = 0.0035; 0.02 is over 5 sigma.
+    assert torch.allclose(freq, torch.tensor([0.1, 0.0, 0.6, 0.3]), atol=0.02) and freq[1] == 0
+
+
+def test_boundaries_of_the_inverse_cdf():
+    probs = torch.tensor([[0.25, 0.25, 0.5]] * 3)
+    # cdf = [0.25, 0.5, 1.0]: u = 0 -> token 0; u = 0.25 -> token 1 (cdf[0] <= u); u = 0.999 -> token 2.
+    assert sample_rows(probs, torch.tensor([0.0, 0.25, 0.999], dtype=torch.float64)).tolist() == [0, 1, 2]
+
+
+def test_filters_by_hand():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    keep = lambda p: torch.isfinite(process_logits(logits, None, p))[0].tolist()  # noqa: E731
+    assert keep(SamplingParams(8, top_k=2)) == [True, True, False, False]
+    # top_p 0.7: cumulative 0.5, 0.8 -> the first two reach 0.7, the rest are dropped.
+    assert keep(SamplingParams(8, top_p=0.7)) == [True, True, False, False]
+    # min_p 0.4: threshold 0.4 * 0.5 = 0.2 -> keeps 0.5 and 0.3.
+    assert keep(SamplingParams(8, min_p=0.4)) == [True, True, False, False]
+    scaled = process_logits(logits, None, SamplingParams(8, temperature=2.0))
+    assert math.isclose(scaled[0, 0].item(), math.log(0.5) / 2, rel_tol=1e-6)
+    # Repetition penalty 2 on a seen token with logit log(0.5) < 0: multiplied, log(0.5) * 2.
+    seen = torch.tensor([[True, False, False, False]])
+    penalized = process_logits(logits, seen, SamplingParams(8, repetition_penalty=2.0))
+    assert math.isclose(penalized[0, 0].item(), 2 * math.log(0.5), rel_tol=1e-6)
+
+
+def test_left_pad():
+    ids, mask = left_pad([[1, 2, 3], [4]], pad_id=0)
+    assert ids.tolist() == [[1, 2, 3], [0, 0, 4]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+def test_a_rows_completion_depends_only_on_its_seed(tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    gen = TransformersGenerator(model, tok.pad_token_id, [tok.eos_token_id])
+    params = SamplingParams(10)
+    a = tok("abc", add_special_tokens=False)["input_ids"]
+    b = tok("a much longer prompt", add_special_tokens=False)["input_ids"]
+    alone = gen.generate([a], params, seeds=[7]).ids[0]
+    together = gen.generate([b, a, b], params, seeds=[1, 7, 2]).ids[1]
+    assert alone == together
+    assert gen.generate([a], params, seeds=[8]).ids[0] != alone or len(alone) == 0
