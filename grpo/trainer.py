@@ -28,6 +28,7 @@ from grpo import checkpoint as ckpt
 from grpo.config import ConfigError, GRPOConfig
 from grpo.core import group_advantages, mix_advantages, policy_loss, process_advantages
 from grpo.data import PromptSampler, build_prompt_set
+from grpo.health import HealthMonitor
 from grpo.generation import SamplingParams, TransformersGenerator, row_seed
 from grpo.model import (completion_logprobs, load_model, load_tokenizer, load_trainable_state, prepare_model,
                         reference_view, save_final, trainable_state)
@@ -102,6 +103,8 @@ class GRPOTrainer:
         self.sampler = PromptSampler(len(self.train_set), cfg.seed)
         self.params = SamplingParams(cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p,
                                      cfg.repetition_penalty)
+        self.health = HealthMonitor(accuracy=self.reward_names[0],
+                                    format=next((n for n in self.reward_names if "format" in n), None))
         self.step = 0
         self.nonfinite_in_a_row = 0
         self.nonfinite_total = 0
@@ -136,6 +139,10 @@ class GRPOTrainer:
             while self.step < self.total_steps:
                 metrics = self.train_step()
                 self.step += 1
+                health, alarms = self.health.check(metrics)
+                metrics.update(health)
+                for name, message in alarms:
+                    display.alarm(name, message)
                 if self.eval_set is not None and (
                         (cfg.eval_steps and self.step % cfg.eval_steps == 0) or self.step == self.total_steps):
                     metrics.update(self.evaluate())

@@ -1,0 +1,67 @@
+"""Each health alarm fires on the metrics that should provoke it, and stays quiet on healthy ones."""
+
+from __future__ import annotations
+
+from datasets import Dataset
+
+from grpo import GRPOConfig, GRPOTrainer
+from grpo.health import HealthMonitor
+
+HEALTHY = {"advantage/std": 0.9, "policy/kl_divergence": 0.01, "groups/zero_std_frac": 0.1,
+           "completion/truncated_frac": 0.05, "policy/entropy": 2.0, "health/nonfinite_steps": 0.0,
+           "reward/math_accuracy": 0.4, "reward/think_format": 0.9}
+
+
+def fired(monitor, **changes):
+    values, alarms = monitor.check({**HEALTHY, **changes})
+    assert set(values) == {f"health/{n}" for n in ("no_signal", "high_kl", "zero_variance_groups", "truncation",
+                                                     "entropy_collapse", "reward_hacking", "nonfinite")}
+    return {name for name, _ in alarms}
+
+
+def test_healthy_metrics_fire_nothing():
+    assert fired(HealthMonitor("math_accuracy", "think_format")) == set()
+
+
+def test_each_threshold_alarm():
+    m = HealthMonitor("math_accuracy", "think_format")
+    fired(m)  # first step: entropy 2.0 is the reference
+    assert fired(m, **{"advantage/std": 0.05}) == {"no_signal"}
+    assert fired(m, **{"policy/kl_divergence": 0.06}) == {"high_kl"}
+    assert fired(m, **{"groups/zero_std_frac": 0.75}) == {"zero_variance_groups"}
+    assert fired(m, **{"completion/truncated_frac": 0.6}) == {"truncation"}
+    assert fired(m, **{"policy/entropy": 0.19}) == {"entropy_collapse"}  # < 10% of 2.0
+    assert fired(m, **{"policy/entropy": 0.21}) == set()
+    assert fired(m, **{"health/nonfinite_steps": 1.0}) == {"nonfinite"}
+    assert fired(m, **{"health/nonfinite_steps": 1.0}) == set()  # only on the step it happened
+
+
+def test_reward_hacking_needs_format_up_and_accuracy_flat():
+    m = HealthMonitor("math_accuracy", "think_format", window=10)
+    for step in range(10):  # format climbs 0.5 -> 0.95, accuracy stays 0.40
+        names = fired(m, **{"reward/think_format": 0.5 + 0.05 * step, "reward/math_accuracy": 0.4})
+    # mean of the last 5 (0.85) minus the first 5 (0.6) = 0.25 > 0.2, accuracy moved 0 < 0.02.
+    assert names == {"reward_hacking"}
+    m = HealthMonitor("math_accuracy", "think_format", window=10)
+    for step in range(10):  # both climb: learning, not hacking
+        names = fired(m, **{"reward/think_format": 0.5 + 0.05 * step, "reward/math_accuracy": 0.3 + 0.03 * step})
+    assert names == set()
+
+
+def test_alarm_message_gives_the_advice():
+    _, alarms = HealthMonitor().check({**HEALTHY, "policy/kl_divergence": 0.08})
+    assert alarms == [("high_kl", "KL 0.080 > 0.05: the policy is drifting from the reference. Lower learning_rate "
+                                  "or raise beta.")]
+
+
+def test_trainer_logs_the_zero_variance_alarm(tiny_model_dir, tmp_path):
+    """A constant reward gives every group zero variance: the run says so in its metrics."""
+    def constant(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    cfg = GRPOConfig(output_dir=str(tmp_path / "run"), task=None, num_generations=4, prompts_per_step=2,
+                     max_completion_length=4, learning_rate=1e-3, beta=0.0, max_steps=2, save_steps=0,
+                     report_to=[], log_completions_steps=0)
+    metrics = GRPOTrainer(model=tiny_model_dir, reward_funcs=[constant], args=cfg,
+                          train_dataset=Dataset.from_dict({"prompt": ["a", "b"]})).train()
+    assert metrics["health/zero_variance_groups"] == 1.0 and metrics["health/no_signal"] == 1.0
