@@ -6,6 +6,8 @@ cannot drift. A config is validated once, when it is built (`__post_init__`), an
 
 Key names follow TRL's `GRPOConfig` and open-r1's recipes where those exist, so a TRL user's knobs carry over;
 the seed tutorial's names (`kl_penalty`, `clip_range`) and TRL's `loss_type` are accepted as aliases.
+A `preset` (grpo, dr_grpo, dapo, gspo) is a starting point applied by `from_dict` / `load` (recipes and the
+command line); keys the recipe sets win. In Python, `GRPOConfig.from_dict({"preset": "dapo", ...})`.
 """
 
 from __future__ import annotations
@@ -40,6 +42,22 @@ ALIASES = {
     "clip_range": "epsilon",  # seed tutorial 004
     "dtype": "torch_dtype",  # transformers >= 4.56
     "num_epochs": "num_train_epochs",
+}
+
+# Named starting points (`preset: dapo`); any key the recipe or command line sets wins over the preset's.
+PRESETS: dict[str, dict[str, Any]] = {
+    # DeepSeekMath (2402.03300): group-normalized advantages, per-sequence mean, k3 KL at 0.04.
+    "grpo": {"beta": 0.04, "kl_estimator": "k3", "epsilon": 0.2, "epsilon_high": 0.2, "scale_rewards": "group",
+             "loss_aggregation": "sequence_mean", "importance_sampling_level": "token"},
+    # Dr. GRPO (2503.20783): no std division, no 1/|o| length normalization (a constant instead), no KL.
+    "dr_grpo": {"beta": 0.0, "scale_rewards": "none", "loss_aggregation": "constant"},
+    # DAPO (2503.14476): clip-higher, token-level mean, no KL, dynamic sampling, soft overlong punishment
+    # (their buffer is 4,096 of 20,480 tokens: a fifth of the length limit).
+    "dapo": {"beta": 0.0, "epsilon": 0.2, "epsilon_high": 0.28, "loss_aggregation": "token_mean",
+             "dynamic_sampling": True, "overlong_buffer_ratio": 0.2},
+    # GSPO (2507.18071): sequence-level (geometric-mean) ratio with the paper's clip range, no KL.
+    "gspo": {"beta": 0.0, "importance_sampling_level": "sequence", "epsilon": 3e-4, "epsilon_high": 4e-4,
+             "loss_aggregation": "sequence_mean"},
 }
 
 # TRL's `loss_type` chooses the aggregation; we keep aggregation as its own named setting.
@@ -158,6 +176,12 @@ class GRPOConfig:
     scale_rewards: str = _f("group", "Std used to scale advantages.", ("group", "batch", "none"))
     advantage_eps: float = _f(1e-4, "Added to the std before dividing.")
     unbiased_std: bool = _f(True, "Bessel-corrected (n-1) std, as the seeds compute it.")
+    dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: drop groups whose rewards are all equal and sample "
+                                "more prompts until the step has prompts_per_step groups (one process only).")
+    max_generation_rounds: int = _f(3, "Most generation rounds per step with dynamic_sampling; after that the step "
+                                    "trains on the groups it has.")
+    overlong_buffer_ratio: float = _f(0.0, "DAPO soft overlong punishment: completions longer than (1 - ratio) x "
+                                      "max_completion_length lose up to 1 reward, linearly (0: off).")
     mask_truncated_completions: bool = _f(False, "Leave completions cut at max_completion_length out of the loss.")
 
     # ---- logging, eval, checkpoints ----------------------------------------------------------------------------
@@ -172,8 +196,15 @@ class GRPOConfig:
     save_total_limit: int = _f(2, "Checkpoints kept (oldest deleted first).")
     resume: bool = _f(False, "Continue from the newest complete checkpoint in output_dir.")
     preset: str | None = _f(None, "Named starting point (grpo, dr_grpo, dapo, gspo) that the rest overrides.")
+    _preset_applied: dataclasses.InitVar[bool] = False  # set by from_dict, which merged the preset already
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, _preset_applied: bool = False) -> None:
+        if self.preset in PRESETS and not _preset_applied:
+            # Constructed directly: the preset fills every key still at its default.
+            for key, value in PRESETS[self.preset].items():
+                f = self.__dataclass_fields__[key]
+                if getattr(self, key) == f.default:
+                    setattr(self, key, value)
         _coerce_types(self)
         if self.bf16:
             self.torch_dtype = "bfloat16"
@@ -190,8 +221,13 @@ class GRPOConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "GRPOConfig":
         values = _apply_aliases(dict(values))
+        preset = values.get("preset")
+        if preset is not None:
+            if preset not in PRESETS:
+                raise ConfigError(f"preset: unknown value {preset!r}; choose one of {', '.join(PRESETS)}.")
+            values = {**PRESETS[preset], **values, "_preset_applied": True}  # the recipe's own keys win
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
+        unknown = sorted(set(values) - known - {"_preset_applied"})
         if unknown:
             raise ConfigError(f"unknown config key {unknown[0]!r}" + _suggest(unknown[0], known) +
                               "; `grpo train --help-config` lists every key.")
@@ -342,6 +378,10 @@ def _validate(cfg: GRPOConfig) -> None:
     _check(cfg.max_steps >= 1 or cfg.num_train_epochs > 0, "num_train_epochs", "must be > 0.")
     _check(cfg.reward_timeout is None or cfg.reward_timeout > 0, "reward_timeout", "must be > 0 seconds, or null.")
     _check(cfg.num_threads is None or cfg.num_threads >= 1, "num_threads", "must be >= 1, or null.")
+    _check(cfg.max_generation_rounds >= 1, "max_generation_rounds", "must be >= 1.")
+    _check(0 <= cfg.overlong_buffer_ratio < 1, "overlong_buffer_ratio", "must be in [0, 1).")
+    _check(cfg.preset is None or cfg.preset in PRESETS, "preset",
+           f"unknown value {cfg.preset!r}; choose one of {', '.join(PRESETS)}.")
     _check(cfg.max_nonfinite_steps >= 1, "max_nonfinite_steps", "must be >= 1.")
     _check(cfg.advantage_eps >= 0, "advantage_eps", "must be >= 0.")
     _check(cfg.eval_num_samples >= 1, "eval_num_samples", "must be >= 1.")
@@ -369,8 +409,8 @@ def config_reference() -> str:
     lines = ["# Configuration reference", "",
              "Generated by `grpo train --help-config` from `grpo/config.py`; do not edit by hand.", "",
              "| key | type | default | meaning |", "|---|---|---|---|"]
-    defaults = GRPOConfig.__dataclass_fields__
-    for name, f in defaults.items():
+    for f in dataclasses.fields(GRPOConfig):
+        name = f.name
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         if name == "model_name_or_path":
             default = "<package>/assets/tiny-arith"

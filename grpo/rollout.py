@@ -31,6 +31,43 @@ class RolloutBatch:
         return self.completion_mask.shape[1]
 
 
+@dataclass
+class Sampled:
+    """Scored completions of whole groups on this process: everything a step knows before its advantages.
+
+    Rows are grouped: rows g*G .. g*G+G-1 are the G completions of one prompt (on one process).
+    """
+
+    prompts: list
+    prompt_ids: list[list[int]]
+    columns: dict[str, list]
+    completion_ids: list[list[int]]  # as generated, EOS kept
+    truncated: list[bool]
+    texts: list[str]  # decoded, EOS stripped
+    completions: list  # texts in the prompts' form (str or assistant message)
+    total: list[float]  # weighted reward per row
+    per_func: dict[str, list[float | None]]
+    errors: dict[str, int]
+    timeouts: dict[str, int]
+
+    def select(self, rows: list[int]) -> "Sampled":
+        pick = lambda xs: [xs[i] for i in rows]  # noqa: E731
+        return Sampled(pick(self.prompts), pick(self.prompt_ids), {k: pick(v) for k, v in self.columns.items()},
+                       pick(self.completion_ids), pick(self.truncated), pick(self.texts), pick(self.completions),
+                       pick(self.total), {k: pick(v) for k, v in self.per_func.items()}, self.errors, self.timeouts)
+
+    @staticmethod
+    def concat(parts: list["Sampled"]) -> "Sampled":
+        first = parts[0]
+        join = lambda name: [x for p in parts for x in getattr(p, name)]  # noqa: E731
+        add = lambda name: {k: sum(getattr(p, name).get(k, 0) for p in parts) for k in getattr(first, name)}  # noqa: E731
+        return Sampled(join("prompts"), join("prompt_ids"),
+                       {k: [x for p in parts for x in p.columns[k]] for k in first.columns},
+                       join("completion_ids"), join("truncated"), join("texts"), join("completions"), join("total"),
+                       {k: [x for p in parts for x in p.per_func[k]] for k in first.per_func}, add("errors"),
+                       add("timeouts"))
+
+
 def strip_eos(ids: list[int], eos_ids: set[int]) -> list[int]:
     return ids[:-1] if ids and ids[-1] in eos_ids else ids
 

@@ -47,6 +47,13 @@ def make_reward_runner(cfg: GRPOConfig, reward_funcs, task):
         funcs = [resolve_reward(s) for s in specs]
     except (ValueError, ImportError) as err:
         raise ConfigError(f"reward_funcs: {err}") from None
+    if cfg.overlong_buffer_ratio > 0:
+        from grpo.rewards import SoftOverlong
+
+        # DAPO's soft overlong punishment over the last part of the length budget, added at weight 1.
+        cache = max(1, math.ceil(cfg.overlong_buffer_ratio * cfg.max_completion_length))
+        funcs.append(("soft_overlong", SoftOverlong(max_length=cfg.max_completion_length, cache_length=cache)))
+        weights = (list(weights) if weights is not None else [1.0] * (len(funcs) - 1)) + [1.0]
     names = [name for name, _ in funcs]
     runner = RewardRunner(funcs, weights, on_error=cfg.reward_on_error, on_nonfinite=cfg.reward_on_nonfinite,
                           timeout_s=cfg.reward_timeout)
@@ -85,6 +92,9 @@ def _level(cfg: GRPOConfig) -> dict:
 
 
 def batch_layout(cfg: GRPOConfig, world: int) -> tuple[int, int]:
+    if cfg.dynamic_sampling and world > 1:
+        raise ConfigError("dynamic_sampling: runs on one process for now; with several processes the refilled "
+                          "groups would need moving between processes. Turn it off or run one process.")
     G = cfg.num_generations
     B = cfg.prompts_per_step
     if B is None:

@@ -32,7 +32,7 @@ from grpo.health import HealthMonitor
 from grpo.generation import SamplingParams, TransformersGenerator, row_seed
 from grpo.model import (completion_logprobs, load_model, load_tokenizer, load_trainable_state, prepare_model,
                         reference_view, save_final, trainable_state)
-from grpo.rollout import RolloutBatch, as_completion, char_to_token_ends, group_stats, pack, strip_eos
+from grpo.rollout import RolloutBatch, Sampled, as_completion, char_to_token_ends, group_stats, pack, strip_eos
 from grpo.setup import (batch_layout, make_datasets, make_reward_runner, make_schedule, make_step_rewards,
                         seed_everything, total_steps, load_task)
 
@@ -180,41 +180,78 @@ class GRPOTrainer:
 
     # ---- rollout: generate, score, advantages ------------------------------------------------------------------
     def rollout(self) -> RolloutBatch:
-        cfg, B, G = self.cfg, self.B, self.G
-        n_local = B * G // self.world
-        prompts_idx = self.sampler.next(B)
+        self._times = {"generation": 0.0, "scoring": 0.0}
+        if self.cfg.dynamic_sampling:
+            sampled, sampling_metrics = self._sample_dynamic()
+        else:
+            sampled, sampling_metrics = self._sample(self.sampler.next(self.B)), {}
+        batch = self._assemble(sampled)
+        batch.metrics.update(sampling_metrics)
+        batch.metrics.update({f"time/{k}": v for k, v in self._times.items()})
+        return batch
+
+    def _sample(self, prompts_idx: list[int], round_: int = 0) -> Sampled:
+        """Generate G completions for each prompt (this process's share of the rows) and score them."""
+        G = self.G
+        n_local = len(prompts_idx) * G // self.world
         first = self.rank * n_local
         rows = [i for i in prompts_idx for _ in range(G)][first:first + n_local]
         prompts, prompt_ids, columns = self.train_set.rows(rows)
-
         t0 = time.perf_counter()
-        seeds = [row_seed(cfg.seed, self.step, first + r) for r in range(n_local)]
+        # Seeds belong to rows; a dynamic-sampling refill round gets rows of its own.
+        seeds = [row_seed(self.cfg.seed, self.step, first + r + round_ * 1_000_000) for r in range(n_local)]
         out = self.generator.generate(prompt_ids, self.params, seeds)
         t1 = time.perf_counter()
-        ids = [strip_eos(c, self.eos_ids) for c in out.ids]
-        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=False)
+        texts = self.tokenizer.batch_decode([strip_eos(c, self.eos_ids) for c in out.ids], skip_special_tokens=False)
         completions = [as_completion(p, t) for p, t in zip(prompts, texts)]
         scored = self.rewards(prompts, completions, out.ids, columns)
-        rewards = self._gather(torch.tensor(scored.total, dtype=torch.float32)).view(B, G)
+        self._times["generation"] += t1 - t0
+        self._times["scoring"] += time.perf_counter() - t1
+        return Sampled(prompts, prompt_ids, columns, out.ids, out.truncated, texts, completions, scored.total,
+                       scored.per_func, scored.errors, scored.timeouts)
+
+    def _sample_dynamic(self) -> tuple[Sampled, dict[str, float]]:
+        """DAPO dynamic sampling: drop groups whose rewards are all equal, sample more prompts until the step has
+        prompts_per_step groups or max_generation_rounds is reached (then it trains on the groups it has)."""
+        G, kept, dropped, rounds, last = self.G, [], 0, 0, None
+        while sum(len(k.total) for k in kept) < self.B * G and rounds < self.cfg.max_generation_rounds:
+            last = self._sample(self.sampler.next(self.B), rounds)
+            rounds += 1
+            rewards = torch.tensor(last.total).view(-1, G)
+            varied = [g for g in range(rewards.shape[0]) if float(rewards[g].max() - rewards[g].min()) > 0]
+            dropped += rewards.shape[0] - len(varied)
+            kept.append(last.select([g * G + j for g in varied for j in range(G)]))
+        groups = sum(len(k.total) for k in kept) // G
+        # No group with signal at all: train on the last round as it is (its advantages are zero).
+        sampled = Sampled.concat(kept).select(list(range(min(groups, self.B) * G))) if groups else last
+        return sampled, {"sampling/dropped_groups": float(dropped), "sampling/generation_rounds": float(rounds),
+                         "sampling/kept_groups": float(min(groups, self.B))}
+
+    def _assemble(self, s: Sampled) -> RolloutBatch:
+        """Advantages, padding, and the old/reference log-probs: the training batch of the sampled groups."""
+        cfg, G = self.cfg, self.G
+        n_local = len(s.total)
+        t0 = time.perf_counter()
+        rewards = self._gather(torch.tensor(s.total, dtype=torch.float32)).view(-1, G)
+        mine = slice(self.rank * n_local, (self.rank + 1) * n_local)
         outcome = group_advantages(rewards, scale=cfg.scale_rewards, eps=cfg.advantage_eps,
-                                   unbiased=cfg.unbiased_std).view(-1)[self.rank * n_local:(self.rank + 1) * n_local]
-        keep = [not (cfg.mask_truncated_completions and t) for t in out.truncated]
-        input_ids, attention, cmask = pack(prompt_ids, out.ids, self.tokenizer.pad_token_id, keep)
+                                   unbiased=cfg.unbiased_std).view(-1)[mine]
+        keep = [not (cfg.mask_truncated_completions and t) for t in s.truncated]
+        input_ids, attention, cmask = pack(s.prompt_ids, s.completion_ids, self.tokenizer.pad_token_id, keep)
         advantages, step_metrics = outcome, {}
         if self.step_rewards:
-            advantages, step_metrics = self._process_advantages(prompts, completions, ids, columns, outcome, cmask)
-        t2 = time.perf_counter()
-
+            ids = [strip_eos(c, self.eos_ids) for c in s.completion_ids]
+            advantages, step_metrics = self._process_advantages(s.prompts, s.completions, ids, s.columns, outcome,
+                                                                cmask)
+        self._times["scoring"] += time.perf_counter() - t0
+        t1 = time.perf_counter()
         batch = RolloutBatch(input_ids, attention, cmask, advantages)
         self._score_logprobs(batch)
-        metrics = self._rollout_metrics(scored, rewards, outcome, out, cmask)
-        metrics.update(step_metrics)
-        metrics.update({"time/generation": t1 - t0, "time/scoring": t2 - t1, "time/logprobs": time.perf_counter() - t2})
-        batch.metrics = metrics
+        batch.metrics = {**self._rollout_metrics(s, rewards, outcome), **step_metrics,
+                         "time/logprobs": time.perf_counter() - t1}
         batch.samples = [{"prompt": p if isinstance(p, str) else p[-1]["content"], "completion": t,
-                          "reward": r, "advantage": float(a),
-                          **{f"reward/{k}": v[i] for k, v in scored.per_func.items()}}
-                         for i, (p, t, r, a) in enumerate(zip(prompts, texts, scored.total, outcome))][:16]
+                          "reward": r, "advantage": float(a), **{f"reward/{k}": v[i] for k, v in s.per_func.items()}}
+                         for i, (p, t, r, a) in enumerate(zip(s.prompts, s.texts, s.total, outcome))][:16]
         return batch
 
     def _process_advantages(self, prompts, completions, ids, columns, outcome, cmask):
@@ -263,10 +300,10 @@ class GRPOTrainer:
                                      self.cfg.temperature) for s in range(0, batch.input_ids.shape[0], size)]
         return torch.cat(parts)
 
-    def _rollout_metrics(self, scored, rewards, outcome, out, cmask) -> dict[str, float]:
-        lengths = torch.tensor([len(c) for c in out.ids], dtype=torch.float32)
+    def _rollout_metrics(self, scored: Sampled, rewards, outcome) -> dict[str, float]:
+        lengths = torch.tensor([len(c) for c in scored.completion_ids], dtype=torch.float32)
         lengths_all = self._gather(lengths)
-        truncated = self._gather(torch.tensor(out.truncated, dtype=torch.float32))
+        truncated = self._gather(torch.tensor(scored.truncated, dtype=torch.float32))
         m = {"reward/total": float(rewards.nanmean()), "reward/total_std": float(rewards.std()),
              "advantage/mean": float(outcome.mean()), "advantage/std": float(outcome.std()),
              "completion/mean_length": float(lengths_all.mean()), "completion/max_length": float(lengths_all.max()),

@@ -1,0 +1,142 @@
+"""The benchmark (bench/): its FLOP formula, its summary arithmetic, its model files, and a miniature run.
+
+The miniature run is CI's guard against the benchmark rotting: it runs `bench/run.py --workload mini` end to end
+(the TRL side too when TRL is installed) and checks the JSON line, never a timing.
+"""
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.flops import step_flops  # noqa: E402
+from bench.model_files import build_tokenizer  # noqa: E402
+from bench.run import order  # noqa: E402
+from bench.summary import check_identical_work, summarize  # noqa: E402
+from bench.workloads import WORKLOADS, Workload, prompts  # noqa: E402
+
+# A model small enough to count by hand: H=4, 1 layer, 2 heads of size 2, 1 KV head, MLP 8, V=10; P=2, T=3, B=1, G=2.
+SMALL = Workload(name="small", vocab=10, hidden=4, layers=1, heads=2, kv_heads=1, intermediate=8,
+                 prompts_per_step=1, num_generations=2, completion_length=3, prompt_length=2, micro_batch=2)
+
+
+def test_flops_full_finetuning_by_hand():
+    # Linear weights of the layer: q 4x4=16, k 4x2=8, v 4x2=8, o 4x4=16, gate 4x8=32, up 4x8=32, down 8x4=32 -> 144.
+    # One sequence: the body runs at P+T-1 = 4 positions: 2*4*144 = 1152; causal contexts 1+2+3+4 = 10, attention
+    # 4 * d_q(4) * 10 = 160; the output layer at T = 3 positions: 2*3*4*10 = 240. Forward = 1552; G*B = 2 sequences.
+    f = step_flops(SMALL)
+    assert f.generation == 2 * 1552
+    assert f.reference == 2 * 1552
+    assert f.update == 3 * 2 * 1552  # forward + backward (2x) of trained weights, one iteration
+    assert f.total == 15520
+
+
+def test_flops_lora_two_iterations_by_hand():
+    # LoRA r=1 on the 7 linears: 1*(8 + 6 + 6 + 8 + 12 + 12 + 12) = 64 weights, forward 2*4 positions*64 = 512.
+    # Generation samples with the adapters: 2 * (1552 + 512) = 4128. The reference has them off: 2 * 1552 = 3104.
+    # Each update: frozen base forward + activation gradients 2*1552, adapters 3*512 -> 4640; 2 sequences x 2
+    # iterations -> 18560. No beta: no reference pass.
+    w = dataclasses.replace(SMALL, lora_r=1, num_iterations=2)
+    f = step_flops(w)
+    assert (f.generation, f.reference, f.update) == (4128, 3104, 18560)
+    assert step_flops(dataclasses.replace(w, beta=0.0)).reference == 0
+
+
+def test_w2_floor_matches_the_issue_estimate():
+    # The issue's estimate for W2: about 450 GFLOP per step, nearly all in the 151k-wide output layer.
+    total = step_flops(WORKLOADS["W2"]).total / 1e9
+    assert 430 < total < 470
+
+
+def record(side, steps, gen, tokens=32, peak=100.0):
+    """A side's run record (bench/child.py) on 2 threads, where CPU seconds are 1.5 x the wall seconds."""
+    n = len(steps)
+    out = {"side": side, "step_s": steps, "generation_s": gen, "scoring_s": [0.0] * n, "logprobs_s": [0.1] * n,
+           "completion_tokens": [tokens] * n, "peak_rss_mb": peak, "setup_rss_mb": 50.0, "threads": 2}
+    for key in ("step", "generation", "scoring", "logprobs"):
+        out[f"{key}_cpu_s"] = [1.5 * v for v in out[f"{key}_s"]]
+    return out
+
+
+def test_summary_medians_ratios_and_floor():
+    w = WORKLOADS["mini"]  # B*G*T = 2*2*8 = 32 completion tokens per step
+    # Warm-up of 1 drops the first step of each run. grpo's steady steps: 1, 3 (run 1) and 2 (run 2): median 2 s,
+    # 16 tokens/s. TRL's: 4, 4, 8: median 4 s, 8 tokens/s. Speedup 2; memory 100/400 = 0.25.
+    records = {"grpo": [record("grpo", [9.0, 1.0, 3.0], [0.5] * 3), record("grpo", [9.0, 2.0], [0.5] * 2)],
+               "trl": [record("trl", [9.0, 4.0, 4.0], [1.0] * 3, peak=400.0), record("trl", [9.0, 8.0], [1.0] * 2)]}
+    out = summarize(w, records, warmup=1, matmul={"gflops": 1.0, "gflops_per_cpu_s": 0.5})
+    assert out["grpo_s_per_step"] == 2.0 and out["trl_s_per_step"] == 4.0
+    assert out["grpo_tokens_per_s"] == 16.0 and out["trl_tokens_per_s"] == 8.0
+    assert out["speedup"] == 2.0
+    assert out["memory_ratio"] == 0.25
+    floor_s = step_flops(w).total / 1e9  # at 1 GFLOP/s
+    assert out["floor_s"] == pytest.approx(floor_s)
+    assert out["grpo_floor_ratio"] == pytest.approx(2.0 / floor_s)
+    # update = step - generation - scoring - log-probs: grpo's steady steps give 0.4, 2.4, 1.4 -> median 1.4.
+    assert out["grpo_time_split_s"]["update"] == pytest.approx(1.4)
+    assert out["grpo_steady_steps"] == 3
+    # CPU seconds: 1.5 x wall on 2 threads -> utilization 0.75; the CPU floor is at 0.5 GFLOP per CPU second.
+    assert out["grpo_cpu_s_per_step"] == 3.0 and out["grpo_cpu_util"] == 0.75
+    assert out["grpo_cpu_split_s"]["update"] == pytest.approx(1.5 * 1.4)
+    assert out["grpo_cpu_floor_ratio"] == pytest.approx(3.0 / (2 * floor_s))
+    assert out["cpu_speedup"] == 2.0
+
+
+def test_summary_with_one_side_has_null_ratios():
+    out = summarize(WORKLOADS["mini"], {"grpo": [record("grpo", [9.0, 1.0], [0.5, 0.5])]}, 1,
+                    {"gflops": 1.0, "gflops_per_cpu_s": 1.0})
+    assert out["grpo_tokens_per_s"] == 32.0
+    assert out["trl_tokens_per_s"] is None and out["trl_floor_ratio"] is None
+    assert out["speedup"] is None and out["cpu_speedup"] is None and out["memory_ratio"] is None
+
+
+def test_different_work_is_an_error():
+    with pytest.raises(RuntimeError, match="trl side generated 31"):
+        check_identical_work([record("trl", [1.0, 1.0], [0.1, 0.1], tokens=31)], 32)
+
+
+def test_rounds_alternate_which_side_goes_first():
+    assert order(["grpo", "trl"], 3) == ["grpo", "trl", "trl", "grpo", "grpo", "trl"]
+
+
+def test_tokenizer_eos_is_outside_the_model_vocabulary():
+    tok = build_tokenizer(100)
+    assert tok.eos_token_id == 100 and tok.pad_token_id == 100  # the model's logits cover ids 0..99 only
+    texts = prompts(WORKLOADS["W1"], n=3)
+    ids = tok(texts, add_special_tokens=False)["input_ids"]
+    assert [len(i) for i in ids] == [16, 16, 16] and max(map(max, ids)) < 100
+    assert tok.decode(ids[0]) == texts[0] == "Tell a tale 0000"
+
+
+def test_miniature_benchmark_end_to_end(tmp_path):
+    try:
+        import trl  # noqa: F401
+
+        sides = "grpo,trl"
+    except ImportError:  # CI installs only the project; the grpo side still runs
+        sides = "grpo"
+    cmd = [sys.executable, str(ROOT / "bench" / "run.py"), "--workload", "mini", "--steps", "1", "--warmup", "1",
+           "--rounds", "1", "--sides", sides, "--work-dir", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 1, "stdout must be exactly the JSON line"
+    out = json.loads(lines[0])
+    required = ["grpo_tokens_per_s", "trl_tokens_per_s", "speedup", "grpo_peak_rss_mb", "trl_peak_rss_mb",
+                "memory_ratio", "grpo_floor_ratio", "trl_floor_ratio"]
+    assert set(required) <= set(out)
+    assert out["completion_tokens_per_step"] == 2 * 2 * 8
+    assert out["grpo_tokens_per_s"] > 0 and out["grpo_peak_rss_mb"] > 0 and out["grpo_floor_ratio"] > 0
+    assert set(out["grpo_time_split_s"]) == {"generation", "scoring", "logprobs", "update"}
+    if sides == "grpo":
+        assert out["trl_tokens_per_s"] is None and out["speedup"] is None
+    else:
+        assert out["speedup"] == pytest.approx(out["grpo_tokens_per_s"] / out["trl_tokens_per_s"])
+        assert out["memory_ratio"] == pytest.approx(out["grpo_peak_rss_mb"] / out["trl_peak_rss_mb"])
