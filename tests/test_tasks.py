@@ -66,7 +66,7 @@ def test_same_seed_same_rows_other_seed_other_rows(name):
 @pytest.mark.parametrize("name, knobs", [("arithmetic", {}), ("countdown", {"max_number": 6, "max_target": 12})])
 def test_no_test_problem_appears_in_train(name, knobs):
     task = get_task(name)
-    train, test = task.dataset("train", n=2000, seed=0, **knobs), task.dataset("test", n=500, seed=1, **knobs)
+    train, test = task.dataset("train", n=2000, seed=0, **knobs), task.dataset("test", n=300, seed=1, **knobs)
 
     def problem(row):  # countdown: a reordering of the same numbers is the same problem
         return row["prompt"] if name == "arithmetic" else (row["target"], tuple(sorted(row["nums"])))
@@ -180,3 +180,11 @@ def test_shipped_example_data_matches_the_generator():
         for split in ("train", "test"):
             rows = [json.loads(line) for line in (root / name / f"{split}.jsonl").read_text().splitlines()]
             assert rows == get_task(name).dataset(split, n=len(rows), seed=0).to_list()
+
+
+def test_held_out_rows_are_distinct_problems():
+    # The default job's claim is measured on 500 held-out problems: they must be 500 different ones.
+    rows = get_task("arithmetic").dataset("test", n=500, seed=0)
+    assert len(set(rows["expression"])) == 500
+    with pytest.raises(ValueError, match="held-out problems are distinct"):
+        get_task("arithmetic").dataset("test", n=200, seed=0, difficulty=1)  # ~49 held-out problems exist

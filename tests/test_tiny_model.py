@@ -29,9 +29,13 @@ def load_build_script():
 
 @pytest.fixture(scope="module")
 def shipped():
+    # One thread: on a shared 2-core machine, two OpenMP threads per process made generation ~20x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(ASSET, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(ASSET, local_files_only=True).eval()
-    return tokenizer, model
+    yield tokenizer, model
+    torch.set_num_threads(threads)
 
 
 def complete(model, tokenizer, prompts: list[str], do_sample: bool) -> list[str]:

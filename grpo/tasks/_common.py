@@ -2,8 +2,9 @@
 
 The split is decided by a hash of each problem's canonical key, not by the order in which problems are drawn, so
 a problem belongs to the same split for every seed and every `n`: no held-out problem can ever appear in train.
-Rows inside one split are drawn independently (with replacement), so a split of a small problem space may repeat
-a problem; it never borrows one from the other split.
+Training rows are drawn independently (with replacement). Held-out rows are distinct problems, so an accuracy
+over n held-out rows is over n different problems; a request for more distinct problems than the split holds is
+an error that says so.
 """
 
 from __future__ import annotations
@@ -51,15 +52,19 @@ def sample_rows(
         raise ValueError(f"{task}.dataset: n must be >= 0, got {n}")
     rng = random.Random(f"{task}/{split}/{seed}")
     rows: list[dict] = []
+    seen: set[str] = set()
+    distinct = split == "test"
     for _ in range(max(n, 1) * MAX_DRAWS_PER_ROW):
         if len(rows) == n:
             return rows
         key, row = draw(rng)
-        if split_of(key) == split:
+        if split_of(key) == split and not (distinct and key in seen):
+            seen.add(key)
             rows.append(row)
     if len(rows) == n:
         return rows
     raise ValueError(
-        f"{task}.dataset: found only {len(rows)} of {n} {split!r} problems in {max(n, 1) * MAX_DRAWS_PER_ROW} draws; "
+        f"{task}.dataset: found only {len(rows)} of {n} {split!r} problems in {max(n, 1) * MAX_DRAWS_PER_ROW} draws "
+        f"(held-out problems are distinct); "
         "the problem space of these knobs is too small for this split: widen it (e.g. a higher difficulty)"
     )
