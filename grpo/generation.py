@@ -33,6 +33,7 @@ class Completions:
 
     ids: list[list[int]]
     truncated: list[bool]  # True when the row hit max_new_tokens without EOS
+    logprobs: list[list[float]] | None = None  # per token, under the distribution actually sampled from
 
 
 class Generator(Protocol):
@@ -111,12 +112,14 @@ class TransformersGenerator:
         size = self.batch_size or len(prompt_ids)
         ids: list[list[int]] = []
         truncated: list[bool] = []
+        logprobs: list[list[float]] = []
         for start in range(0, len(prompt_ids), size):
             rngs = [torch.Generator().manual_seed(s) for s in seeds[start:start + size]]
             part = self._generate_batch(prompt_ids[start:start + size], params, rngs)
             ids += part.ids
             truncated += part.truncated
-        return Completions(ids, truncated)
+            logprobs += part.logprobs
+        return Completions(ids, truncated, logprobs)
 
     def _generate_batch(self, prompt_ids: list[list[int]], p: SamplingParams,
                         rngs: list[torch.Generator]) -> Completions:
@@ -136,6 +139,7 @@ class TransformersGenerator:
             seen = torch.zeros((n, vocab), dtype=torch.bool, device=device)
             seen.scatter_(1, ids.clamp(max=vocab - 1), mask.bool())
         new_tokens = torch.full((n, p.max_new_tokens), self.pad_id, dtype=torch.long, device=device)
+        new_logprobs = torch.zeros((n, p.max_new_tokens), dtype=torch.float32)
         done = torch.zeros(n, dtype=torch.bool, device=device)
         length = torch.zeros(n, dtype=torch.long, device=device)
         pos = positions[:, -1:]
@@ -143,7 +147,9 @@ class TransformersGenerator:
         for t in range(p.max_new_tokens):
             logits = process_logits(out.logits[:, -1, :].float(), seen, p)
             # Sampling on CPU generators keeps the random streams independent of the device.
-            token = sample_rows(logits.softmax(-1).cpu(), uniforms[:, t]).to(device)
+            probs = logits.softmax(-1).cpu()
+            token = sample_rows(probs, uniforms[:, t]).to(device)
+            new_logprobs[:, t] = probs.gather(1, token.cpu()[:, None]).squeeze(1).log()
             token = torch.where(done, torch.full_like(token, self.pad_id), token)
             new_tokens[:, t] = token
             length += (~done).long()
@@ -158,10 +164,11 @@ class TransformersGenerator:
                              past_key_values=out.past_key_values, use_cache=True)
         if was_training:
             self.model.train()
-        rows = new_tokens.cpu().tolist()
+        rows, lps = new_tokens.cpu().tolist(), new_logprobs.tolist()
         lengths = length.cpu().tolist()
         ended = done.cpu().tolist()
-        return Completions([r[:k] for r, k in zip(rows, lengths)], [not e for e in ended])
+        return Completions([r[:k] for r, k in zip(rows, lengths)], [not e for e in ended],
+                           [lp[:k] for lp, k in zip(lps, lengths)])
 
 
 class ScriptedGenerator:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import random
+import warnings
 from typing import Callable
 
 import numpy as np
@@ -41,6 +42,8 @@ def make_reward_runner(cfg: GRPOConfig, reward_funcs, task):
     weights = cfg.reward_weights
     if weights is None and task is not None and not cfg.reward_funcs and reward_funcs is None:
         weights = task.reward_weights
+    if weights is not None and all(w == 0 for w in weights):
+        warnings.warn("reward_weights: every weight is 0, so every reward is 0 and nothing will be learned.")
     if weights is not None and len(weights) != len(specs):
         raise ConfigError(f"reward_weights: {len(weights)} weights for {len(specs)} reward functions.")
     try:
@@ -103,6 +106,28 @@ def batch_layout(cfg: GRPOConfig, world: int) -> tuple[int, int]:
         raise ConfigError(f"prompts_per_step: {B} prompts x {G} generations = {B * G} completions cannot be split "
                           f"evenly over {world} processes; choose prompts_per_step so that B x G divides by {world}.")
     return B, G
+
+
+def check_sizes(cfg: GRPOConfig, n_prompts: int, B: int, prompt_ids: list[list[int]], model_config=None) -> None:
+    """Enough prompts for one step, and prompt + completion within the model's context (reliability.md 4.2)."""
+    if n_prompts < B:
+        raise ConfigError(f"dataset_name: the dataset has {n_prompts} prompts but one step needs {B} "
+                          f"(prompts_per_step); add prompts or lower prompts_per_step.")
+    if model_config is None:
+        from transformers import AutoConfig
+
+        try:
+            model_config = AutoConfig.from_pretrained(cfg.model_name_or_path)
+        except OSError as err:
+            raise ConfigError(f"model_name_or_path: cannot read the config of {cfg.model_name_or_path!r}: "
+                              f"{err}") from None
+    context = getattr(model_config, "max_position_embeddings", None)
+    longest = max(len(p) for p in prompt_ids) + cfg.max_completion_length
+    if context is not None and longest > context:
+        raise ConfigError(f"max_completion_length: the longest prompt ({longest - cfg.max_completion_length} "
+                          f"tokens) plus max_completion_length ({cfg.max_completion_length}) is {longest}, beyond "
+                          f"the model's context of {context} tokens; lower max_completion_length or "
+                          "max_prompt_length.")
 
 
 def total_steps(cfg: GRPOConfig, n_prompts: int, B: int) -> int:

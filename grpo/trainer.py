@@ -33,7 +33,7 @@ from grpo.generation import SamplingParams, TransformersGenerator, row_seed
 from grpo.model import (completion_logprobs, load_model, load_tokenizer, load_trainable_state, prepare_model,
                         reference_view, save_final, trainable_state)
 from grpo.rollout import RolloutBatch, Sampled, as_completion, char_to_token_ends, group_stats, pack, strip_eos
-from grpo.setup import (batch_layout, make_datasets, make_reward_runner, make_schedule, make_step_rewards,
+from grpo.setup import (batch_layout, check_sizes, make_datasets, make_reward_runner, make_schedule, make_step_rewards,
                         seed_everything, total_steps, load_task)
 
 
@@ -78,13 +78,17 @@ class GRPOTrainer:
             if model is not None:
                 cfg.model_name_or_path = str(model)
             self.tokenizer = processing_class or load_tokenizer(cfg.model_name_or_path)
-            model = load_model(cfg)
         else:
             self.tokenizer = processing_class or load_tokenizer(model.name_or_path)
         self.eos_ids = {self.tokenizer.eos_token_id}
+        # Tokenize and check the data before the weights load: a bad row or length fails in seconds.
         self.train_set = build_prompt_set(train_dataset, self.tokenizer, cfg, self.prefill, "dataset_name")
         self.eval_set = (build_prompt_set(eval_dataset, self.tokenizer, cfg, self.prefill, "eval_dataset_name")
                          if eval_dataset is not None else None)
+        check_sizes(cfg, len(self.train_set), self.B, self.train_set.prompt_ids,
+                    model.config if not isinstance(model, (str, Path, type(None))) else None)
+        if model is None or isinstance(model, (str, Path)):
+            model = load_model(cfg)
         model, self.reference = prepare_model(model, cfg, peft_config)
         self.total_steps = total_steps(cfg, len(self.train_set), self.B)
 
@@ -304,13 +308,14 @@ class GRPOTrainer:
         lengths = torch.tensor([len(c) for c in scored.completion_ids], dtype=torch.float32)
         lengths_all = self._gather(lengths)
         truncated = self._gather(torch.tensor(scored.truncated, dtype=torch.float32))
-        m = {"reward/total": float(rewards.nanmean()), "reward/total_std": float(rewards.std()),
+        m = {"reward/total": float(rewards.nanmean()), "reward/total/std": float(rewards.std()),
              "advantage/mean": float(outcome.mean()), "advantage/std": float(outcome.std()),
              "completion/mean_length": float(lengths_all.mean()), "completion/max_length": float(lengths_all.max()),
              "completion/truncated_frac": float(truncated.mean())}
         for name, values in scored.per_func.items():
-            vals = torch.tensor([float("nan") if v is None else float(v) for v in values])
-            m[f"reward/{name}"] = float(self._gather(vals).nanmean())
+            vals = self._gather(torch.tensor([float("nan") if v is None else float(v) for v in values]))
+            m[f"reward/{name}"] = float(vals.nanmean())
+            m[f"reward/{name}/none_frac"] = float(vals.isnan().float().mean())  # "does not apply" to these rows
         for name, count in scored.errors.items():
             m[f"reward/errors/{name}"] = float(count)
         for name, count in scored.timeouts.items():

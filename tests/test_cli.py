@@ -68,3 +68,27 @@ def test_missing_files_are_named(capsys, tmp_path):
     assert "recipe 'nope.yaml' not found" in run_bad(capsys, ["nope.yaml"])
     err = run_bad(capsys, [f"dataset_name={tmp_path}/missing.jsonl", "reward_funcs=[math_accuracy]"])
     assert "dataset_name:" in err and "does not exist" in err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["reward_funcs=[math_accuracy]", "prompts_per_step=20"],
+     "dataset_name: the dataset has 8 prompts but one step needs 20 (prompts_per_step)"),
+    (["reward_funcs=[math_accuracy]", "max_completion_length=300"],
+     "max_completion_length: the longest prompt (16 tokens) plus max_completion_length (300) is 316, beyond the "
+     "model's context of 256 tokens"),
+    (["reward_funcs=[math_accuracy]", "dynamic_sampling=true", "reward_timeout=0"],
+     "reward_timeout: must be > 0 seconds, or null."),
+    (["reward_funcs=[math_accuracy]", "preset=ppo"], "preset: unknown value 'ppo'"),
+])
+def test_more_bad_inputs_before_the_model_loads(capsys, tmp_path, tiny_model_dir, data_file, extra, message):
+    args = [f"model_name_or_path={tiny_model_dir}", f"dataset_name={data_file}", f"output_dir={tmp_path / 'run'}"]
+    assert message in run_bad(capsys, args + extra)
+
+
+def test_all_zero_weights_warn(tmp_path, tiny_model_dir, data_file):
+    from grpo.config import GRPOConfig
+    from grpo.setup import make_reward_runner
+
+    cfg = GRPOConfig(task=None, reward_funcs=["math_accuracy", "think_format"], reward_weights=[0, 0])
+    with pytest.warns(UserWarning, match="every weight is 0"):
+        make_reward_runner(cfg, None, None)

@@ -59,3 +59,21 @@ def test_a_rows_completion_depends_only_on_its_seed(tiny_model_dir):
     together = gen.generate([b, a, b], params, seeds=[1, 7, 2]).ids[1]
     assert alone == together
     assert gen.generate([a], params, seeds=[8]).ids[0] != alone or len(alone) == 0
+
+
+def test_sampling_logprobs_match_a_full_forward(tiny_model_dir):
+    """The kept per-token sampling log-probs equal the policy's log-probs of the same tokens (temperature 1, no
+    filters), recomputed in one pass over prompt + completion as the trainer does."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from grpo.model import completion_logprobs
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    prompt = tok("hello", add_special_tokens=False)["input_ids"]
+    out = TransformersGenerator(model, tok.pad_token_id, [tok.eos_token_id]).generate([prompt], SamplingParams(6),
+                                                                                       seeds=[3])
+    ids = torch.tensor([prompt + out.ids[0]])
+    with torch.no_grad():
+        full = completion_logprobs(model, ids, torch.ones_like(ids), len(out.ids[0]), 1.0)[0]
+    assert torch.allclose(full, torch.tensor(out.logprobs[0]), atol=1e-4)
