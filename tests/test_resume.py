@@ -36,12 +36,16 @@ def straight(request, tiny_model_dir, tmp_path_factory):
                num_iterations=request.param, max_steps=STEPS, save_steps=1, save_total_limit=2, report_to=[],
                log_completions_steps=0, seed=0, output_dir=str(base / "run"))
     assert run_driver(cfg, base, "none", 0) == 0
-    return cfg, load_file(str(base / "run" / "final" / "model.safetensors"))
+    return cfg, load_file(str(base / "run" / "final" / "model.safetensors")), read_rows(base / "run")
+
+
+def read_rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.parametrize("point", ["generation", "micro_step", "save"])
 def test_kill_and_resume_matches_uninterrupted(straight, tmp_path, point):
-    cfg, want = straight
+    cfg, want, want_rows = straight
     cfg = {**cfg, "output_dir": str(tmp_path / "run")}
     assert run_driver(cfg, tmp_path, point, kill_step=3) == -signal.SIGKILL
     assert not (tmp_path / "run" / "final").exists()
@@ -51,5 +55,8 @@ def test_kill_and_resume_matches_uninterrupted(straight, tmp_path, point):
     got = load_file(str(tmp_path / "run" / "final" / "model.safetensors"))
     diff = max((got[k] - want[k]).abs().max().item() for k in want)
     assert diff == 0.0, f"{point}: max |dtheta| = {diff}"
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(tmp_path / "run")
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # the killed step's partial logs are dropped
+    keys = ("reward/total", "policy/loss", "train/grad_norm", "policy/kl_divergence")
+    differ = [r["step"] for r, w in zip(rows, want_rows) if any(r[k] != w[k] for k in keys)]
+    assert differ == [], f"{point}: steps that differ from the uninterrupted run: {differ}"
