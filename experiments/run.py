@@ -9,9 +9,9 @@ of steps and the same number of completions per step (prompts_per_step x num_gen
 sees 32 prompts and G=32 sees 2), then the table is written to experiments/results/<experiment>.md and a plot of
 held-out accuracy against step to experiments/results/<experiment>.png.
 
-Columns: advantage std (mean over steps), seconds per step (median), final held-out accuracy (200 problems,
-sampled at temperature 1), and stability: the largest KL to the start and the std of the training accuracy
-over the last 20 steps.
+Columns: outcome advantage std (mean over steps; with process supervision the token advantages that are trained
+on differ), seconds per step (median), final held-out accuracy (200 problems, sampled at temperature 1), and
+stability: the largest KL to the reference and the std of the training accuracy over the last 20 steps.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def run_variant(name: str, overrides: dict, out: Path, steps: int) -> dict:
 def write(experiment: str, results: list[dict], steps: int) -> None:
     RESULTS.mkdir(exist_ok=True)
     lines = [f"# {experiment}", "", f"`python experiments/run.py --experiment {experiment} --steps {steps}`", "",
-             "| variant | advantage std | s / step | final held-out accuracy | max KL | accuracy std (last 20) |",
+             "| variant | outcome advantage std | s / step | final held-out accuracy | max KL | accuracy std (last 20) |",
              "|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['variant']} | {r['advantage_std']:.3f} | {r['seconds_per_step']:.2f} | "

@@ -12,7 +12,7 @@ import copy
 import torch
 
 from grpo.config import ConfigError, GRPOConfig
-from grpo.core import token_entropy, token_logprobs
+from grpo.core import hidden_logprobs, token_entropy, token_logprobs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
@@ -100,21 +100,54 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
                         temperature: float, with_entropy: bool = False):
     """Log-probs (N, T) of the last T=completion_len tokens of each row under `model`, at the sampling temperature.
 
-    input_ids (N, P+T): prompts left-padded to P, completions right-padded to T. Logits at position j predict
-    token j+1, so the T completion tokens are predicted by positions P-1 .. P+T-2; `logits_to_keep=T+1` asks the
-    model for just those rows (plus the last, dropped), so prompt positions never reach the LM head.
-    With `with_entropy`, returns (logp, entropy (N, T), detached) instead.
+    input_ids (N, P+T): prompts left-padded to P, completions right-padded to T. Position j predicts token j+1, so
+    the T completion tokens are predicted by positions P-1 .. P+T-2. With `with_entropy`, returns
+    (logp, entropy (N, T), detached) instead.
+
+    Fast path (a plain linear LM head, one process): the decoder's hidden states at those T positions go through
+    `grpo.core.hidden_logprobs`, which applies the head a chunk of positions at a time and recomputes each chunk in
+    backward, so the (N, T, V) logits and their gradient never exist (V is ~150k for real models). Otherwise the
+    model returns logits for just those positions (`logits_to_keep`), scored in chunks.
     """
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    targets = input_ids[:, -completion_len:]  # (N, T)
+    head = _plain_head(model)
+    if head is not None:
+        out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                                  use_cache=False)
+        hidden = out.last_hidden_state[:, -completion_len - 1:-1, :].contiguous()  # (N, T, H)
+        chunk = max(1, 2**23 // head.weight.shape[0])  # ~32 MB of float32 logits per chunk
+        logp, entropy = hidden_logprobs(hidden, head.weight, targets, temperature=temperature, chunk_size=chunk,
+                                        bias=head.bias, with_entropy=with_entropy)
+        return (logp, entropy.detach()) if with_entropy else logp
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
                 logits_to_keep=completion_len + 1, use_cache=False)
     logits = out.logits[:, :-1, :]  # (N, T, V)
-    targets = input_ids[:, -completion_len:]  # (N, T)
     logp = token_logprobs(logits, targets, temperature=temperature)
     if not with_entropy:
         return logp
     with torch.no_grad():
         return logp, token_entropy(logits.detach(), temperature=temperature)
+
+
+# Config attributes that change logits after the LM head; a model with any of them set takes the logits path.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def _plain_head(model):
+    """The LM head when logits are exactly `hidden @ W.T + b` and calling the decoder directly is safe, else None.
+
+    Not for DistributedDataParallel (its forward hook syncs gradients), a LoRA-wrapped head, or models that scale
+    or cap logits after the head.
+    """
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) or not hasattr(model, "get_decoder"):
+        return None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    config = getattr(model, "config", None)
+    if type(head) is not torch.nn.Linear or any(getattr(config, k, None) not in (None, 1, 1.0)
+                                                for k in _LOGIT_TRANSFORMS):
+        return None
+    return head
 
 
 def trainable_state(model) -> dict[str, torch.Tensor]:

@@ -290,10 +290,8 @@ class GRPOTrainer:
 
     @torch.no_grad()
     def _score_logprobs(self, batch: RolloutBatch) -> None:
-        """The sampling policy's log-probs (only needed when the batch is reused) and the reference's."""
+        """The reference's log-probs (beta > 0). The sampling policy's come from the first update pass."""
         cfg = self.cfg
-        if cfg.num_iterations > 1:
-            batch.old_logp = self._logprobs_in_chunks(self.policy, batch)
         if cfg.beta > 0:
             with reference_view(self.policy, self.reference) as ref:
                 batch.ref_logp = self._logprobs_in_chunks(ref, batch)
@@ -336,7 +334,12 @@ class GRPOTrainer:
             normalizer = float(n * self.world)
         sums: dict[str, float] = {}
         weight_total = 0.0
+        self._old_parts: list = []
         for it in range(cfg.num_iterations):
+            if it == 1:
+                batch.old_logp = torch.zeros_like(batch.completion_mask)
+                for sl, width, old in self._old_parts:
+                    batch.old_logp[sl, :width] = old
             self.optimizer.zero_grad(set_to_none=True)
             for k, sl in enumerate(chunks):
                 sync = k == len(chunks) - 1
@@ -362,16 +365,24 @@ class GRPOTrainer:
         cut = batch.completion_width - width  # trailing columns that are padding in every row of this chunk
         end = batch.input_ids.shape[1] - cut
         ids, attn = batch.input_ids[sl, :end], batch.attention_mask[sl, :end]
-        logp, entropy = completion_logprobs(self.model, ids, attn, width, cfg.temperature, with_entropy=True)
+        out = completion_logprobs(self.model, ids, attn, width, cfg.temperature, with_entropy=with_entropy)
+        logp, entropy = out if with_entropy else (out, None)
         cm = cmask[:, :width]
         adv = batch.advantages[sl]
         adv = adv[:, :width] if adv.dim() == 2 else adv
-        old = batch.old_logp[sl, :width] if batch.old_logp is not None else logp.detach()
+        if batch.old_logp is None:
+            # First pass over this rollout: no optimizer step has happened yet, so the policy's own log-probs are
+            # the sampling policy's. Kept for the later iterations instead of a separate no-grad pass.
+            old = logp.detach()
+            if cfg.num_iterations > 1:
+                self._old_parts.append((sl, width, old))
+        else:
+            old = batch.old_logp[sl, :width]
         ref = batch.ref_logp[sl, :width] if batch.ref_logp is not None else None
         out = policy_loss(logp, old, adv, cm, ref_logp=ref, beta=cfg.beta, kl_estimator=cfg.kl_estimator,
                           eps_low=cfg.epsilon, eps_high=cfg.epsilon_high, ratio_level=cfg.importance_sampling_level,
                           aggregation=cfg.loss_aggregation, max_length=cfg.max_completion_length,
-                          normalizer=normalizer, entropy=entropy if with_entropy else None)
+                          normalizer=normalizer, entropy=entropy)
         # DDP averages gradients over processes; the loss is already a share of the global sum, so undo the mean.
         self.accel.backward(out.loss * self.world)
         metrics = {k: float(v) for k, v in out.metrics.items()}

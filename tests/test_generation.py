@@ -77,3 +77,29 @@ def test_sampling_logprobs_match_a_full_forward(tiny_model_dir):
     with torch.no_grad():
         full = completion_logprobs(model, ids, torch.ones_like(ids), len(out.ids[0]), 1.0)[0]
     assert torch.allclose(full, torch.tensor(out.logprobs[0]), atol=1e-4)
+
+
+def test_chunked_head_path_equals_the_logits_path(tiny_model_dir, monkeypatch):
+    """completion_logprobs' fast path (decoder + chunked LM head) gives the logits path's log-probs, entropies and
+    gradients: it is a memory optimization, not a different loss."""
+    from transformers import AutoModelForCausalLM
+
+    import grpo.model as model_module
+
+    torch.manual_seed(0)
+    ids = torch.randint(3, 200, (4, 20))
+    attn = torch.ones_like(ids)
+    attn[0, :5] = 0  # a left-padded row
+    results = []
+    for fast in (True, False):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        if not fast:
+            monkeypatch.setattr(model_module, "_plain_head", lambda m: None)
+        assert (model_module._plain_head(model) is not None) == fast
+        logp, entropy = model_module.completion_logprobs(model, ids, attn, 8, 0.7, with_entropy=True)
+        logp.sum().backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        results.append((logp.detach(), entropy, grads))
+        monkeypatch.undo()
+    (a, ea, ga), (b, eb, gb) = results
+    assert torch.allclose(a, b, atol=1e-5) and torch.allclose(ea, eb, atol=1e-5) and torch.allclose(ga, gb, atol=1e-4)
