@@ -4,7 +4,8 @@ A checkpoint is written into `checkpoint-<step>.tmp` and renamed to `checkpoint-
 `manifest.json` last, is written and flushed. Resume takes the newest directory that has a manifest; a leftover
 `.tmp` is ignored and removed. Checkpoints hold: trainable weights (safetensors), optimizer and scheduler state,
 the step counter, the prompt sampler's position, and every random state (Python, NumPy, torch; sampling seeds are
-derived from the step, see `grpo.generation.row_seed`). Steps end at rollout boundaries, so no rollout buffer is ever in flight when a checkpoint is written.
+derived from the step, see `grpo.generation.row_seed`). Steps end at rollout boundaries, so no rollout buffer is
+ever in flight when a checkpoint is written.
 """
 
 from __future__ import annotations

@@ -303,7 +303,7 @@ def _coerce_types(cfg: GRPOConfig) -> None:
                 raise ConfigError(f"{f.name}: must be set (got null).")
             continue
         try:
-            if hint.startswith("<class 'bool'>") or hint == "<class 'bool'>":
+            if hint == "<class 'bool'>":
                 value = _to_bool(value)
             elif "float" in hint and not isinstance(value, bool):
                 value = float(value)

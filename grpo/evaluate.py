@@ -7,24 +7,12 @@ maj@k when the most frequent extracted answer among its k samples is a correct o
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 
 from grpo.data import PromptSet
 from grpo.generation import SamplingParams
+from grpo.rewards.math_accuracy import extract_answer
 from grpo.rollout import as_completion, strip_eos
-
-_ANSWER = re.compile(r"<answer>([\s\S]*?)</answer>")
-_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
-
-
-def extract_answer(text: str) -> str | None:
-    """The final answer of a completion: <answer>..</answer>, else \\boxed{..}, else None."""
-    for pattern in (_ANSWER, _BOXED):
-        found = pattern.findall(text)
-        if found:
-            return found[-1].strip()
-    return None
 
 
 def evaluate_prompts(generator, tokenizer, prompts: PromptSet, rewards, reward_names: list[str],
@@ -63,9 +51,8 @@ def evaluate_prompts(generator, tokenizer, prompts: PromptSet, rewards, reward_n
     }
     if fmt_name:
         result["format_rate"] = sum(formatted) / len(formatted)
-    result["rows"] = [{"prompt": prompts.prompts[i] if isinstance(prompts.prompts[i], str) else prompts.prompts[i],
-                       "completions": [texts[j] for j in js], "correct": [correct[j] for j in js]}
-                      for i, js in enumerate(by_prompt)]
+    result["rows"] = [{"prompt": prompts.prompts[i], "completions": [texts[j] for j in js],
+                       "correct": [correct[j] for j in js]} for i, js in enumerate(by_prompt)]
     return result
 
 

@@ -88,8 +88,8 @@ def process_logits(logits: torch.Tensor, seen: torch.Tensor | None, p: SamplingP
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if p.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop_sorted = cum - sorted_logits.softmax(-1) >= p.top_p  # keep the smallest prefix reaching top_p
+        sorted_probs = sorted_logits.softmax(-1)
+        drop_sorted = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p  # keep the smallest prefix reaching top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     if p.min_p > 0.0:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from pathlib import Path
 
 import torch
 
@@ -170,8 +171,6 @@ def load_trainable_state(model, weights: dict[str, torch.Tensor]) -> None:
 
 def save_final(model, tokenizer, path, merge: bool) -> None:
     """Hugging Face format that `AutoModelForCausalLM.from_pretrained(path)` loads; adapters also kept."""
-    from pathlib import Path
-
     path = Path(path)
     if is_peft(model):
         model.save_pretrained(path / "adapter")

@@ -60,7 +60,8 @@ class Sampled:
     def concat(parts: list["Sampled"]) -> "Sampled":
         first = parts[0]
         join = lambda name: [x for p in parts for x in getattr(p, name)]  # noqa: E731
-        add = lambda name: {k: sum(getattr(p, name).get(k, 0) for p in parts) for k in getattr(first, name)}  # noqa: E731
+        add = lambda name: {k: sum(getattr(p, name).get(k, 0) for p in parts)  # noqa: E731
+                            for k in getattr(first, name)}
         return Sampled(join("prompts"), join("prompt_ids"),
                        {k: [x for p in parts for x in p.columns[k]] for k in first.columns},
                        join("completion_ids"), join("truncated"), join("texts"), join("completions"), join("total"),

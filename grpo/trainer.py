@@ -74,20 +74,17 @@ class GRPOTrainer:
         self._check_reward_columns(list(train_dataset.column_names))  # before any model load
         self.B, self.G = batch_layout(cfg, self.world)
 
-        if model is None or isinstance(model, (str, Path)):
-            if model is not None:
-                cfg.model_name_or_path = str(model)
-            self.tokenizer = processing_class or load_tokenizer(cfg.model_name_or_path)
-        else:
-            self.tokenizer = processing_class or load_tokenizer(model.name_or_path)
+        from_path = model is None or isinstance(model, (str, Path))
+        if from_path and model is not None:
+            cfg.model_name_or_path = str(model)
+        self.tokenizer = processing_class or load_tokenizer(cfg.model_name_or_path if from_path else model.name_or_path)
         self.eos_ids = {self.tokenizer.eos_token_id}
         # Tokenize and check the data before the weights load: a bad row or length fails in seconds.
         self.train_set = build_prompt_set(train_dataset, self.tokenizer, cfg, self.prefill, "dataset_name")
         self.eval_set = (build_prompt_set(eval_dataset, self.tokenizer, cfg, self.prefill, "eval_dataset_name")
                          if eval_dataset is not None else None)
-        check_sizes(cfg, len(self.train_set), self.B, self.train_set.prompt_ids,
-                    model.config if not isinstance(model, (str, Path, type(None))) else None)
-        if model is None or isinstance(model, (str, Path)):
+        check_sizes(cfg, len(self.train_set), self.B, self.train_set.prompt_ids, None if from_path else model.config)
+        if from_path:
             model = load_model(cfg)
         model, self.reference = prepare_model(model, cfg, peft_config)
         self.total_steps = total_steps(cfg, len(self.train_set), self.B)
@@ -274,9 +271,8 @@ class GRPOTrainer:
         T = cmask.shape[1]
         n_local = len(ids)
         mask_all = torch.zeros(len(scores_all), T)
-        mask_all[self.rank * n_local:(self.rank + 1) * n_local] = cmask
         lengths = self._gather(cmask.sum(1))
-        for r in range(len(scores_all)):  # other ranks' rows: a mask up to their lengths suffices for the stats
+        for r in range(len(scores_all)):  # every row's mask, rebuilt from its length (all ranks' rows)
             mask_all[r, :int(min(lengths[r], T))] = 1.0
         process = process_advantages(scores_all, ends_all, mask_all, self.G, eps=cfg.advantage_eps,
                                      unbiased=cfg.unbiased_std)[self.rank * n_local:(self.rank + 1) * n_local]
@@ -334,18 +330,18 @@ class GRPOTrainer:
             normalizer = float(n * self.world)
         sums: dict[str, float] = {}
         weight_total = 0.0
-        self._old_parts: list = []
+        old_parts: list = []  # (rows, width, log-probs) of the first pass: the sampling policy's log-probs
         for it in range(cfg.num_iterations):
             if it == 1:
                 batch.old_logp = torch.zeros_like(batch.completion_mask)
-                for sl, width, old in self._old_parts:
+                for sl, width, old in old_parts:
                     batch.old_logp[sl, :width] = old
             self.optimizer.zero_grad(set_to_none=True)
             for k, sl in enumerate(chunks):
                 sync = k == len(chunks) - 1
                 ctx = self.accel.no_sync(self.model) if not sync else contextlib.nullcontext()
                 with ctx:
-                    metrics, w = self._micro_step(batch, sl, normalizer, with_entropy=it == 0)
+                    metrics, w = self._micro_step(batch, sl, normalizer, with_entropy=it == 0, old_parts=old_parts)
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + value * w
                 weight_total += w
@@ -357,7 +353,7 @@ class GRPOTrainer:
         out["health/nonfinite_steps"] = float(self.nonfinite_total)
         return out
 
-    def _micro_step(self, batch: RolloutBatch, sl: slice, normalizer: float, with_entropy: bool):
+    def _micro_step(self, batch: RolloutBatch, sl: slice, normalizer: float, with_entropy: bool, old_parts: list):
         cfg = self.cfg
         cmask = batch.completion_mask[sl]
         width = int(batch.attention_mask[sl, batch.input_ids.shape[1] - batch.completion_width:].sum(1).max())
@@ -375,7 +371,7 @@ class GRPOTrainer:
             # the sampling policy's. Kept for the later iterations instead of a separate no-grad pass.
             old = logp.detach()
             if cfg.num_iterations > 1:
-                self._old_parts.append((sl, width, old))
+                old_parts.append((sl, width, old))
         else:
             old = batch.old_logp[sl, :width]
         ref = batch.ref_logp[sl, :width] if batch.ref_logp is not None else None

@@ -15,10 +15,7 @@ from grpo import GRPOConfig, GRPOTrainer
 from grpo.checkpoint import latest_checkpoint
 from grpo.rewards import RewardError
 from grpo.trainer import TrainingStopped
-
-
-def count_a(completions, **kwargs):
-    return [c.count("a") / max(1, len(c)) for c in completions]
+from rewards_for_tests import count_a
 
 
 def config(tmp_path, **overrides):
@@ -66,7 +63,8 @@ def test_nan_streak_stops_with_last_checkpoint_intact(tiny_model_dir, tmp_path, 
     cfg = config(tmp_path, max_steps=8, max_nonfinite_steps=2)
     t = GRPOTrainer(model=tiny_model_dir, reward_funcs=[count_a], args=cfg, train_dataset=data())
     ref[0] = t
-    with pytest.raises(TrainingStopped, match=r"step 4: 2 non-finite gradient norms in a row \(max_nonfinite_steps=2\)"):
+    message = r"step 4: 2 non-finite gradient norms in a row \(max_nonfinite_steps=2\)"
+    with pytest.raises(TrainingStopped, match=message):
         t.train()
     last = latest_checkpoint(tmp_path / "run")
     assert last is not None and last.name == "checkpoint-3"  # step 3 was skipped but saved finite weights

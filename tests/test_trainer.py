@@ -10,11 +10,7 @@ import torch
 from datasets import Dataset
 
 from grpo import GRPOConfig, GRPOTrainer
-
-
-def count_a(completions, **kwargs):
-    """A learnable reward: the share of 'a' characters in the completion (a TRL-signature function)."""
-    return [c.count("a") / max(1, len(c)) for c in completions]
+from rewards_for_tests import count_a
 
 
 def prompts(n=16):
