@@ -50,15 +50,39 @@ def uniform_streams(rngs: list[torch.Generator], length: int) -> torch.Tensor:
     return torch.stack([torch.rand(length, generator=g, dtype=torch.float64) for g in rngs])
 
 
-def sample_rows(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """One token per row of (N, V) probabilities by inverse CDF with each row's uniform (N,): (N,).
+_CDF_BLOCK = 1024
+"""Vocabulary entries per block of the two-level inverse-CDF search in `sample_rows`."""
 
-    Token i is drawn when cdf[i-1] <= u * total < cdf[i]; filtered tokens have probability 0 and are never drawn.
-    One vectorized op per token instead of N `multinomial` calls.
+
+def sample_rows(logits: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of (N, V) logits (filtered entries -inf) by inverse CDF with each row's uniform (N,).
+
+    Returns (tokens (N,) int64, their log-probabilities (N,) float32). Token i is drawn when
+    cdf[i-1] <= u * total < cdf[i]; filtered tokens have probability 0 and are never drawn.
+
+    The search is two-level so that no (N, V) float64 copy or full-vocabulary cumulative sum is made: the
+    unnormalized probabilities are summed per block of 1,024 entries, the float64 cumulative sum of those sums finds
+    the block, and a float64 cumulative sum inside that one block finds the token (float64 where sums are taken:
+    the last entries of a 150k vocabulary keep their mass).
     """
-    cdf = probs.double().cumsum(-1)  # float64: the last few tokens of a 150k vocabulary keep their mass
-    target = uniforms[:, None] * cdf[:, -1:]
-    return (cdf <= target).sum(-1).clamp(max=probs.shape[-1] - 1)
+    rows, vocab = logits.shape
+    row_max = logits.amax(-1, keepdim=True)  # (N, 1)
+    weights = torch.exp(logits - row_max)  # (N, V) float32, unnormalized; 0 where filtered
+    blocks = -(-vocab // _CDF_BLOCK)
+    padded = torch.nn.functional.pad(weights, (0, blocks * _CDF_BLOCK - vocab)) if vocab % _CDF_BLOCK else weights
+    tiles = padded.view(rows, blocks, _CDF_BLOCK)  # (N, B, 1024)
+    block_cdf = tiles.sum(-1, dtype=torch.float64).cumsum(-1)  # (N, B)
+    target = uniforms.to(torch.float64) * block_cdf[:, -1]  # (N,)
+    block = (block_cdf <= target[:, None]).sum(-1).clamp(max=blocks - 1)  # (N,)
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)[:, None])[:, 0], 0.0)
+    inside = tiles[torch.arange(rows), block].to(torch.float64)  # (N, 1024): the chosen block of each row
+    offset = (inside.cumsum(-1) + before[:, None] <= target[:, None]).sum(-1)
+    # Rounding can leave the target just past the block's own cumulative sum: take its last token with mass.
+    last_positive = _CDF_BLOCK - 1 - (inside > 0).flip(-1).int().argmax(-1)
+    offset = torch.where(offset >= _CDF_BLOCK, last_positive, offset)
+    tokens = block * _CDF_BLOCK + offset
+    logprobs = logits.gather(1, tokens[:, None])[:, 0] - row_max[:, 0] - torch.log(block_cdf[:, -1]).float()
+    return tokens, logprobs
 
 
 def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,7 +106,8 @@ def process_logits(logits: torch.Tensor, seen: torch.Tensor | None, p: SamplingP
     if p.repetition_penalty != 1.0 and seen is not None:
         penalized = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
         logits = torch.where(seen, penalized, logits)
-    logits = logits / p.temperature
+    if p.temperature != 1.0:
+        logits = logits / p.temperature
     if p.top_k > 0 and p.top_k < logits.shape[-1]:
         kth = torch.topk(logits, p.top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -146,10 +171,9 @@ class TransformersGenerator:
         uniforms = uniform_streams(rngs, p.max_new_tokens)
         for t in range(p.max_new_tokens):
             logits = process_logits(out.logits[:, -1, :].float(), seen, p)
-            # Sampling on CPU generators keeps the random streams independent of the device.
-            probs = logits.softmax(-1).cpu()
-            token = sample_rows(probs, uniforms[:, t]).to(device)
-            new_logprobs[:, t] = probs.gather(1, token.cpu()[:, None]).squeeze(1).log()
+            # The uniforms come from CPU generators, so the random streams do not depend on the device.
+            token, logprob = sample_rows(logits, uniforms[:, t].to(device))
+            new_logprobs[:, t] = logprob.cpu()
             token = torch.where(done, torch.full_like(token, self.pad_id), token)
             new_tokens[:, t] = token
             length += (~done).long()

@@ -106,9 +106,9 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     (logp, entropy (N, T), detached) instead.
 
     Fast path (a plain linear LM head, one process): the decoder's hidden states at those T positions go through
-    `grpo.core.hidden_logprobs`, which applies the head a chunk of positions at a time and recomputes each chunk in
-    backward, so the (N, T, V) logits and their gradient never exist (V is ~150k for real models). Otherwise the
-    model returns logits for just those positions (`logits_to_keep`), scored in chunks.
+    `grpo.core.hidden_logprobs`, which applies the head one cache-sized tile of positions x vocabulary at a time and
+    recomputes each tile in backward, so the (N, T, V) logits and their gradient never exist (V is ~150k for real
+    models). Otherwise the model returns logits for just those positions (`logits_to_keep`), scored in chunks.
     """
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     targets = input_ids[:, -completion_len:]  # (N, T)
@@ -117,9 +117,8 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
         out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
                                   use_cache=False)
         hidden = out.last_hidden_state[:, -completion_len - 1:-1, :].contiguous()  # (N, T, H)
-        chunk = max(1, 2**23 // head.weight.shape[0])  # ~32 MB of float32 logits per chunk
-        logp, entropy = hidden_logprobs(hidden, head.weight, targets, temperature=temperature, chunk_size=chunk,
-                                        bias=head.bias, with_entropy=with_entropy)
+        logp, entropy = hidden_logprobs(hidden, head.weight, targets, temperature=temperature, bias=head.bias,
+                                        with_entropy=with_entropy)
         return (logp, entropy.detach()) if with_entropy else logp
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
                 logits_to_keep=completion_len + 1, use_cache=False)

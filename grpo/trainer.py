@@ -33,8 +33,8 @@ from grpo.generation import SamplingParams, TransformersGenerator, row_seed
 from grpo.model import (completion_logprobs, load_model, load_tokenizer, load_trainable_state, prepare_model,
                         reference_view, save_final, trainable_state)
 from grpo.rollout import RolloutBatch, Sampled, as_completion, char_to_token_ends, group_stats, pack, strip_eos
-from grpo.setup import (batch_layout, check_sizes, make_datasets, make_reward_runner, make_schedule, make_step_rewards,
-                        seed_everything, total_steps, load_task)
+from grpo.setup import (batch_layout, check_sizes, make_datasets, make_optimizer, make_reward_runner, make_schedule,
+                        make_step_rewards, seed_everything, total_steps, load_task)
 
 
 # grpo.core metric -> logged name (the seed tutorial's names where it has one).
@@ -89,9 +89,7 @@ class GRPOTrainer:
         model, self.reference = prepare_model(model, cfg, peft_config)
         self.total_steps = total_steps(cfg, len(self.train_set), self.B)
 
-        params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                           eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
+        self.optimizer = make_optimizer(model, cfg)
         # The schedule counts optimizer updates: num_iterations of them per step.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, make_schedule(cfg, self.total_steps * cfg.num_iterations))
@@ -405,6 +403,7 @@ class GRPOTrainer:
         self.nonfinite_in_a_row = 0
         self.optimizer.step()
         self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)  # no gradient buffers held through the next rollout
         return grad_norm
 
     def _save_nonfinite_inputs(self, batch: RolloutBatch) -> Path:

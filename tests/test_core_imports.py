@@ -69,7 +69,8 @@ def test_public_api_names_and_parameters():
                         "eps_high", "ratio_level", "aggregation", "max_length", "normalizer", "entropy"],
         "token_logprobs": ["logits", "tokens", "temperature", "chunk_size"],
         "token_entropy": ["logits", "chunk_size", "temperature"],
-        "hidden_logprobs": ["hidden", "weight", "tokens", "temperature", "chunk_size", "bias", "with_entropy"],
+        "hidden_logprobs": ["hidden", "weight", "tokens", "temperature", "chunk_size", "bias", "with_entropy",
+                            "vocab_block"],
     }
     for name, params in expected.items():
         assert name in grpo.core.__all__

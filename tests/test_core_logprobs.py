@@ -96,14 +96,17 @@ def test_minus_inf_logits_give_finite_entropy():
 
 
 @pytest.mark.parametrize("chunk_size", [1, 4, 6, 1024])
+@pytest.mark.parametrize("vocab_block", [None, 1, 3, 4, 11])
 @pytest.mark.parametrize("use_bias", [False, True])
-def test_hidden_logprobs_match_naive_full_logits(chunk_size, use_bias):
+def test_hidden_logprobs_match_naive_full_logits(chunk_size, vocab_block, use_bias):
+    # vocab 11: blocks of 1 (the running max moves at nearly every tile), 3 and 4 (a short last tile), 11 (one tile).
     hidden, weight, bias, tokens = random_case(seed=chunk_size)
+    weight[2] += 3.0  # a large logit in the middle of the vocabulary: the running max must move up and be rescaled
     bias = bias if use_bias else None
     temperature = 0.8
     leaves = [t.clone().requires_grad_() for t in ((hidden, weight, bias) if use_bias else (hidden, weight))]
     logp, entropy = hidden_logprobs(leaves[0], leaves[1], tokens, temperature, chunk_size,
-                                    bias=leaves[2] if use_bias else None, with_entropy=True)
+                                    bias=leaves[2] if use_bias else None, with_entropy=True, vocab_block=vocab_block)
     upstream = torch.linspace(-1, 1, tokens.numel()).reshape(tokens.shape)
     grads = torch.autograd.grad((logp * upstream).sum() + (entropy * upstream).sum(), leaves)
 
@@ -136,6 +139,8 @@ def test_float64_gradcheck():
     leaves = tuple(t.requires_grad_() for t in (hidden, weight, bias))
     assert torch.autograd.gradcheck(
         lambda h, w, b: hidden_logprobs(h, w, tokens, 0.9, 4, b, with_entropy=True), leaves)
+    assert torch.autograd.gradcheck(
+        lambda h, w, b: hidden_logprobs(h, w, tokens, 0.9, 4, b, with_entropy=True, vocab_block=2), leaves)
     logits = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda x: token_logprobs(x, tokens, 1.3, chunk_size=2), (logits,))
     assert torch.autograd.gradcheck(lambda x: token_entropy(x, chunk_size=4), (logits,))
@@ -167,5 +172,7 @@ def test_bad_arguments_raise_clear_errors():
         token_entropy(logits, temperature=0.0)
     with pytest.raises(ValueError, match="chunk_size must be a positive"):
         token_logprobs(logits, torch.zeros(2, 3, dtype=torch.long), chunk_size=0)
+    with pytest.raises(ValueError, match="hidden_logprobs: vocab_block must be a positive"):
+        hidden_logprobs(torch.zeros(2, 3, 5), torch.zeros(4, 5), torch.zeros(2, 3, dtype=torch.long), vocab_block=0)
     with pytest.raises(ValueError, match=r"hidden_logprobs: need hidden \(N, T, H\) and weight \(V, H\)"):
         hidden_logprobs(torch.zeros(2, 3, 5), torch.zeros(4, 6), torch.zeros(2, 3, dtype=torch.long))

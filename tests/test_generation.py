@@ -14,15 +14,37 @@ from grpo.generation import (SamplingParams, TransformersGenerator, left_pad, pr
 def test_inverse_cdf_frequencies_and_zero_mass():
     probs = torch.tensor([[0.1, 0.0, 0.6, 0.3]]).repeat(20000, 1)
     u = uniform_streams([torch.Generator().manual_seed(i) for i in range(20000)], 1)[:, 0]
-    freq = torch.bincount(sample_rows(probs, u), minlength=4) / 20000
+    tokens, logprobs = sample_rows(probs.log(), u)
+    freq = torch.bincount(tokens, minlength=4) / 20000
     # 20,000 draws: the std of a frequency is at most sqrt(0.25 / 20000) = 0.0035; 0.02 is over 5 sigma.
     assert torch.allclose(freq, torch.tensor([0.1, 0.0, 0.6, 0.3]), atol=0.02) and freq[1] == 0
+    torch.testing.assert_close(logprobs, probs.log()[0, tokens])
 
 
 def test_boundaries_of_the_inverse_cdf():
-    probs = torch.tensor([[0.25, 0.25, 0.5]] * 3)
+    logits = torch.tensor([[0.25, 0.25, 0.5]] * 3).log() + 7.0  # a constant shift changes nothing
     # cdf = [0.25, 0.5, 1.0]: u = 0 -> token 0; u = 0.25 -> token 1 (cdf[0] <= u); u = 0.999 -> token 2.
-    assert sample_rows(probs, torch.tensor([0.0, 0.25, 0.999], dtype=torch.float64)).tolist() == [0, 1, 2]
+    tokens, logprobs = sample_rows(logits, torch.tensor([0.0, 0.25, 0.999], dtype=torch.float64))
+    assert tokens.tolist() == [0, 1, 2]
+    torch.testing.assert_close(logprobs, torch.tensor([0.25, 0.25, 0.5]).log())
+
+
+def test_two_level_search_across_blocks_of_a_large_vocabulary():
+    # 3,000 entries = blocks of 1,024, 1,024 and 952 (a short last block). Mass only on tokens 5, 1500 and 2999
+    # (probabilities 0.2, 0.5, 0.3); the middle of every block is filtered (-inf) and must never be drawn.
+    logits = torch.full((1, 3000), float("-inf"))
+    logits[0, [5, 1500, 2999]] = torch.tensor([0.2, 0.5, 0.3]).log()
+    u = torch.tensor([0.0, 0.1999, 0.2001, 0.6999, 0.7001, 0.999999], dtype=torch.float64)
+    tokens, logprobs = sample_rows(logits.repeat(6, 1), u)
+    assert tokens.tolist() == [5, 5, 1500, 1500, 2999, 2999]
+    torch.testing.assert_close(logprobs, torch.tensor([0.2, 0.2, 0.5, 0.5, 0.3, 0.3]).log())
+    # Against a plain float64 inverse CDF over the full vocabulary, on random logits and uniforms.
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 5000, generator=gen) * 3
+    u = torch.rand(64, generator=gen, dtype=torch.float64)
+    cdf = logits.double().softmax(-1).cumsum(-1)
+    expected = (cdf <= u[:, None] * cdf[:, -1:]).sum(-1)
+    assert sample_rows(logits, u)[0].tolist() == expected.tolist()
 
 
 def test_filters_by_hand():
