@@ -16,6 +16,9 @@ from typing import Callable, Protocol
 
 import torch
 
+from grpo.decoding import LeanDecoder, packed_head, preallocated_cache
+from grpo.model import _plain_head
+
 
 @dataclass
 class SamplingParams:
@@ -55,33 +58,37 @@ _CDF_BLOCK = 1024
 
 
 def sample_rows(logits: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row of (N, V) logits (filtered entries -inf) by inverse CDF with each row's uniform (N,).
+    """One token per row of (N, V) float32 logits (filtered entries -inf) by inverse CDF with each row's uniform
+    (N,). The logits are overwritten (shifted to a row maximum of 0).
 
     Returns (tokens (N,) int64, their log-probabilities (N,) float32). Token i is drawn when
     cdf[i-1] <= u * total < cdf[i]; filtered tokens have probability 0 and are never drawn.
 
     The search is two-level so that no (N, V) float64 copy or full-vocabulary cumulative sum is made: the
-    unnormalized probabilities are summed per block of 1,024 entries, the float64 cumulative sum of those sums finds
-    the block, and a float64 cumulative sum inside that one block finds the token (float64 where sums are taken:
-    the last entries of a 150k vocabulary keep their mass).
+    unnormalized probabilities are summed per block of 1,024 entries, the float64 cumulative sum of those block sums
+    finds the block, and a float64 cumulative sum inside that one block finds the token (float64 across the
+    vocabulary: the last blocks of a 150k vocabulary keep their mass).
     """
     rows, vocab = logits.shape
-    row_max = logits.amax(-1, keepdim=True)  # (N, 1)
-    weights = torch.exp(logits - row_max)  # (N, V) float32, unnormalized; 0 where filtered
-    blocks = -(-vocab // _CDF_BLOCK)
-    padded = torch.nn.functional.pad(weights, (0, blocks * _CDF_BLOCK - vocab)) if vocab % _CDF_BLOCK else weights
-    tiles = padded.view(rows, blocks, _CDF_BLOCK)  # (N, B, 1024)
-    block_cdf = tiles.sum(-1, dtype=torch.float64).cumsum(-1)  # (N, B)
+    shifted = logits.sub_(logits.amax(-1, keepdim=True))  # (N, V), in place: max 0 per row
+    weights = torch.exp(shifted)  # (N, V) float32, unnormalized; 0 where filtered
+    full = vocab - vocab % _CDF_BLOCK
+    block_sums = weights[:, :full].view(rows, -1, _CDF_BLOCK).sum(-1)  # (N, B)
+    if full < vocab:  # the short last block
+        block_sums = torch.cat([block_sums, weights[:, full:].sum(-1, keepdim=True)], dim=1)
+    block_cdf = block_sums.double().cumsum(-1)  # (N, B)
+    blocks = block_cdf.shape[1]
     target = uniforms.to(torch.float64) * block_cdf[:, -1]  # (N,)
     block = (block_cdf <= target[:, None]).sum(-1).clamp(max=blocks - 1)  # (N,)
     before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)[:, None])[:, 0], 0.0)
-    inside = tiles[torch.arange(rows), block].to(torch.float64)  # (N, 1024): the chosen block of each row
+    index = block[:, None] * _CDF_BLOCK + torch.arange(_CDF_BLOCK, device=logits.device)  # (N, 1024)
+    inside = weights.gather(1, index.clamp(max=vocab - 1)).to(torch.float64).masked_fill_(index >= vocab, 0.0)
     offset = (inside.cumsum(-1) + before[:, None] <= target[:, None]).sum(-1)
     # Rounding can leave the target just past the block's own cumulative sum: take its last token with mass.
     last_positive = _CDF_BLOCK - 1 - (inside > 0).flip(-1).int().argmax(-1)
     offset = torch.where(offset >= _CDF_BLOCK, last_positive, offset)
     tokens = block * _CDF_BLOCK + offset
-    logprobs = logits.gather(1, tokens[:, None])[:, 0] - row_max[:, 0] - torch.log(block_cdf[:, -1]).float()
+    logprobs = shifted.gather(1, tokens[:, None])[:, 0] - torch.log(block_cdf[:, -1]).float()
     return tokens, logprobs
 
 
@@ -156,9 +163,18 @@ class TransformersGenerator:
         n = ids.shape[0]
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         eos = torch.tensor(self.eos_ids, device=device)
+        width = ids.shape[1]
+        cache = preallocated_cache(self.model, width + p.max_new_tokens)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                         logits_to_keep=1)
-        vocab = out.logits.shape[-1]
+                         past_key_values=cache, logits_to_keep=1)
+        logits = out.logits[:, -1, :]
+        vocab = logits.shape[-1]
+        head = _plain_head(self.model)
+        lean = cache is not None and head is not None and LeanDecoder.supports(self.model)
+        if lean:  # the one-token steps without transformers' general forward (grpo/decoding.py)
+            decoder, project = LeanDecoder(self.model), packed_head(head.weight, head.bias, n)
+            key_mask = None if bool(mask.all()) else torch.cat(
+                [mask.bool(), torch.ones((n, p.max_new_tokens), dtype=torch.bool, device=device)], dim=1)
         seen = None
         if p.repetition_penalty != 1.0:
             seen = torch.zeros((n, vocab), dtype=torch.bool, device=device)
@@ -170,7 +186,7 @@ class TransformersGenerator:
         pos = positions[:, -1:]
         uniforms = uniform_streams(rngs, p.max_new_tokens)
         for t in range(p.max_new_tokens):
-            logits = process_logits(out.logits[:, -1, :].float(), seen, p)
+            logits = process_logits(logits.float(), seen, p)
             # The uniforms come from CPU generators, so the random streams do not depend on the device.
             token, logprob = sample_rows(logits, uniforms[:, t].to(device))
             new_logprobs[:, t] = logprob.cpu()
@@ -182,10 +198,15 @@ class TransformersGenerator:
                 seen[torch.arange(n, device=device), token] = True
             if bool(done.all()) or t == p.max_new_tokens - 1:
                 break
-            mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=device)], dim=1)
             pos = pos + 1
-            out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=pos,
-                             past_key_values=out.past_key_values, use_cache=True)
+            if lean:
+                visible = None if key_mask is None else key_mask[:, :width + t + 1]
+                logits = project(decoder.hidden(token[:, None], pos, cache, visible))
+            else:
+                mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=device)], dim=1)
+                out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=pos,
+                                 past_key_values=out.past_key_values, use_cache=True)
+                logits = out.logits[:, -1, :]
         if was_training:
             self.model.train()
         rows, lps = new_tokens.cpu().tolist(), new_logprobs.tolist()

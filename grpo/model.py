@@ -81,6 +81,22 @@ def prepare_model(model, cfg: GRPOConfig, peft_config=None):
     return model, reference
 
 
+def sparse_tied_embedding_grad(model) -> bool:
+    """When the input embedding and the LM head share one trainable weight (tied embeddings), make the embedding's
+    own gradient sparse: the rows of the tokens in the batch instead of a dense (V, H) buffer. The LM head's dense
+    gradient reaches the shared weight first in backward and the sparse rows are added into it in place, so the
+    weight's `.grad` stays dense (as AdamW needs) and no second (V, H) tensor is made per micro-batch (155 MB for
+    a 151k x 256 vocabulary). Only for an unwrapped model in one process: DDP treats sparse embeddings specially.
+    Returns whether it applied."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if (type(emb) is torch.nn.Embedding and head is not None and getattr(head, "weight", None) is emb.weight
+            and emb.weight.requires_grad):
+        emb.sparse = True
+        return True
+    return False
+
+
 def is_peft(model) -> bool:
     return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
 
@@ -117,8 +133,10 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
         out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
                                   use_cache=False)
         hidden = out.last_hidden_state[:, -completion_len - 1:-1, :].contiguous()  # (N, T, H)
+        # The head's weight gradient goes straight into .grad (no (V, H) temporary per micro-batch): safe here, the
+        # trainer calls .backward() on an unwrapped model.
         logp, entropy = hidden_logprobs(hidden, head.weight, targets, temperature=temperature, bias=head.bias,
-                                        with_entropy=with_entropy)
+                                        with_entropy=with_entropy, weight_grad_in_place=head.weight.is_leaf)
         return (logp, entropy.detach()) if with_entropy else logp
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
                 logits_to_keep=completion_len + 1, use_cache=False)

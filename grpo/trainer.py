@@ -31,7 +31,7 @@ from grpo.data import PromptSampler, build_prompt_set
 from grpo.health import HealthMonitor
 from grpo.generation import SamplingParams, TransformersGenerator, row_seed
 from grpo.model import (completion_logprobs, load_model, load_tokenizer, load_trainable_state, prepare_model,
-                        reference_view, save_final, trainable_state)
+                        reference_view, save_final, sparse_tied_embedding_grad, trainable_state)
 from grpo.rollout import RolloutBatch, Sampled, as_completion, char_to_token_ends, group_stats, pack, strip_eos
 from grpo.setup import (batch_layout, check_sizes, make_datasets, make_optimizer, make_reward_runner, make_schedule,
                         make_step_rewards, seed_everything, total_steps, load_task)
@@ -97,6 +97,8 @@ class GRPOTrainer:
         if self.reference is not None:
             self.reference.to(self.accel.device)
         self.policy = self.accel.unwrap_model(self.model)
+        if self.model is self.policy:  # one process, not wrapped by DDP, FSDP or DeepSpeed
+            sparse_tied_embedding_grad(self.policy)
         self.generator = generator or TransformersGenerator(self.policy, self.tokenizer.pad_token_id,
                                                             list(self.eos_ids))
         self.sampler = PromptSampler(len(self.train_set), cfg.seed)

@@ -201,8 +201,9 @@ class _HiddenLogprob(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, tokens, temperature, positions, block, with_entropy):
+    def forward(ctx, hidden, weight, bias, tokens, temperature, positions, block, with_entropy, grad_in_place):
         ctx.set_materialize_grads(False)
+        ctx.weight = weight if grad_in_place else None
         rows, cols, size = hidden.shape
         h_all, y_all = hidden.reshape(-1, size), tokens.reshape(-1)
         dtype = _upcast(hidden.dtype)
@@ -235,9 +236,12 @@ class _HiddenLogprob(torch.autograd.Function):
         g_entropy = _over_temperature(grad_entropy, ctx.temperature)
         g_entropy = None if g_entropy is None else g_entropy.reshape(-1).to(lse.dtype)
         grad_hidden = torch.zeros_like(h_all) if need_hidden else None
-        # Every tile writes its rows of the weight gradient on the first chunk of positions: no zero fill needed.
-        grad_weight = torch.empty_like(weight) if need_weight and count > 0 else (
-            torch.zeros_like(weight) if need_weight else None)
+        grad_weight, fresh = None, False
+        if need_weight and ctx.weight is not None and ctx.weight.grad is not None:
+            grad_weight = ctx.weight.grad  # accumulate straight into the existing gradient
+        elif need_weight:
+            # Every tile writes its rows on the first chunk of positions: no zero fill needed.
+            grad_weight, fresh = (torch.empty_like(weight), True) if count > 0 else (torch.zeros_like(weight), False)
         grad_bias = torch.zeros_like(bias) if need_bias else None
         for p0 in range(0, count, ctx.positions):
             part = slice(p0, p0 + ctx.positions)
@@ -255,7 +259,7 @@ class _HiddenLogprob(torch.autograd.Function):
                 if need_hidden:
                     grad_hidden[part].addmm_(grad_x, weight[rows_v])
                 if need_weight:
-                    if p0 == 0:
+                    if p0 == 0 and fresh:
                         torch.mm(grad_x.T, h, out=grad_weight[rows_v])
                     else:
                         grad_weight[rows_v].addmm_(grad_x.T, h)
@@ -269,7 +273,11 @@ class _HiddenLogprob(torch.autograd.Function):
         if need_bias:
             grad_bias.index_add_(0, y_all, g_target.squeeze(1))
         grad_hidden = grad_hidden.reshape(hidden.shape) if need_hidden else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        if need_weight and ctx.weight is not None:  # in place: the gradient is already where it belongs
+            if ctx.weight.grad is None:
+                ctx.weight.grad = grad_weight
+            grad_weight = None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def _check_args(name: str, leading: torch.Size, tokens: Tensor | None, temperature: float, chunk_size) -> None:
@@ -337,6 +345,7 @@ def hidden_logprobs(
     bias: Tensor | None = None,
     with_entropy: bool = False,
     vocab_block: int | None = None,
+    weight_grad_in_place: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Token log-probs (and entropies) straight from final hidden states and the LM-head weight.
 
@@ -355,6 +364,10 @@ def hidden_logprobs(
         with_entropy: also return the (N, T) entropy of softmax(logits / temperature).
         vocab_block: vocabulary rows per tile; None picks max(256, 2**19 // chunk positions) (a 2 MiB float32 tile,
             which fits a core's L2 cache).
+        weight_grad_in_place: backward adds the weight's gradient straight into `weight.grad` (creating it if None)
+            instead of returning it, so no second (V, H) buffer is made when gradients accumulate over micro-batches.
+            Only for a leaf parameter trained with `.backward()` and no gradient hooks on it (not DDP, not
+            `torch.autograd.grad`, which would see no gradient for the weight).
 
     Returns:
         (logp, entropy): (N, T) float32 log-probs (float64 for float64 input) and entropies of the same dtype, or
@@ -373,4 +386,4 @@ def hidden_logprobs(
     if vocab_block is None:
         vocab_block = max(256, _TILE_ELEMENTS // max(1, min(chunk_size, tokens.numel())))
     return _HiddenLogprob.apply(hidden, weight, bias, tokens.long(), temperature, chunk_size, vocab_block,
-                                with_entropy)
+                                with_entropy, weight_grad_in_place)

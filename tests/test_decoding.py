@@ -1,0 +1,85 @@
+"""The lean decode step and the preallocated cache give what transformers' own forward gives, token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+import grpo.generation as generation
+from grpo.decoding import LeanDecoder, packed_head, preallocated_cache
+from grpo.generation import SamplingParams, TransformersGenerator
+
+
+def tiny(kind: str):
+    torch.manual_seed(0)
+    common = dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64)  # 2 query heads per key/value head
+    if kind == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True)).eval()
+    return LlamaForCausalLM(LlamaConfig(**common, attention_bias=True,
+                                        rope_scaling={"rope_type": "linear", "factor": 2.0})).eval()
+
+
+def prompts():
+    ids = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5], [0, 9, 8, 7, 6]])  # rows 0 and 2 left-padded
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]])
+    return ids, mask
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@torch.no_grad()
+def test_lean_steps_match_the_stock_forward(kind):
+    model = tiny(kind)
+    assert LeanDecoder.supports(model)
+    ids, mask = prompts()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    stock = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    cache = preallocated_cache(model, ids.shape[1] + 6)
+    ours = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, past_key_values=cache)
+    torch.testing.assert_close(ours.logits, stock.logits)
+    decoder, head = LeanDecoder(model), model.get_output_embeddings()
+    key_mask = torch.cat([mask.bool(), torch.ones(3, 6, dtype=torch.bool)], dim=1)
+    pos, kv = positions[:, -1:], stock.past_key_values
+    for t, token in enumerate([[3], [4], [5], [6]]):
+        token = torch.tensor(token).repeat(3, 1) + torch.arange(3)[:, None]
+        mask = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], dim=1)
+        pos = pos + 1
+        step = model(input_ids=token, attention_mask=mask, position_ids=pos, past_key_values=kv, use_cache=True)
+        kv = step.past_key_values
+        hidden = decoder.hidden(token, pos, cache, key_mask[:, :ids.shape[1] + t + 1])
+        torch.testing.assert_close(F.linear(hidden, head.weight), step.logits[:, -1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_generation_is_the_same_with_and_without_the_lean_path(kind, monkeypatch):
+    model = tiny(kind)
+    ids = [[5, 6, 7], [1, 2, 3, 4, 5], [9, 8, 7, 6]]
+    params = SamplingParams(12, temperature=1.0)
+    fast = TransformersGenerator(model, pad_id=0, eos_ids=[49]).generate(ids, params, seeds=[1, 2, 3])
+    monkeypatch.setattr(generation.LeanDecoder, "supports", staticmethod(lambda m: False))
+    monkeypatch.setattr(generation, "preallocated_cache", lambda m, c: None)
+    slow = TransformersGenerator(model, pad_id=0, eos_ids=[49]).generate(ids, params, seeds=[1, 2, 3])
+    assert fast.ids == slow.ids
+    for a, b in zip(fast.logprobs, slow.logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=1e-5)
+
+
+def test_unsupported_models_keep_the_stock_forward():
+    sliding = Qwen2ForCausalLM(Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
+                                           sliding_window=4, max_window_layers=0))
+    assert not LeanDecoder.supports(sliding)
+    assert not LeanDecoder.supports(torch.nn.Linear(2, 2))
+
+
+def test_packed_head_equals_linear_and_cache_capacity_is_enforced():
+    torch.manual_seed(0)
+    weight, bias, h = torch.randn(300, 16), torch.randn(300), torch.randn(4, 16)
+    torch.testing.assert_close(packed_head(weight, bias, 4)(h), F.linear(h, weight, bias), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed_head(weight, None, 4)(h), F.linear(h, weight), atol=1e-5, rtol=1e-5)
+    model = tiny("qwen2")
+    cache = preallocated_cache(model, 4)
+    with pytest.raises(RuntimeError, match="exceed the capacity 4"):
+        model(input_ids=torch.ones(1, 5, dtype=torch.long), past_key_values=cache, use_cache=True)
