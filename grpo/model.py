@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from grpo.config import ConfigError, GRPOConfig
-from grpo.core import hidden_logprobs, token_entropy, token_logprobs
+from grpo.core import hidden_logprobs, hidden_loss, token_entropy, token_logprobs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
@@ -146,6 +146,33 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
         return logp
     with torch.no_grad():
         return logp, token_entropy(logits.detach(), temperature=temperature)
+
+
+_FUSED_ELEMENTS = 2**24
+"""Largest (rows x T, V) float32 logit buffer `completion_loss` holds (64 MiB); longer rows take two passes."""
+
+
+def completion_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
+                    temperature: float, row_loss, with_entropy: bool = False):
+    """The loss `row_loss(logp rows, rows)` summed over the rows of this micro-batch, with its gradient formed in the
+    same pass as the log-probs (`grpo.core.hidden_loss`: the LM head applied three times instead of four).
+
+    Returns (loss, logp (N, T) detached, entropy (N, T) detached or None), or None when this path does not apply:
+    a head that is not a plain linear layer, or one row's (T, V) logits larger than _FUSED_ELEMENTS. Only for an
+    unwrapped model in one process trained with `loss.backward()` (the head's weight gradient is added to its
+    .grad during forward).
+    """
+    head = _plain_head(model)
+    per_row = completion_len * (head.weight.shape[0] if head is not None else 0)
+    if head is None or per_row == 0 or per_row > _FUSED_ELEMENTS:
+        return None
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                              use_cache=False)
+    hidden = out.last_hidden_state[:, -completion_len - 1:-1, :]  # (N, T, H)
+    return hidden_loss(hidden, head.weight, input_ids[:, -completion_len:], row_loss, temperature, bias=head.bias,
+                       with_entropy=with_entropy, rows_per_chunk=max(1, _FUSED_ELEMENTS // per_row),
+                       weight_grad_in_place=head.weight.is_leaf)
 
 
 # Config attributes that change logits after the LM head; a model with any of them set takes the logits path.

@@ -30,8 +30,8 @@ from grpo.core import group_advantages, mix_advantages, policy_loss, process_adv
 from grpo.data import PromptSampler, build_prompt_set
 from grpo.health import HealthMonitor
 from grpo.generation import SamplingParams, TransformersGenerator, row_seed
-from grpo.model import (completion_logprobs, load_model, load_tokenizer, load_trainable_state, prepare_model,
-                        reference_view, save_final, sparse_tied_embedding_grad, trainable_state)
+from grpo.model import (completion_logprobs, completion_loss, load_model, load_tokenizer, load_trainable_state,
+                        prepare_model, reference_view, save_final, sparse_tied_embedding_grad, trainable_state)
 from grpo.rollout import RolloutBatch, Sampled, as_completion, char_to_token_ends, group_stats, pack, strip_eos
 from grpo.setup import (batch_layout, check_sizes, make_datasets, make_optimizer, make_reward_runner, make_schedule,
                         make_step_rewards, seed_everything, total_steps, load_task)
@@ -361,26 +361,36 @@ class GRPOTrainer:
         cut = batch.completion_width - width  # trailing columns that are padding in every row of this chunk
         end = batch.input_ids.shape[1] - cut
         ids, attn = batch.input_ids[sl, :end], batch.attention_mask[sl, :end]
-        out = completion_logprobs(self.model, ids, attn, width, cfg.temperature, with_entropy=with_entropy)
-        logp, entropy = out if with_entropy else (out, None)
         cm = cmask[:, :width]
         adv = batch.advantages[sl]
         adv = adv[:, :width] if adv.dim() == 2 else adv
-        if batch.old_logp is None:
-            # First pass over this rollout: no optimizer step has happened yet, so the policy's own log-probs are
-            # the sampling policy's. Kept for the later iterations instead of a separate no-grad pass.
-            old = logp.detach()
-            if cfg.num_iterations > 1:
-                old_parts.append((sl, width, old))
-        else:
-            old = batch.old_logp[sl, :width]
         ref = batch.ref_logp[sl, :width] if batch.ref_logp is not None else None
-        out = policy_loss(logp, old, adv, cm, ref_logp=ref, beta=cfg.beta, kl_estimator=cfg.kl_estimator,
-                          eps_low=cfg.epsilon, eps_high=cfg.epsilon_high, ratio_level=cfg.importance_sampling_level,
-                          aggregation=cfg.loss_aggregation, max_length=cfg.max_completion_length,
-                          normalizer=normalizer, entropy=entropy)
+        given_old = batch.old_logp[sl, :width] if batch.old_logp is not None else None
+
+        def loss_of(logp, old, rows=slice(None), entropy=None):
+            return policy_loss(logp, old, adv[rows], cm[rows], ref_logp=None if ref is None else ref[rows],
+                               beta=cfg.beta, kl_estimator=cfg.kl_estimator, eps_low=cfg.epsilon,
+                               eps_high=cfg.epsilon_high, ratio_level=cfg.importance_sampling_level,
+                               aggregation=cfg.loss_aggregation, max_length=cfg.max_completion_length,
+                               normalizer=normalizer, entropy=entropy)
+
+        # First pass over this rollout (no old log-probs yet): no optimizer step has happened, so the policy's own
+        # log-probs are the sampling policy's; they are kept for the later iterations instead of a separate pass.
+        fused = None
+        if self.model is self.policy:  # one process, unwrapped: the loss's gradient in the log-prob pass
+            fused = completion_loss(self.model, ids, attn, width, cfg.temperature, lambda lp, rows: loss_of(
+                lp, lp.detach() if given_old is None else given_old[rows], rows).loss, with_entropy=with_entropy)
+        if fused is not None:
+            loss, logp, entropy = fused
+        else:
+            out = completion_logprobs(self.model, ids, attn, width, cfg.temperature, with_entropy=with_entropy)
+            logp, entropy = out if with_entropy else (out, None)
+        old = logp.detach() if given_old is None else given_old
+        if given_old is None and cfg.num_iterations > 1:
+            old_parts.append((sl, width, old))
+        out = loss_of(logp, old, entropy=entropy)
         # DDP averages gradients over processes; the loss is already a share of the global sum, so undo the mean.
-        self.accel.backward(out.loss * self.world)
+        self.accel.backward((loss if fused is not None else out.loss) * self.world)
         metrics = {k: float(v) for k, v in out.metrics.items()}
         return metrics, float(cm.sum())
 

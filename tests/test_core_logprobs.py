@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from grpo.core import hidden_logprobs, token_entropy, token_logprobs
+from grpo.core import hidden_logprobs, hidden_loss, token_entropy, token_logprobs
 from grpo.core.logprobs import _chunks
 
 
@@ -176,3 +176,68 @@ def test_bad_arguments_raise_clear_errors():
         hidden_logprobs(torch.zeros(2, 3, 5), torch.zeros(4, 5), torch.zeros(2, 3, dtype=torch.long), vocab_block=0)
     with pytest.raises(ValueError, match=r"hidden_logprobs: need hidden \(N, T, H\) and weight \(V, H\)"):
         hidden_logprobs(torch.zeros(2, 3, 5), torch.zeros(4, 6), torch.zeros(2, 3, dtype=torch.long))
+
+
+def row_separable_loss(weights):
+    """A nonlinear loss that is a sum over rows: sum_t w_t logp_t + 0.5 exp(logp_t) - (row mean of logp)^2."""
+    def loss(logp, rows):
+        w = weights[rows]
+        return (w * logp + 0.5 * logp.exp()).sum() - (logp.mean(-1) ** 2).sum()
+    return loss
+
+
+@pytest.mark.parametrize("rows_per_chunk", [1, 2, 5])
+@pytest.mark.parametrize("vocab_block", [None, 1, 3, 4])
+@pytest.mark.parametrize("use_bias", [False, True])
+def test_hidden_loss_matches_autograd_through_the_naive_logits(rows_per_chunk, vocab_block, use_bias):
+    hidden, weight, bias, tokens = random_case(seed=rows_per_chunk + 10, rows=4)
+    weight[5] += 3.0
+    bias = bias if use_bias else None
+    weights = torch.linspace(-1, 1, tokens.numel()).reshape(tokens.shape)
+    temperature = 0.8
+    leaves = [t.clone().requires_grad_() for t in ((hidden, weight, bias) if use_bias else (hidden, weight))]
+    loss, logp, entropy = hidden_loss(leaves[0], leaves[1], tokens, row_separable_loss(weights), temperature,
+                                      bias=leaves[2] if use_bias else None, with_entropy=True,
+                                      rows_per_chunk=rows_per_chunk, vocab_block=vocab_block)
+    grads = torch.autograd.grad(3.0 * loss, leaves)  # a scale other than 1 reaches every gradient
+
+    naive = [t.clone().requires_grad_() for t in leaves]
+    logits = naive[0] @ naive[1].T + (naive[2] if use_bias else 0)
+    expected_logp = naive_logprobs(logits, tokens, temperature)
+    expected_loss = row_separable_loss(weights)(expected_logp, slice(None))
+    expected = torch.autograd.grad(3.0 * expected_loss, naive)
+    torch.testing.assert_close(loss, expected_loss.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logp, expected_logp.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, naive_entropy(logits, temperature).detach(), atol=1e-5, rtol=1e-5)
+    assert not logp.requires_grad and not entropy.requires_grad
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_hidden_loss_in_place_weight_gradient_accumulates_into_grad():
+    hidden, weight, _, tokens = random_case(seed=21, rows=3)
+    weights = torch.linspace(-1, 1, tokens.numel()).reshape(tokens.shape)
+    param = torch.nn.Parameter(weight.clone())
+    reference = torch.nn.Parameter(weight.clone())
+    for _ in range(2):  # the second pass adds to the .grad the first one created
+        loss, _, _ = hidden_loss(hidden, param, tokens, row_separable_loss(weights), vocab_block=4,
+                                 weight_grad_in_place=True)
+        loss.backward()
+        naive = naive_logprobs(hidden @ reference.T, tokens)
+        row_separable_loss(weights)(naive, slice(None)).backward()
+    torch.testing.assert_close(param.grad, reference.grad, atol=1e-5, rtol=1e-5)
+    loss, _, _ = hidden_loss(hidden, param, tokens, row_separable_loss(weights), weight_grad_in_place=True)
+    with pytest.raises(RuntimeError, match="gradient 1"):
+        (2.0 * loss).backward()
+
+
+def test_hidden_loss_float64_gradcheck_and_frozen_head():
+    hidden, weight, bias, tokens = random_case(seed=22, rows=2, cols=3, vocab=5, hidden_size=3, dtype=torch.float64)
+    weights = torch.linspace(-1, 1, tokens.numel(), dtype=torch.float64).reshape(tokens.shape)
+    leaves = tuple(t.requires_grad_() for t in (hidden, weight, bias))
+    assert torch.autograd.gradcheck(
+        lambda h, w, b: hidden_loss(h, w, tokens, row_separable_loss(weights), 0.9, b, vocab_block=2)[0], leaves)
+    frozen = weight.detach()
+    loss, _, _ = hidden_loss(hidden, frozen, tokens, row_separable_loss(weights))
+    (grad_hidden,) = torch.autograd.grad(loss, (hidden,))
+    assert frozen.grad is None and torch.isfinite(grad_hidden).all()

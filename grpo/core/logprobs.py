@@ -280,6 +280,119 @@ class _HiddenLogprob(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
+def _logits_into(out: Tensor, h: Tensor, weight: Tensor, bias: Tensor | None, v0: int, temperature: float) -> None:
+    """Write the logits / temperature of vocabulary rows v0 .. v0+width into out (m, block) (width = what is left of
+    the vocabulary, at most block): straight from the matrix multiply when dtypes allow, else through a copy."""
+    width = min(out.shape[1], weight.shape[0] - v0)
+    rows = slice(v0, v0 + width)
+    if width == out.shape[1] and out.dtype == weight.dtype == h.dtype:
+        if bias is None:
+            torch.mm(h, weight[rows].T, out=out)
+        else:
+            torch.addmm(bias[rows], h, weight[rows].T, out=out)
+        if temperature != 1.0:
+            out.div_(temperature)
+    else:
+        out[:, :width] = _head_block(h, weight, bias, v0, width, temperature)
+
+
+class _HiddenLoss(torch.autograd.Function):
+    """(hidden (N, T, H), weight (V, H), bias, tokens (N, T), row_loss) -> (loss, logp (N, T), entropy or None), with
+    the gradient computed during forward: see `hidden_loss`. Backward only scales the saved gradients."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, tokens, row_loss, temperature, rows_per_chunk, block, with_entropy,
+                grad_in_place):
+        rows, cols, size = hidden.shape
+        vocab = weight.shape[0]
+        dtype = _upcast(hidden.dtype)
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        ctx.weight_in_place_guard = need_weight and grad_in_place
+        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
+        grad_bias = torch.zeros_like(bias) if need_bias else None
+        grad_weight, fresh = None, False
+        if need_weight and grad_in_place and weight.grad is not None:
+            grad_weight = weight.grad  # accumulate straight into the existing gradient
+        elif need_weight:
+            grad_weight, fresh = torch.empty_like(weight), True
+        tiles = -(-vocab // block)
+        buffer = torch.empty((tiles, min(rows_per_chunk, rows) * cols, block), dtype=dtype, device=hidden.device)
+        logp_all = torch.empty((rows, cols), dtype=dtype, device=hidden.device)
+        entropy_all = torch.empty_like(logp_all) if with_entropy else None
+        total = torch.zeros((), dtype=dtype, device=hidden.device)
+        for r0 in range(0, rows, rows_per_chunk):
+            part = slice(r0, min(r0 + rows_per_chunk, rows))
+            h, y = hidden[part].reshape(-1, size), tokens[part].reshape(-1)
+            m = h.shape[0]
+            x = buffer[:, :m]  # (tiles, m, block): the chunk's logits, tile by tile
+            for i in range(tiles):
+                _logits_into(x[i], h, weight, bias, i * block, temperature)
+            x[-1, :, vocab - (tiles - 1) * block:] = float("-inf")  # the last tile's unused columns, if any
+            target = x[y // block, torch.arange(m, device=y.device), y % block]  # (m,)
+            row_max = x.amax(dim=(0, 2))  # (m,)
+            s = torch.zeros_like(row_max)
+            s2 = torch.zeros_like(row_max) if with_entropy else None
+            for i in range(tiles):  # x <- exp(x - max), keeping sum e and sum e (x - max)
+                shifted = x[i, :, :min(block, vocab - i * block)].sub_(row_max[:, None])
+                if with_entropy:
+                    e = torch.exp(shifted)
+                    s2 += (e * shifted).sum(-1)
+                    shifted.copy_(e)
+                else:
+                    e = shifted.exp_()
+                s += e.sum(-1)
+            log_s = torch.log(s)
+            logp = (target - row_max - log_s).reshape(-1, cols)
+            entropy = (log_s - s2 / s).reshape(-1, cols) if with_entropy else None
+            logp_all[part] = logp
+            if entropy is not None:
+                entropy_all[part] = entropy
+            leaf = logp.detach().requires_grad_()
+            with torch.enable_grad():
+                loss = row_loss(leaf, part)
+            (g,) = torch.autograd.grad(loss, leaf, allow_unused=True)
+            total += loss.detach()
+            g = torch.zeros_like(leaf) if g is None else g
+            g = _over_temperature(g.reshape(-1).to(dtype), temperature)  # d loss / d logp, per position
+            scale = (-g / s)[:, None]  # d logp_y / dx_j = onehot - e_j / s
+            for i in range(tiles):
+                width = min(block, vocab - i * block)
+                rows_v = slice(i * block, i * block + width)
+                grad_x = x[i, :, :width].mul_(scale).to(weight.dtype)  # (m, width), without the target's +g
+                if need_hidden:
+                    grad_hidden[part].view(-1, size).addmm_(grad_x, weight[rows_v])
+                if need_weight:
+                    if fresh and r0 == 0:
+                        torch.mm(grad_x.T, h, out=grad_weight[rows_v])
+                    else:
+                        grad_weight[rows_v].addmm_(grad_x.T, h)
+                if need_bias:
+                    grad_bias[rows_v] += grad_x.sum(0)
+            g_target = g.to(weight.dtype).unsqueeze(1)
+            if need_hidden:
+                grad_hidden[part].view(-1, size).add_(g_target * weight[y])
+            if need_weight:
+                grad_weight.index_add_(0, y, g_target * h)
+            if need_bias:
+                grad_bias.index_add_(0, y, g_target.squeeze(1))
+        if need_weight and grad_in_place:
+            if weight.grad is None:
+                weight.grad = grad_weight
+            grad_weight = None
+        ctx.grads = (grad_hidden, grad_weight, grad_bias)
+        return total, logp_all, entropy_all
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
+        if ctx.weight_in_place_guard and float(grad_loss) != 1.0:
+            raise RuntimeError("hidden_loss(weight_grad_in_place=True): the weight's gradient was added to .grad "
+                               "during forward, so backward must start from this loss with gradient 1 "
+                               "(loss.backward()); scale row_loss instead.")
+        grads = [None if g is None else (g if float(grad_loss) == 1.0 else g * grad_loss) for g in ctx.grads]
+        return (*grads, None, None, None, None, None, None, None)
+
+
 def _check_args(name: str, leading: torch.Size, tokens: Tensor | None, temperature: float, chunk_size) -> None:
     """Raise ValueError naming function `name` if tokens (expected shape `leading`), temperature or chunk_size
     do not fit."""
@@ -387,3 +500,55 @@ def hidden_logprobs(
         vocab_block = max(256, _TILE_ELEMENTS // max(1, min(chunk_size, tokens.numel())))
     return _HiddenLogprob.apply(hidden, weight, bias, tokens.long(), temperature, chunk_size, vocab_block,
                                 with_entropy, weight_grad_in_place)
+
+
+def hidden_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    tokens: Tensor,
+    row_loss,
+    temperature: float = 1.0,
+    bias: Tensor | None = None,
+    with_entropy: bool = False,
+    rows_per_chunk: int = 1,
+    vocab_block: int | None = None,
+    weight_grad_in_place: bool = False,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """A loss of the token log-probs and its gradient, in one pass over the LM head instead of two.
+
+    `hidden_logprobs` followed by a loss applies the head four times per position (forward; in backward the
+    recomputed logits and the two gradient products). When the loss is a sum over rows, the gradient of each row's
+    loss with respect to its log-probs is known as soon as the row's log-probs are: here each chunk of
+    `rows_per_chunk` whole rows has its (rows x T, V) logits computed once into a buffer, its loss and
+    d loss / d logp taken by autograd on the small (rows, T) log-prob tensor, and the gradient tiles formed in place
+    from the buffer: three applications of the head. Backward only scales the saved gradients.
+
+    Args:
+        hidden: (N, T, H) final hidden states, position t predicting tokens[:, t].
+        weight: (V, H) LM-head weight; bias: (V,) or None.
+        tokens: (N, T) int token ids.
+        row_loss: f(logp (r, T), rows: slice) -> scalar tensor, the loss of rows `rows` (the loss must be the sum
+            of these over row chunks, as policy_loss is for any aggregation when given a normalizer).
+        temperature: the sampling temperature.
+        with_entropy: also return the (N, T) entropies (detached).
+        rows_per_chunk: rows whose logits are held at once: the buffer is rows_per_chunk x T x V values.
+        vocab_block: vocabulary rows per tile (None: as in `hidden_logprobs`).
+        weight_grad_in_place: add the weight's gradient straight into `weight.grad` during forward (no (V, H)
+            buffer); backward must then start from this loss with gradient 1 (a plain `loss.backward()`).
+
+    Returns:
+        (loss, logp, entropy): the scalar loss (differentiable w.r.t. hidden, weight and bias), the (N, T)
+        log-probs and entropies (or None), both detached.
+    """
+    if hidden.dim() != 3 or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError("hidden_loss: need hidden (N, T, H) and weight (V, H), "
+                         f"got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+    _check_args("hidden_loss", hidden.shape[:2], tokens, temperature, None)
+    if rows_per_chunk < 1:
+        raise ValueError(f"hidden_loss: rows_per_chunk must be a positive number of rows, got {rows_per_chunk}")
+    positions = max(1, rows_per_chunk * tokens.shape[1])
+    block = vocab_block or max(256, _TILE_ELEMENTS // positions)
+    loss, logp, entropy = _HiddenLoss.apply(hidden, weight, bias, tokens.long(), row_loss, temperature,
+                                            rows_per_chunk, min(block, weight.shape[0]), with_entropy,
+                                            weight_grad_in_place)
+    return loss, logp.detach(), None if entropy is None else entropy.detach()
