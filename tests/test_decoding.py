@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+import grpo.decoding as decoding
 import grpo.generation as generation
 from grpo.decoding import LeanDecoder, packed_head, preallocated_cache
 from grpo.generation import SamplingParams, TransformersGenerator
@@ -29,8 +30,11 @@ def prompts():
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused-weights", "module-weights"])
 @torch.no_grad()
-def test_lean_steps_match_the_stock_forward(kind):
+def test_lean_steps_match_the_stock_forward(kind, fuse, monkeypatch):
+    if not fuse:  # as for a model too big to copy its projections into fused matrices
+        monkeypatch.setattr(decoding, "_FUSE_BYTES", 0)
     model = tiny(kind)
     assert LeanDecoder.supports(model)
     ids, mask = prompts()
@@ -40,6 +44,7 @@ def test_lean_steps_match_the_stock_forward(kind):
     ours = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, past_key_values=cache)
     torch.testing.assert_close(ours.logits, stock.logits)
     decoder, head = LeanDecoder(model), model.get_output_embeddings()
+    assert (decoder.fused[0] is not None) == fuse
     key_mask = torch.cat([mask.bool(), torch.ones(3, 6, dtype=torch.bool)], dim=1)
     pos, kv = positions[:, -1:], stock.past_key_values
     for t, token in enumerate([[3], [4], [5], [6]]):
@@ -64,6 +69,24 @@ def test_generation_is_the_same_with_and_without_the_lean_path(kind, monkeypatch
     assert fast.ids == slow.ids
     for a, b in zip(fast.logprobs, slow.logprobs):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=1e-5)
+
+
+def test_lora_adapters_are_applied_in_the_lean_steps(monkeypatch):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny("qwen2"), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:  # B starts at zero; make the adapters change the outputs
+            torch.nn.init.normal_(param, std=0.5)
+    model.eval()
+    ids, params = [[5, 6, 7], [1, 2, 3, 4, 5]], SamplingParams(10)
+    fast = TransformersGenerator(model, pad_id=0, eos_ids=[49]).generate(ids, params, seeds=[1, 2])
+    monkeypatch.setattr(generation.LeanDecoder, "supports", staticmethod(lambda m: False))
+    slow = TransformersGenerator(model, pad_id=0, eos_ids=[49]).generate(ids, params, seeds=[1, 2])
+    assert fast.ids == slow.ids
+    with model.disable_adapter():
+        plain = TransformersGenerator(model, pad_id=0, eos_ids=[49]).generate(ids, params, seeds=[1, 2])
+    assert plain.ids != fast.ids  # the adapters matter, so the equality above means they were applied
 
 
 def test_unsupported_models_keep_the_stock_forward():
