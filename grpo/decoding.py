@@ -143,7 +143,8 @@ def _cat_bias(*linears):
     biases = [m.bias for m in linears]
     if all(b is None for b in biases):
         return None
-    return torch.cat([b if b is not None else m.weight.new_zeros(m.weight.shape[0]) for b, m in zip(biases, linears)])
+    return torch.cat([b if b is not None else m.weight.new_zeros(m.weight.shape[0])
+                      for b, m in zip(biases, linears)]).detach()
 
 
 def _plain_linears(layer) -> bool:

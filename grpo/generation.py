@@ -77,6 +77,10 @@ def sample_rows(logits: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Ten
     if full < vocab:  # the short last block
         block_sums = torch.cat([block_sums, weights[:, full:].sum(-1, keepdim=True)], dim=1)
     block_cdf = block_sums.double().cumsum(-1)  # (N, B)
+    bad = ~(torch.isfinite(block_cdf[:, -1]) & (block_cdf[:, -1] > 0))
+    if bool(bad.any()):
+        raise ValueError(f"sample_rows: row {int(bad.nonzero()[0])} has non-finite logits or no token left to "
+                         "sample (every logit -inf); check the model's outputs and the sampling filters")
     blocks = block_cdf.shape[1]
     target = uniforms.to(torch.float64) * block_cdf[:, -1]  # (N,)
     block = (block_cdf <= target[:, None]).sum(-1).clamp(max=blocks - 1)  # (N,)
@@ -157,6 +161,14 @@ class TransformersGenerator:
                         rngs: list[torch.Generator]) -> Completions:
         was_training = self.model.training
         self.model.eval()
+        try:
+            return self._sample_batch(prompt_ids, p, rngs)
+        finally:
+            if was_training:
+                self.model.train()
+
+    def _sample_batch(self, prompt_ids: list[list[int]], p: SamplingParams,
+                      rngs: list[torch.Generator]) -> Completions:
         device = next(self.model.parameters()).device
         ids, mask = left_pad(prompt_ids, self.pad_id)
         ids, mask = ids.to(device), mask.to(device)
@@ -178,7 +190,8 @@ class TransformersGenerator:
         seen = None
         if p.repetition_penalty != 1.0:
             seen = torch.zeros((n, vocab), dtype=torch.bool, device=device)
-            seen.scatter_(1, ids.clamp(max=vocab - 1), mask.bool())
+            real = mask.bool()  # padding is not "seen" (pad may equal a real token, e.g. EOS)
+            seen[torch.arange(n, device=device)[:, None].expand_as(ids)[real], ids.clamp(max=vocab - 1)[real]] = True
         new_tokens = torch.full((n, p.max_new_tokens), self.pad_id, dtype=torch.long, device=device)
         new_logprobs = torch.zeros((n, p.max_new_tokens), dtype=torch.float32)
         done = torch.zeros(n, dtype=torch.bool, device=device)
@@ -207,8 +220,6 @@ class TransformersGenerator:
                 out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=pos,
                                  past_key_values=out.past_key_values, use_cache=True)
                 logits = out.logits[:, -1, :]
-        if was_training:
-            self.model.train()
         rows, lps = new_tokens.cpu().tolist(), new_logprobs.tolist()
         lengths = length.cpu().tolist()
         ended = done.cpu().tolist()

@@ -148,8 +148,8 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
         return logp, token_entropy(logits.detach(), temperature=temperature)
 
 
-_FUSED_ELEMENTS = 2**24
-"""Largest (rows x T, V) float32 logit buffer `completion_loss` holds (64 MiB); longer rows take two passes."""
+_FUSED_ELEMENTS = 2**25
+"""Largest (rows x T, V) float32 logit buffer `completion_loss` holds (128 MiB); longer rows take two passes."""
 
 
 def completion_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
@@ -182,11 +182,15 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
 def _plain_head(model):
     """The LM head when logits are exactly `hidden @ W.T + b` and calling the decoder directly is safe, else None.
 
-    Not for DistributedDataParallel (its forward hook syncs gradients), a LoRA-wrapped head, or models that scale
-    or cap logits after the head.
+    Not for a model wrapped by DDP, FSDP or DeepSpeed (their forward syncs or gathers), prompt-learning PEFT, a
+    LoRA-wrapped head, or models that scale or cap logits after the head.
     """
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel) or not hasattr(model, "get_decoder"):
-        return None
+    from accelerate.utils import extract_model_from_parallel
+
+    if extract_model_from_parallel(model) is not model or not hasattr(model, "get_decoder"):
+        return None  # DDP, FSDP, DeepSpeed: their forward must run (gradient sync, parameter gathering)
+    if is_peft(model) and getattr(model.active_peft_config, "is_prompt_learning", False):
+        return None  # prefix/prompt tuning acts in the PEFT model's own forward
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     config = getattr(model, "config", None)
     if type(head) is not torch.nn.Linear or any(getattr(config, k, None) not in (None, 1, 1.0)

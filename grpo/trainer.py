@@ -99,6 +99,9 @@ class GRPOTrainer:
         self.policy = self.accel.unwrap_model(self.model)
         if self.model is self.policy:  # one process, not wrapped by DDP, FSDP or DeepSpeed
             sparse_tied_embedding_grad(self.policy)
+        # hidden_loss adds the head's weight gradient during forward, so backward must not rescale the loss.
+        self.fused_loss = (self.model is self.policy and self.accel.scaler is None
+                           and self.accel.gradient_accumulation_steps == 1)
         self.generator = generator or TransformersGenerator(self.policy, self.tokenizer.pad_token_id,
                                                             list(self.eos_ids))
         self.sampler = PromptSampler(len(self.train_set), cfg.seed)
@@ -377,7 +380,7 @@ class GRPOTrainer:
         # First pass over this rollout (no old log-probs yet): no optimizer step has happened, so the policy's own
         # log-probs are the sampling policy's; they are kept for the later iterations instead of a separate pass.
         fused = None
-        if self.model is self.policy:  # one process, unwrapped: the loss's gradient in the log-prob pass
+        if self.fused_loss:  # the loss's gradient in the log-prob pass
             fused = completion_loss(self.model, ids, attn, width, cfg.temperature, lambda lp, rows: loss_of(
                 lp, lp.detach() if given_old is None else given_old[rows], rows).loss, with_entropy=with_entropy)
         if fused is not None:

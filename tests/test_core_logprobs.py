@@ -241,3 +241,18 @@ def test_hidden_loss_float64_gradcheck_and_frozen_head():
     loss, _, _ = hidden_loss(hidden, frozen, tokens, row_separable_loss(weights))
     (grad_hidden,) = torch.autograd.grad(loss, (hidden,))
     assert frozen.grad is None and torch.isfinite(grad_hidden).all()
+
+
+def test_tiled_heads_reject_out_of_range_tokens_and_no_grad_leaves_grad_alone():
+    hidden, weight, _, tokens = random_case(seed=23)
+    padded = tokens.clone()
+    padded[0, 0] = -100
+    with pytest.raises(ValueError, match=r"hidden_logprobs: token ids must be in \[0, 11\), got min -100"):
+        hidden_logprobs(hidden, weight, padded)
+    with pytest.raises(ValueError, match=r"hidden_loss: token ids must be in \[0, 11\)"):
+        hidden_loss(hidden, weight, padded, lambda lp, rows: lp.sum())
+    param = torch.nn.Parameter(weight.clone())
+    with torch.no_grad():
+        loss, logp, _ = hidden_loss(hidden, param, tokens, lambda lp, rows: lp.sum(), weight_grad_in_place=True)
+    assert param.grad is None and not loss.requires_grad
+    torch.testing.assert_close(logp, naive_logprobs(hidden @ weight.T, tokens), atol=1e-5, rtol=1e-5)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from grpo.generation import (SamplingParams, TransformersGenerator, left_pad, process_logits, sample_rows,
@@ -125,3 +126,10 @@ def test_chunked_head_path_equals_the_logits_path(tiny_model_dir, monkeypatch):
         monkeypatch.undo()
     (a, ea, ga), (b, eb, gb) = results
     assert torch.allclose(a, b, atol=1e-5) and torch.allclose(ea, eb, atol=1e-5) and torch.allclose(ga, gb, atol=1e-4)
+
+
+def test_sampling_from_non_finite_logits_is_a_clear_error():
+    logits = torch.zeros(3, 2000)
+    logits[1, 7] = float("nan")
+    with pytest.raises(ValueError, match="sample_rows: row 1 has non-finite logits"):
+        sample_rows(logits, torch.full((3,), 0.5, dtype=torch.float64))

@@ -313,8 +313,8 @@ class _HiddenLoss(torch.autograd.Function):
         grad_weight, fresh = None, False
         if need_weight and grad_in_place and weight.grad is not None:
             grad_weight = weight.grad  # accumulate straight into the existing gradient
-        elif need_weight:
-            grad_weight, fresh = torch.empty_like(weight), True
+        elif need_weight:  # rows > 0: the first chunk writes every row of it
+            grad_weight, fresh = (torch.empty_like(weight), True) if rows > 0 else (torch.zeros_like(weight), False)
         tiles = -(-vocab // block)
         buffer = torch.empty((tiles, min(rows_per_chunk, rows) * cols, block), dtype=dtype, device=hidden.device)
         logp_all = torch.empty((rows, cols), dtype=dtype, device=hidden.device)
@@ -406,6 +406,14 @@ def _check_args(name: str, leading: torch.Size, tokens: Tensor | None, temperatu
         raise ValueError(f"{name}: chunk_size must be a positive number of positions or None, got {chunk_size}")
 
 
+def _check_token_range(name: str, tokens: Tensor, vocab: int) -> None:
+    """Raise ValueError naming `name` if a token id is outside [0, vocab) (e.g. -100 padding): the tiled head would
+    otherwise read a wrong logit instead of failing."""
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
+        raise ValueError(f"{name}: token ids must be in [0, {vocab}), got min {int(tokens.min())} and max "
+                         f"{int(tokens.max())}; replace padding ids (e.g. -100) by a real id and mask them out")
+
+
 def _positions(chunk_size: int | None, vocab: int) -> int:
     """Positions per chunk: the caller's chunk_size, or as many as fit in _CHUNK_ELEMENTS float32 values."""
     return chunk_size if chunk_size is not None else max(1, _CHUNK_ELEMENTS // max(vocab, 1))
@@ -494,6 +502,7 @@ def hidden_logprobs(
     if bias is not None and bias.shape != weight.shape[:1]:
         raise ValueError(f"hidden_logprobs: bias must be (V,) = {tuple(weight.shape[:1])}, got {tuple(bias.shape)}")
     _check_args("hidden_logprobs", hidden.shape[:2], tokens, temperature, chunk_size)
+    _check_token_range("hidden_logprobs", tokens, weight.shape[0])
     if vocab_block is not None and vocab_block < 1:
         raise ValueError(f"hidden_logprobs: vocab_block must be a positive number of rows or None, got {vocab_block}")
     if vocab_block is None:
@@ -544,8 +553,14 @@ def hidden_loss(
         raise ValueError("hidden_loss: need hidden (N, T, H) and weight (V, H), "
                          f"got {tuple(hidden.shape)} and {tuple(weight.shape)}")
     _check_args("hidden_loss", hidden.shape[:2], tokens, temperature, None)
+    _check_token_range("hidden_loss", tokens, weight.shape[0])
     if rows_per_chunk < 1:
         raise ValueError(f"hidden_loss: rows_per_chunk must be a positive number of rows, got {rows_per_chunk}")
+    if vocab_block is not None and vocab_block < 1:
+        raise ValueError(f"hidden_loss: vocab_block must be a positive number of rows or None, got {vocab_block}")
+    if not torch.is_grad_enabled():  # no gradient recorded: compute none (and leave weight.grad alone)
+        hidden, weight = hidden.detach(), weight.detach()
+        bias = None if bias is None else bias.detach()
     positions = max(1, rows_per_chunk * tokens.shape[1])
     block = vocab_block or max(256, _TILE_ELEMENTS // positions)
     loss, logp, entropy = _HiddenLoss.apply(hidden, weight, bias, tokens.long(), row_loss, temperature,
