@@ -256,3 +256,24 @@ def test_tiled_heads_reject_out_of_range_tokens_and_no_grad_leaves_grad_alone():
         loss, logp, _ = hidden_loss(hidden, param, tokens, lambda lp, rows: lp.sum(), weight_grad_in_place=True)
     assert param.grad is None and not loss.requires_grad
     torch.testing.assert_close(logp, naive_logprobs(hidden @ weight.T, tokens), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("vocab_block", [None, 4])
+def test_bfloat16_head_matches_the_naive_bfloat16_logits(vocab_block):
+    # bf16 weights (the usual GPU dtype): logits come out of the matmul in bf16 and are scored in float32.
+    hidden, weight, _, tokens = random_case(seed=24, rows=3)
+    hidden, weight = hidden.bfloat16(), weight.bfloat16()
+    weights = torch.linspace(-1, 1, tokens.numel()).reshape(tokens.shape)
+    leaves = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
+    loss, logp, _ = hidden_loss(leaves[0], leaves[1], tokens, row_separable_loss(weights), vocab_block=vocab_block)
+    grads = torch.autograd.grad(loss, leaves)
+    tiled, _ = hidden_logprobs(hidden, weight, tokens, vocab_block=vocab_block)
+    naive_leaves = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
+    expected_logp = naive_logprobs(naive_leaves[0] @ naive_leaves[1].T, tokens)
+    expected = torch.autograd.grad(row_separable_loss(weights)(expected_logp, slice(None)), naive_leaves)
+    assert logp.dtype == tiled.dtype == torch.float32
+    torch.testing.assert_close(logp, expected_logp.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(tiled, expected_logp.detach(), atol=1e-5, rtol=1e-5)
+    for got, want in zip(grads, expected):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
