@@ -28,7 +28,16 @@ _CHUNK_ELEMENTS = 2**26
 """float32 elements per chunk (256 MiB) when `chunk_size=None`: chunk_size = max(1, _CHUNK_ELEMENTS // V)."""
 
 _TILE_ELEMENTS = 2**19
-"""float32 logits per (positions x vocabulary rows) tile of `hidden_logprobs` when `vocab_block=None` (2 MiB)."""
+"""float32 logits per (positions x vocabulary rows) tile when `vocab_block=None`: 2 MiB, a CPU core's L2 cache."""
+
+_GPU_TILE_ELEMENTS = 2**24
+"""The same on a GPU (64 MiB), where each tile costs kernel launches and there is no small cache to fit."""
+
+
+def _auto_block(positions: int, device: torch.device) -> int:
+    """Vocabulary rows per tile for `positions` positions when the caller gives none."""
+    budget = _TILE_ELEMENTS if device.type == "cpu" else _GPU_TILE_ELEMENTS
+    return max(256, budget // max(1, positions))
 
 
 def _chunks(rows: int, cols: int, positions: int) -> Iterator[tuple[slice, slice]]:
@@ -483,8 +492,8 @@ def hidden_logprobs(
         chunk_size: positions per chunk.
         bias: (V,) LM-head bias, or None.
         with_entropy: also return the (N, T) entropy of softmax(logits / temperature).
-        vocab_block: vocabulary rows per tile; None picks max(256, 2**19 // chunk positions) (a 2 MiB float32 tile,
-            which fits a core's L2 cache).
+        vocab_block: vocabulary rows per tile; None picks max(256, 2**19 // chunk positions) on CPU (a 2 MiB float32
+            tile, which fits a core's L2 cache) and max(256, 2**24 // chunk positions) on GPU.
         weight_grad_in_place: backward adds the weight's gradient straight into `weight.grad` (creating it if None)
             instead of returning it, so no second (V, H) buffer is made when gradients accumulate over micro-batches.
             Only for a leaf parameter trained with `.backward()` and no gradient hooks on it (not DDP, not
@@ -506,7 +515,7 @@ def hidden_logprobs(
     if vocab_block is not None and vocab_block < 1:
         raise ValueError(f"hidden_logprobs: vocab_block must be a positive number of rows or None, got {vocab_block}")
     if vocab_block is None:
-        vocab_block = max(256, _TILE_ELEMENTS // max(1, min(chunk_size, tokens.numel())))
+        vocab_block = _auto_block(min(chunk_size, tokens.numel()), hidden.device)
     return _HiddenLogprob.apply(hidden, weight, bias, tokens.long(), temperature, chunk_size, vocab_block,
                                 with_entropy, weight_grad_in_place)
 
@@ -562,7 +571,7 @@ def hidden_loss(
         hidden, weight = hidden.detach(), weight.detach()
         bias = None if bias is None else bias.detach()
     positions = max(1, rows_per_chunk * tokens.shape[1])
-    block = vocab_block or max(256, _TILE_ELEMENTS // positions)
+    block = vocab_block or _auto_block(positions, hidden.device)
     loss, logp, entropy = _HiddenLoss.apply(hidden, weight, bias, tokens.long(), row_loss, temperature,
                                             rows_per_chunk, min(block, weight.shape[0]), with_entropy,
                                             weight_grad_in_place)
