@@ -18,12 +18,16 @@ Two things here remove that, each checked token for token against the stock forw
 from __future__ import annotations
 
 import importlib
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 LEAN_MODEL_TYPES = ("llama", "qwen2", "mistral")
 """Model types whose decoder layers are exactly: pre-norm attention with rotary q/k, pre-norm gated MLP."""
+
+_FUSE_BYTES = 256 * 2**20
+"""Decoder layers larger than this (bytes) are not copied into fused q/k/v and gate/up matrices."""
 
 
 def preallocated_cache(model, capacity: int):
@@ -90,13 +94,10 @@ class LeanDecoder:
             return False
         inner = model.get_decoder()
         module = importlib.import_module(type(inner).__module__)
-        needed = ("embed_tokens", "rotary_emb", "layers", "norm")
-        return hasattr(module, "apply_rotary_pos_emb") and all(hasattr(inner, k) for k in needed) and all(
-            not hasattr(layer.self_attn, "q_norm") and getattr(layer.self_attn, "sliding_window", None) is None
-            and all(hasattr(layer.mlp, k) for k in ("gate_proj", "up_proj", "down_proj", "act_fn"))
-            and all(hasattr(norm, "variance_epsilon") for norm in (layer.input_layernorm,
-                                                                   layer.post_attention_layernorm))
-            for layer in inner.layers) and hasattr(inner.norm, "variance_epsilon")
+        if not hasattr(module, "apply_rotary_pos_emb") or not all(
+                hasattr(inner, k) for k in ("embed_tokens", "rotary_emb", "layers", "norm")):
+            return False
+        return hasattr(inner.norm, "variance_epsilon") and all(_plain_layer(layer) for layer in inner.layers)
 
     def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, cache, key_mask: torch.Tensor | None):
         """tokens, positions: (N, 1) int64. Returns (N, H)."""
@@ -129,14 +130,13 @@ class LeanDecoder:
         return _rms_norm(inner.norm, x)[:, -1]
 
 
-_FUSE_BYTES = 256 * 2**20
-"""Decoder layers larger than this (bytes) are not copied into fused q/k/v and gate/up matrices."""
-
-
-class _Fused:
-    def __init__(self, qkv, qkv_bias, qkv_sizes, gate_up, gate_up_bias):
-        self.qkv, self.qkv_bias, self.qkv_sizes = qkv, qkv_bias, qkv_sizes
-        self.gate_up, self.gate_up_bias = gate_up, gate_up_bias
+class _Fused(NamedTuple):
+    """One layer's q/k/v projections stacked into one matrix (split back by qkv_sizes), and its gate/up ones."""
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    qkv_sizes: list[int]
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
 
 
 def _cat_bias(*linears):
@@ -145,6 +145,15 @@ def _cat_bias(*linears):
         return None
     return torch.cat([b if b is not None else m.weight.new_zeros(m.weight.shape[0])
                       for b, m in zip(biases, linears)]).detach()
+
+
+def _plain_layer(layer) -> bool:
+    """A decoder layer the lean step reproduces: full attention without q/k norms, a gated MLP, RMSNorms."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return (not hasattr(attn, "q_norm") and getattr(attn, "sliding_window", None) is None
+            and all(hasattr(mlp, k) for k in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+            and all(hasattr(norm, "variance_epsilon") for norm in (layer.input_layernorm,
+                                                                   layer.post_attention_layernorm)))
 
 
 def _plain_linears(layer) -> bool:

@@ -113,6 +113,18 @@ def reference_view(policy, reference):
         raise RuntimeError("reference_view: beta > 0 needs a reference model or a LoRA policy.")
 
 
+def _positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of left-padded rows: 0 at each row's first real token."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def _completion_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int):
+    """The decoder's final hidden states (N, T, H) at the positions that predict the last T tokens (P-1 .. P+T-2)."""
+    out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                              position_ids=_positions(attention_mask), use_cache=False)
+    return out.last_hidden_state[:, -completion_len - 1:-1, :].contiguous()
+
+
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
                         temperature: float, with_entropy: bool = False):
     """Log-probs (N, T) of the last T=completion_len tokens of each row under `model`, at the sampling temperature.
@@ -126,19 +138,16 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     recomputes each tile in backward, so the (N, T, V) logits and their gradient never exist (V is ~150k for real
     models). Otherwise the model returns logits for just those positions (`logits_to_keep`), scored in chunks.
     """
-    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     targets = input_ids[:, -completion_len:]  # (N, T)
     head = _plain_head(model)
     if head is not None:
-        out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                                  use_cache=False)
-        hidden = out.last_hidden_state[:, -completion_len - 1:-1, :].contiguous()  # (N, T, H)
+        hidden = _completion_hidden(model, input_ids, attention_mask, completion_len)
         # The head's weight gradient goes straight into .grad (no (V, H) temporary per micro-batch): safe here, the
         # trainer calls .backward() on an unwrapped model.
         logp, entropy = hidden_logprobs(hidden, head.weight, targets, temperature=temperature, bias=head.bias,
                                         with_entropy=with_entropy, weight_grad_in_place=head.weight.is_leaf)
         return (logp, entropy.detach()) if with_entropy else logp
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=_positions(attention_mask),
                 logits_to_keep=completion_len + 1, use_cache=False)
     logits = out.logits[:, :-1, :]  # (N, T, V)
     logp = token_logprobs(logits, targets, temperature=temperature)
@@ -166,10 +175,7 @@ def completion_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     per_row = completion_len * (head.weight.shape[0] if head is not None else 0)
     if head is None or per_row == 0 or per_row > _FUSED_ELEMENTS:
         return None
-    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                              use_cache=False)
-    hidden = out.last_hidden_state[:, -completion_len - 1:-1, :]  # (N, T, H)
+    hidden = _completion_hidden(model, input_ids, attention_mask, completion_len)
     return hidden_loss(hidden, head.weight, input_ids[:, -completion_len:], row_loss, temperature, bias=head.bias,
                        with_entropy=with_entropy, rows_per_chunk=max(1, _FUSED_ELEMENTS // per_row),
                        weight_grad_in_place=head.weight.is_leaf)

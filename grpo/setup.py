@@ -161,4 +161,4 @@ def make_optimizer(model, cfg: GRPOConfig) -> torch.optim.AdamW:
                   weight_decay=cfg.weight_decay)
     fusable = bool(params) and all(type(p.data) is torch.Tensor and p.is_floating_point()
                                    and p.device.type in ("cpu", "cuda") for p in params)
-    return torch.optim.AdamW(params, fused=fusable or None, **kwargs)
+    return torch.optim.AdamW(params, fused=True if fusable else None, **kwargs)

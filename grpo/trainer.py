@@ -370,28 +370,28 @@ class GRPOTrainer:
         ref = batch.ref_logp[sl, :width] if batch.ref_logp is not None else None
         given_old = batch.old_logp[sl, :width] if batch.old_logp is not None else None
 
-        def loss_of(logp, old, rows=slice(None), entropy=None):
+        def loss_of(logp, rows=slice(None), entropy=None):
+            # First pass over this rollout (no old log-probs yet): no optimizer step has happened, so the policy's
+            # own log-probs are the sampling policy's; they are kept for later iterations instead of a second pass.
+            old = logp.detach() if given_old is None else given_old[rows]
             return policy_loss(logp, old, adv[rows], cm[rows], ref_logp=None if ref is None else ref[rows],
                                beta=cfg.beta, kl_estimator=cfg.kl_estimator, eps_low=cfg.epsilon,
                                eps_high=cfg.epsilon_high, ratio_level=cfg.importance_sampling_level,
                                aggregation=cfg.loss_aggregation, max_length=cfg.max_completion_length,
                                normalizer=normalizer, entropy=entropy)
 
-        # First pass over this rollout (no old log-probs yet): no optimizer step has happened, so the policy's own
-        # log-probs are the sampling policy's; they are kept for the later iterations instead of a separate pass.
         fused = None
         if self.fused_loss:  # the loss's gradient in the log-prob pass
-            fused = completion_loss(self.model, ids, attn, width, cfg.temperature, lambda lp, rows: loss_of(
-                lp, lp.detach() if given_old is None else given_old[rows], rows).loss, with_entropy=with_entropy)
+            fused = completion_loss(self.model, ids, attn, width, cfg.temperature,
+                                    lambda lp, rows: loss_of(lp, rows).loss, with_entropy=with_entropy)
         if fused is not None:
             loss, logp, entropy = fused
         else:
             out = completion_logprobs(self.model, ids, attn, width, cfg.temperature, with_entropy=with_entropy)
             logp, entropy = out if with_entropy else (out, None)
-        old = logp.detach() if given_old is None else given_old
         if given_old is None and cfg.num_iterations > 1:
-            old_parts.append((sl, width, old))
-        out = loss_of(logp, old, entropy=entropy)
+            old_parts.append((sl, width, logp.detach()))
+        out = loss_of(logp, entropy=entropy)  # the whole micro-batch: its metrics, and its loss on the plain path
         # DDP averages gradients over processes; the loss is already a share of the global sum, so undo the mean.
         self.accel.backward((loss if fused is not None else out.loss) * self.world)
         metrics = {k: float(v) for k, v in out.metrics.items()}

@@ -200,6 +200,60 @@ def _head_forward(h: Tensor, weight: Tensor, bias: Tensor | None, y: Tensor, tem
     return lse, target - lse, entropy
 
 
+class _HeadGrads:
+    """The gradients of the tiled head, filled tile by tile: hidden (count, H) flat, weight (V, H), bias (V,).
+
+    Each tile contributes its -p (...) part (`add_tile`); the onehot(target) part is added per position
+    (`add_targets`). With `in_place`, the weight's gradient goes straight into `weight.grad` (made on first use), so
+    accumulating over micro-batches needs no second (V, H) buffer.
+    """
+
+    def __init__(self, h_all: Tensor, weight: Tensor, bias: Tensor | None, needs, in_place: bool):
+        need_hidden, need_weight, need_bias = needs
+        self.w = weight
+        self.param = weight if need_weight and in_place else None
+        self.hidden = torch.zeros_like(h_all) if need_hidden else None
+        self.bias = torch.zeros_like(bias) if need_bias else None
+        self.fresh = False  # an uninitialized buffer that the first chunk of positions overwrites
+        if self.param is not None and weight.grad is not None:
+            self.weight = weight.grad
+        elif need_weight and h_all.shape[0] > 0:
+            self.weight, self.fresh = torch.empty_like(weight), True
+        else:
+            self.weight = torch.zeros_like(weight) if need_weight else None
+
+    def add_tile(self, part: slice, h: Tensor, grad_x: Tensor, rows_v: slice, first_chunk: bool) -> None:
+        """grad_x (m, width): d loss / d logits of positions `part` (inputs h) and vocabulary rows `rows_v`."""
+        if self.hidden is not None:
+            self.hidden[part].addmm_(grad_x, self.w[rows_v])
+        if self.weight is not None:
+            if self.fresh and first_chunk:
+                torch.mm(grad_x.T, h, out=self.weight[rows_v])
+            else:
+                self.weight[rows_v].addmm_(grad_x.T, h)
+        if self.bias is not None:
+            self.bias[rows_v] += grad_x.sum(0)
+
+    def add_targets(self, part: slice, h: Tensor, y: Tensor, g: Tensor) -> None:
+        """The onehot(y) part of d logp_y / dx, times g (m,): +g at each position's target column."""
+        g_target = g.to(self.w.dtype).unsqueeze(1)
+        if self.hidden is not None:
+            self.hidden[part] += g_target * self.w[y]
+        if self.weight is not None:
+            self.weight.index_add_(0, y, g_target * h)
+        if self.bias is not None:
+            self.bias.index_add_(0, y, g_target.squeeze(1))
+
+    def result(self, hidden_shape) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """(hidden, weight, bias) gradients to return; the weight's is None when it is already in .grad."""
+        grad_hidden = None if self.hidden is None else self.hidden.reshape(hidden_shape)
+        if self.param is None:
+            return grad_hidden, self.weight, self.bias
+        if self.param.grad is None:
+            self.param.grad = self.weight
+        return grad_hidden, None, self.bias
+
+
 class _HiddenLogprob(torch.autograd.Function):
     """(hidden (N, T, H), weight (V, H), bias (V,) or None, tokens (N, T)) -> (logp (N, T), entropy (N, T) or None).
 
@@ -238,28 +292,18 @@ class _HiddenLogprob(torch.autograd.Function):
         """With p = softmax(x): d logp_y / dx = onehot(y) - p and dH / dx_j = -p_j (log p_j + H), so per tile
         d(loss)/dx = -p (g + g_H (log p + H)), plus g at the target column, added once at the end."""
         hidden, weight, bias, tokens, lse, entropy = ctx.saved_tensors
-        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         size = hidden.shape[-1]
         h_all, y_all = hidden.reshape(-1, size), tokens.reshape(-1)
-        count = h_all.shape[0]
         g = _over_temperature(grad_logp, ctx.temperature)
         g = torch.zeros_like(lse) if g is None else g.reshape(-1).to(lse.dtype)
         g_entropy = _over_temperature(grad_entropy, ctx.temperature)
         g_entropy = None if g_entropy is None else g_entropy.reshape(-1).to(lse.dtype)
-        grad_hidden = torch.zeros_like(h_all) if need_hidden else None
-        grad_weight, fresh = None, False
-        if need_weight and ctx.weight is not None and ctx.weight.grad is not None:
-            grad_weight = ctx.weight.grad  # accumulate straight into the existing gradient
-        elif need_weight:
-            # Every tile writes its rows on the first chunk of positions: no zero fill needed.
-            grad_weight, fresh = (torch.empty_like(weight), True) if count > 0 else (torch.zeros_like(weight), False)
-        grad_bias = torch.zeros_like(bias) if need_bias else None
-        for p0 in range(0, count, ctx.positions):
+        grads = _HeadGrads(h_all, weight, bias, ctx.needs_input_grad[:3], ctx.weight is not None)
+        for p0 in range(0, h_all.shape[0], ctx.positions):
             part = slice(p0, p0 + ctx.positions)
             h, chunk_lse, chunk_g = h_all[part], lse[part].unsqueeze(1), g[part].unsqueeze(1)
             for v0 in range(0, weight.shape[0], ctx.block):
                 x = _head_block(h, weight, bias, v0, ctx.block, ctx.temperature)  # (m, b)
-                rows_v = slice(v0, v0 + x.shape[1])
                 log_p = x.sub_(chunk_lse)
                 p = torch.exp(log_p)
                 if g_entropy is None:
@@ -267,28 +311,9 @@ class _HiddenLogprob(torch.autograd.Function):
                 else:
                     factor = log_p.add_(entropy[part].unsqueeze(1)).mul_(g_entropy[part].unsqueeze(1)).add_(chunk_g)
                 grad_x = p.mul_(factor).neg_().to(weight.dtype)  # (m, b), without the target column's +g
-                if need_hidden:
-                    grad_hidden[part].addmm_(grad_x, weight[rows_v])
-                if need_weight:
-                    if p0 == 0 and fresh:
-                        torch.mm(grad_x.T, h, out=grad_weight[rows_v])
-                    else:
-                        grad_weight[rows_v].addmm_(grad_x.T, h)
-                if need_bias:
-                    grad_bias[rows_v] += grad_x.sum(0)
-        g_target = g.to(weight.dtype).unsqueeze(1)  # the onehot(y) part of d logp_y / dx
-        if need_hidden:
-            grad_hidden += g_target * weight[y_all]
-        if need_weight:
-            grad_weight.index_add_(0, y_all, g_target * h_all)
-        if need_bias:
-            grad_bias.index_add_(0, y_all, g_target.squeeze(1))
-        grad_hidden = grad_hidden.reshape(hidden.shape) if need_hidden else None
-        if need_weight and ctx.weight is not None:  # in place: the gradient is already where it belongs
-            if ctx.weight.grad is None:
-                ctx.weight.grad = grad_weight
-            grad_weight = None
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+                grads.add_tile(part, h, grad_x, slice(v0, v0 + x.shape[1]), first_chunk=p0 == 0)
+        grads.add_targets(slice(None), h_all, y_all, g)
+        return (*grads.result(hidden.shape), None, None, None, None, None, None)
 
 
 def _logits_into(out: Tensor, h: Tensor, weight: Tensor, bias: Tensor | None, v0: int, temperature: float) -> None:
@@ -317,15 +342,9 @@ class _HiddenLoss(torch.autograd.Function):
         rows, cols, size = hidden.shape
         vocab = weight.shape[0]
         dtype = _upcast(hidden.dtype)
-        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        ctx.weight_in_place_guard = need_weight and grad_in_place
-        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
-        grad_bias = torch.zeros_like(bias) if need_bias else None
-        grad_weight, fresh = None, False
-        if need_weight and grad_in_place and weight.grad is not None:
-            grad_weight = weight.grad  # accumulate straight into the existing gradient
-        elif need_weight:  # rows > 0: the first chunk writes every row of it
-            grad_weight, fresh = (torch.empty_like(weight), True) if rows > 0 else (torch.zeros_like(weight), False)
+        ctx.weight_in_place_guard = ctx.needs_input_grad[1] and grad_in_place
+        h_all = hidden.reshape(-1, size)
+        grads = _HeadGrads(h_all, weight, bias, ctx.needs_input_grad[:3], grad_in_place)
         tiles = -(-vocab // block)
         buffer = torch.empty((tiles, min(rows_per_chunk, rows) * cols, block), dtype=dtype, device=hidden.device)
         logp_all = torch.empty((rows, cols), dtype=dtype, device=hidden.device)
@@ -333,7 +352,8 @@ class _HiddenLoss(torch.autograd.Function):
         total = torch.zeros((), dtype=dtype, device=hidden.device)
         for r0 in range(0, rows, rows_per_chunk):
             part = slice(r0, min(r0 + rows_per_chunk, rows))
-            h, y = hidden[part].reshape(-1, size), tokens[part].reshape(-1)
+            flat = slice(part.start * cols, part.stop * cols)  # these rows' positions in h_all
+            h, y = h_all[flat], tokens[part].reshape(-1)
             m = h.shape[0]
             x = buffer[:, :m]  # (tiles, m, block): the chunk's logits, tile by tile
             for i in range(tiles):
@@ -368,29 +388,10 @@ class _HiddenLoss(torch.autograd.Function):
             scale = (-g / s)[:, None]  # d logp_y / dx_j = onehot - e_j / s
             for i in range(tiles):
                 width = min(block, vocab - i * block)
-                rows_v = slice(i * block, i * block + width)
                 grad_x = x[i, :, :width].mul_(scale).to(weight.dtype)  # (m, width), without the target's +g
-                if need_hidden:
-                    grad_hidden[part].view(-1, size).addmm_(grad_x, weight[rows_v])
-                if need_weight:
-                    if fresh and r0 == 0:
-                        torch.mm(grad_x.T, h, out=grad_weight[rows_v])
-                    else:
-                        grad_weight[rows_v].addmm_(grad_x.T, h)
-                if need_bias:
-                    grad_bias[rows_v] += grad_x.sum(0)
-            g_target = g.to(weight.dtype).unsqueeze(1)
-            if need_hidden:
-                grad_hidden[part].view(-1, size).add_(g_target * weight[y])
-            if need_weight:
-                grad_weight.index_add_(0, y, g_target * h)
-            if need_bias:
-                grad_bias.index_add_(0, y, g_target.squeeze(1))
-        if need_weight and grad_in_place:
-            if weight.grad is None:
-                weight.grad = grad_weight
-            grad_weight = None
-        ctx.grads = (grad_hidden, grad_weight, grad_bias)
+                grads.add_tile(flat, h, grad_x, slice(i * block, i * block + width), first_chunk=r0 == 0)
+            grads.add_targets(flat, h, y, g)
+        ctx.grads = grads.result(hidden.shape)
         return total, logp_all, entropy_all
 
     @staticmethod
