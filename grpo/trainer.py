@@ -86,7 +86,10 @@ class GRPOTrainer:
         check_sizes(cfg, len(self.train_set), self.B, self.train_set.prompt_ids, None if from_path else model.config)
         if from_path:
             model = load_model(cfg)
-        model, self.reference = prepare_model(model, cfg, peft_config)
+        on_disk = cfg.reference_weights == "disk" or (cfg.reference_weights == "auto" and self.world == 1
+                                                       and self.accel.device.type == "cpu")
+        reference_file = Path(cfg.output_dir) / f".reference-{self.rank}.safetensors" if on_disk else None
+        model, self.reference = prepare_model(model, cfg, peft_config, reference_file)
         self.total_steps = total_steps(cfg, len(self.train_set), self.B)
 
         self.optimizer = make_optimizer(model, cfg)

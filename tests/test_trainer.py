@@ -88,6 +88,53 @@ def test_one_pass_loss_gradient_matches_the_two_pass_path(tiny_model_dir, tmp_pa
         assert runs[0][1][key] == pytest.approx(runs[1][1][key], rel=1e-4, abs=1e-6), key
 
 
+def test_reference_on_disk_trains_like_the_reference_in_memory(tiny_model_dir, tmp_path):
+    """reference_weights=disk gives the same KL, loss and weights as a reference held in memory, holds no reference
+    weights between passes, and deletes its file when the trainer goes."""
+    import gc
+
+    from grpo.model import DiskReference
+
+    runs = []
+    for where in ("memory", "disk"):
+        cfg = base_config(tmp_path / where, max_steps=3, beta=0.5, reference_weights=where)
+        t = GRPOTrainer(model=tiny_model_dir, reward_funcs=[count_a], args=cfg, train_dataset=prompts())
+        metrics = t.train()
+        runs.append(({k: v.clone() for k, v in t.policy.state_dict().items()}, metrics))
+        if where == "disk":
+            assert isinstance(t.reference, DiskReference)
+            assert all(p.numel() == 0 for p in t.reference.module.parameters())
+            path = t.reference.path
+            assert path.exists() and path.parent == tmp_path / where / "run"
+            del t
+            gc.collect()
+            assert not path.exists()
+    assert runs[0][1]["policy/kl_divergence"] > 1e-4  # the reference matters: the KL term has moved
+    for k in runs[0][0]:
+        assert torch.equal(runs[0][0][k], runs[1][0][k]), k
+    for key in ("policy/loss", "policy/kl_divergence"):
+        assert runs[0][1][key] == runs[1][1][key], key
+
+
+def test_disk_reference_scores_like_the_model_and_keeps_tied_weights(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from grpo.model import DiskReference
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    ids = torch.tensor([[5, 9, 40, 41, 7]])
+    want = model(ids).logits
+    ref = DiskReference(model, tmp_path / "ref.safetensors")
+    model.model.embed_tokens.weight.data.add_(1.0)  # training the policy must not move the reference
+    assert ref.module.lm_head.weight is ref.module.model.embed_tokens.weight
+    with ref.loaded() as m:
+        assert not any(p.requires_grad for p in m.parameters())
+        torch.testing.assert_close(m(ids).logits, want, rtol=0, atol=0)
+    assert all(p.numel() == 0 for p in ref.module.parameters())
+    ref.close()
+    assert not (tmp_path / "ref.safetensors").exists()
+
+
 @pytest.mark.parametrize("aggregation", ["token_mean", "constant"])
 def test_other_aggregations_and_kl_train(tiny_model_dir, tmp_path, aggregation):
     cfg = base_config(tmp_path, max_steps=3, loss_aggregation=aggregation, beta=0.04, num_iterations=2,
