@@ -224,10 +224,14 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
 
 
 _FUSED_ELEMENTS = 2**23
-"""Largest (rows x T, V) float32 logit buffer `completion_loss` holds (32 MiB); longer rows take two passes.
-Measured on the benchmark's W2 (one 64-token row of a 151k vocabulary is 37 MiB): a 111 MiB buffer saves
-~0.3 s of a 7 s step over two passes and costs 111 MiB of peak memory; a one-row buffer is no faster than two
-passes. Small vocabularies or short completions (where the fourth head pass is pure overhead) stay on one pass."""
+"""Largest (rows x T, V) float32 logit buffer `completion_loss` holds when the head is trained (32 MiB); longer
+rows take two passes. Measured on the benchmark's W2 (one 64-token row of a 151k vocabulary is 37 MiB): a 111 MiB
+buffer saves ~0.3 s of a 7 s step over two passes (4 head products against 3) and costs 111 MiB of peak memory,
+and a one-row buffer is no faster than two passes."""
+
+_FUSED_ELEMENTS_FROZEN_HEAD = 2**25
+"""The same for a frozen head (LoRA): 128 MiB. There the buffer saves a third of the head's work (2 products
+against 3; no weight gradient), 0.67 s of W3's 2-iteration update, and no (V, H) gradient shares the memory."""
 
 
 def completion_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
@@ -236,17 +240,18 @@ def completion_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     same pass as the log-probs (`grpo.core.hidden_loss`: the LM head applied three times instead of four).
 
     Returns (loss, logp (N, T) detached, entropy (N, T) detached or None), or None when this path does not apply:
-    a head that is not a plain linear layer, or one row's (T, V) logits larger than _FUSED_ELEMENTS. Only for an
-    unwrapped model in one process trained with `loss.backward()` (the head's weight gradient is added to its
-    .grad during forward).
+    a head that is not a plain linear layer, or one row's (T, V) logits larger than the buffer's cap
+    (_FUSED_ELEMENTS, or _FUSED_ELEMENTS_FROZEN_HEAD for a frozen head). Only for an unwrapped model in one process
+    trained with `loss.backward()` (the head's weight gradient is added to its .grad during forward).
     """
     head = _plain_head(model)
     per_row = completion_len * (head.weight.shape[0] if head is not None else 0)
-    if head is None or per_row == 0 or per_row > _FUSED_ELEMENTS:
+    cap = _FUSED_ELEMENTS if head is None or head.weight.requires_grad else _FUSED_ELEMENTS_FROZEN_HEAD
+    if head is None or per_row == 0 or per_row > cap:
         return None
     hidden = _completion_hidden(model, input_ids, attention_mask, completion_len)
     return hidden_loss(hidden, head.weight, input_ids[:, -completion_len:], row_loss, temperature, bias=head.bias,
-                       with_entropy=with_entropy, rows_per_chunk=max(1, _FUSED_ELEMENTS // per_row),
+                       with_entropy=with_entropy, rows_per_chunk=max(1, cap // per_row),
                        weight_grad_in_place=head.weight.is_leaf)
 
 

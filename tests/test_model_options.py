@@ -53,3 +53,30 @@ def test_4bit_on_cpu_is_a_clear_error(tiny_model_dir, tmp_path):
     with pytest.raises(ConfigError, match="load_in_4bit: 4-bit \\(QLoRA\\) loading needs a CUDA GPU"):
         GRPOTrainer(model=tiny_model_dir, reward_funcs=["think_format"], args=cfg,
                     train_dataset=Dataset.from_dict({"prompt": ["x"]}))
+
+
+def test_one_pass_loss_buffer_cap_is_larger_for_a_frozen_head(tiny_model_dir, monkeypatch):
+    """completion_loss takes the one-pass path only when a row's (T, V) logits fit the cap: the small cap for a
+    trained head, the large one for a frozen head (no weight gradient shares the memory). The loss it returns is
+    the plain path's either way."""
+    from transformers import AutoModelForCausalLM
+
+    import grpo.model as gm
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    ids = torch.randint(2, vocab, (2, 9))
+    mask = torch.ones_like(ids)
+    T = 4
+    monkeypatch.setattr(gm, "_FUSED_ELEMENTS", T * vocab - 1)  # one row does not fit the trained head's cap
+    monkeypatch.setattr(gm, "_FUSED_ELEMENTS_FROZEN_HEAD", T * vocab)  # and fits the frozen head's
+
+    def row_loss(logp, rows):
+        return -logp.sum()
+
+    assert gm.completion_loss(model, ids, mask, T, 1.0, row_loss) is None
+    model.get_output_embeddings().weight.requires_grad_(False)
+    loss, logp, _ = gm.completion_loss(model, ids, mask, T, 1.0, row_loss)
+    want = gm.completion_logprobs(model, ids, mask, T, 1.0)
+    torch.testing.assert_close(logp, want.detach())
+    torch.testing.assert_close(loss.detach(), -want.sum().detach())
