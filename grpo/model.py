@@ -104,8 +104,20 @@ class DiskReference:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")
-        # named_parameters lists a tied weight once, under the name the copy will list it by too.
-        save_file({name: p.detach().contiguous() for name, p in model.named_parameters()}, tmp)
+        # named_parameters lists a tied weight once, under the name the copy will list it by too. Two parameters
+        # that are one tensor under different objects are saved once (`aliases`); parts of one shared storage are
+        # copied, since safetensors refuses to write tensors that overlap.
+        tensors, self.aliases, seen, storages = {}, {}, {}, set()
+        for name, p in model.named_parameters():
+            key = (p.data_ptr(), p.dtype, tuple(p.shape), p.stride())
+            if key in seen:
+                self.aliases[name] = seen[key]
+                continue
+            seen[key] = name
+            storage = p.untyped_storage().data_ptr()
+            tensors[name] = p.detach().contiguous() if storage not in storages else p.detach().clone()
+            storages.add(storage)
+        save_file(tensors, tmp)
         os.replace(tmp, self.path)
         self._cleanup = weakref.finalize(self, _unlink, self.path)
         # Deep-copy everything but the weights: each parameter becomes an empty one (tied ones stay one object).
@@ -128,7 +140,7 @@ class DiskReference:
         weights = load_file(self.path, device=str(self.device))
         try:
             for name, p in self.params.items():
-                p.data = weights[name]
+                p.data = weights[self.aliases.get(name, name)]
             del weights
             yield self.module
         finally:

@@ -106,3 +106,22 @@ def test_packed_head_equals_linear_and_cache_capacity_is_enforced():
     cache = preallocated_cache(model, 4)
     with pytest.raises(RuntimeError, match="exceed the capacity 4"):
         model(input_ids=torch.ones(1, 5, dtype=torch.long), past_key_values=cache, use_cache=True)
+
+
+def test_norm_and_rotary_are_bit_identical_to_transformers():
+    """The lean step's RMSNorm and its joint q/k rotation compute exactly what transformers' Llama-family modules
+    compute (same operations in the same order), so the lean and stock steps differ only in matmul rounding."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_pos_emb
+
+    from grpo.decoding import _rms_norm, _rotate
+
+    torch.manual_seed(0)
+    norm = Qwen2RMSNorm(64, eps=1e-6)
+    norm.weight.data.normal_()
+    x = torch.randn(16, 1, 64)
+    assert torch.equal(_rms_norm(norm, x), norm(x))
+    qk = torch.randn(16, 1, 6, 32)  # 4 query heads then 2 key heads, as they leave the fused q/k/v product
+    cos, sin = torch.randn(16, 1, 32), torch.randn(16, 1, 32)
+    q, k = apply_rotary_pos_emb(qk[:, :, :4].transpose(1, 2), qk[:, :, 4:].transpose(1, 2), cos, sin)
+    ours = _rotate(qk, cos, sin)
+    assert torch.equal(ours[:, :, :4].transpose(1, 2), q) and torch.equal(ours[:, :, 4:].transpose(1, 2), k)

@@ -135,6 +135,23 @@ def test_disk_reference_scores_like_the_model_and_keeps_tied_weights(tiny_model_
     assert not (tmp_path / "ref.safetensors").exists()
 
 
+def test_disk_reference_saves_parameters_that_share_memory(tmp_path):
+    """Parameters that are one tensor under two objects, or overlapping parts of one storage (which safetensors
+    refuses to write as they are), are written and restored."""
+    from grpo.model import DiskReference
+
+    model = torch.nn.Module()
+    flat = torch.arange(12.0)
+    model.a = torch.nn.Parameter(flat[:6].view(2, 3))
+    model.b = torch.nn.Parameter(flat[4:10].view(3, 2))  # overlaps a's storage
+    model.c = torch.nn.Parameter(model.a.data)  # the same tensor as a, another Parameter object
+    ref = DiskReference(model, tmp_path / "ref.safetensors")
+    assert ref.aliases == {"c": "a"}
+    with ref.loaded() as m:
+        assert torch.equal(m.a, flat[:6].view(2, 3)) and torch.equal(m.b, flat[4:10].view(3, 2))
+        assert torch.equal(m.c, m.a)
+
+
 @pytest.mark.parametrize("aggregation", ["token_mean", "constant"])
 def test_other_aggregations_and_kl_train(tiny_model_dir, tmp_path, aggregation):
     cfg = base_config(tmp_path, max_steps=3, loss_aggregation=aggregation, beta=0.04, num_iterations=2,
