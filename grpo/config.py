@@ -166,8 +166,8 @@ class GRPOConfig:
     beta: float = _f(0.04, "KL penalty coefficient (DeepSeekMath: 0.04). 0 skips the reference model.")
     reference_weights: str = _f("auto", "Where the reference model's weights stay between reference passes (beta > 0, "
                                 "full fine-tuning): memory, or disk (a file in output_dir that each pass maps back "
-                                "in, so the process holds them only during that pass; a 170 MB reference adds "
-                                "~0.05 s per step). auto: disk on a CPU in one process, memory otherwise.",
+                                "in, so the process holds them only during that pass; ~10 ms per step for a 170 MB "
+                                "reference). auto: disk on a CPU in one process, memory otherwise.",
                                 ("auto", "memory", "disk"))
     kl_estimator: str = _f("k3", "KL estimator (Schulman): k1, k2 or k3 (the paper's).", ("k1", "k2", "k3"))
     epsilon: float = _f(0.2, "Clip range: ratio clipped to [1-epsilon, 1+epsilon_high].")
