@@ -9,8 +9,10 @@ Two things here remove that, each checked token for token against the stock forw
   rollout and expose a view of the filled prefix (no copying of the cache).
 * `LeanDecoder`: the decode step of Llama-style decoders (Llama, Qwen2, Mistral without sliding windows) written out
   directly: per layer RMSNorm, q/k/v projections, rotary embedding, attention over the cache, output projection,
-  RMSNorm and MLP, reusing the model's own modules and rotary function. The prompt is still encoded by the model's
-  own forward (into the preallocated cache), so padding and long prompts keep transformers' handling.
+  RMSNorm and MLP. Plain linear projections run from stacked (in, out) copies of their weights, with RMSNorm and
+  the rotary embedding written out in the operation order of these models' transformers code (so bit-identical to
+  it); LoRA-wrapped layers run the model's own modules and rotary function. The prompt is still encoded by the
+  model's own forward (into the preallocated cache), so padding and long prompts keep transformers' handling.
 
 `LeanDecoder.supports(model)` decides; other models keep the stock forward.
 """
@@ -27,7 +29,8 @@ LEAN_MODEL_TYPES = ("llama", "qwen2", "mistral")
 """Model types whose decoder layers are exactly: pre-norm attention with rotary q/k, pre-norm gated MLP."""
 
 _FUSE_BYTES = 256 * 2**20
-"""Decoder layers larger than this (bytes) are not copied into fused q/k/v and gate/up matrices."""
+"""Decoder layers larger than this (bytes) are not copied into (in, out) matrices (see _Fused): the copies are made
+once per rollout and would double the layers' memory."""
 
 
 def preallocated_cache(model, capacity: int):
@@ -185,7 +188,8 @@ def _fused_weights(layer) -> _Fused:
     qkv, gate_up = (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
 
     def stacked(*linears):  # (in, out): the weights side by side
-        return torch.cat([m.weight for m in linears]).detach().t().contiguous()
+        weight = torch.cat([m.weight for m in linears]) if len(linears) > 1 else linears[0].weight
+        return weight.detach().t().contiguous()
 
     def bias(m):
         return None if m.bias is None else m.bias.detach()
@@ -196,7 +200,8 @@ def _fused_weights(layer) -> _Fused:
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of x (N, 1, heads, d) with cos, sin (N, 1, d), in the operation order of transformers'
-    Llama-family `apply_rotary_pos_emb` (x cos + rotate_half(x) sin), so the result is bit-identical."""
+    Llama-family `apply_rotary_pos_emb` (x cos + rotate_half(x) sin), so the result is bit-identical. Every model
+    type in LEAN_MODEL_TYPES rotates this way; a new one must be checked before it is added there."""
     cos, sin = cos[:, :, None], sin[:, :, None]
     half = x.shape[-1] // 2
     return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)

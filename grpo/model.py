@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import uuid
 import weakref
 from pathlib import Path
 
@@ -63,9 +64,10 @@ def lora_config(cfg: GRPOConfig):
                       target_modules=cfg.lora_target_modules, task_type="CAUSAL_LM")
 
 
-def prepare_model(model, cfg: GRPOConfig, peft_config=None, reference_file: Path | None = None):
-    """Apply LoRA and gradient checkpointing; returns (policy, reference or None). With `reference_file` the
-    reference is a `DiskReference` whose weights wait in that file between passes."""
+def prepare_model(model, cfg: GRPOConfig, peft_config=None, reference_dir: Path | None = None,
+                  reference_prefix: str = ".reference-"):
+    """Apply LoRA and gradient checkpointing; returns (policy, reference or None). With `reference_dir` the
+    reference is a `DiskReference` whose weights wait in a file of that directory between passes."""
     if cfg.use_peft and peft_config is None:
         peft_config = lora_config(cfg)
     if peft_config is not None:
@@ -80,8 +82,8 @@ def prepare_model(model, cfg: GRPOConfig, peft_config=None, reference_file: Path
         model.config.use_cache = False
     reference = None
     if cfg.beta > 0 and peft_config is None:
-        if reference_file is not None:
-            reference = DiskReference(model, reference_file)
+        if reference_dir is not None:
+            reference = DiskReference(model, reference_dir, reference_prefix)
         else:
             reference = copy.deepcopy(model).eval()
             reference.requires_grad_(False)
@@ -94,15 +96,21 @@ class DiskReference:
     The copy is built with zero-size parameters (its buffers, config and weight tying are real); `loaded()` maps
     the file's tensors in for one pass and drops them after, so the process holds the reference's weights only
     while it scores with them. Between passes they are the OS's file cache, which it may evict and re-read from
-    disk. This is the CPU counterpart of verl's and OpenRLHF's reference offloading. The file is written atomically
-    once, from `model`'s weights at construction, and deleted when this object is collected or at exit.
+    disk. This is the CPU counterpart of verl's and OpenRLHF's reference offloading.
+
+    The file, `<directory>/<prefix><pid>-<random>.safetensors`, is this object's own (two trainers on one output
+    directory never share one), written atomically once from `model`'s weights, and deleted when this object is
+    collected or at exit. Files left by processes that no longer run (a crash, kill -9) are deleted when the next
+    one is made in the same directory.
     """
 
-    def __init__(self, model, path: str | Path):
+    def __init__(self, model, directory: str | Path, prefix: str = ".reference-"):
         from safetensors.torch import save_file
 
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        _remove_orphans(directory, prefix)
+        self.path = directory / f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:8]}.safetensors"
         tmp = self.path.with_name(self.path.name + ".tmp")
         # named_parameters lists a tied weight once, under the name the copy will list it by too. Two parameters
         # that are one tensor under different objects are saved once (`aliases`); parts of one shared storage are
@@ -115,10 +123,15 @@ class DiskReference:
                 continue
             seen[key] = name
             storage = p.untyped_storage().data_ptr()
-            tensors[name] = p.detach().contiguous() if storage not in storages else p.detach().clone()
+            p = p.detach()
+            tensors[name] = p.clone(memory_format=torch.contiguous_format) if storage in storages else p.contiguous()
             storages.add(storage)
-        save_file(tensors, tmp)
-        os.replace(tmp, self.path)
+        try:
+            save_file(tensors, tmp)
+            os.replace(tmp, self.path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a full disk must not leave a partial copy of the model behind
+            raise
         self._cleanup = weakref.finalize(self, _unlink, self.path)
         # Deep-copy everything but the weights: each parameter becomes an empty one (tied ones stay one object).
         memo = {id(p): torch.nn.Parameter(torch.empty(0, dtype=p.dtype, device=p.device), requires_grad=False)
@@ -129,6 +142,7 @@ class DiskReference:
 
     def to(self, device) -> DiskReference:
         self.module.to(device)
+        self.params = dict(self.module.named_parameters())  # .to may replace Parameter objects
         self.device = torch.device(device)
         return self
 
@@ -154,6 +168,24 @@ class DiskReference:
 
 def _unlink(path: Path) -> None:
     path.unlink(missing_ok=True)
+
+
+def _remove_orphans(directory: Path, prefix: str) -> None:
+    """Delete `prefix<pid>-*.safetensors[.tmp]` files in directory whose process is no longer running."""
+    for path in directory.glob(f"{prefix}*.safetensors*"):
+        pid = path.name[len(prefix):].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _running(int(pid)):
+            path.unlink(missing_ok=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def sparse_tied_embedding_grad(model) -> bool:

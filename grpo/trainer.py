@@ -88,8 +88,8 @@ class GRPOTrainer:
             model = load_model(cfg)
         on_disk = cfg.reference_weights == "disk" or (cfg.reference_weights == "auto" and self.world == 1
                                                        and self.accel.device.type == "cpu")
-        reference_file = Path(cfg.output_dir) / f".reference-{self.rank}.safetensors" if on_disk else None
-        model, self.reference = prepare_model(model, cfg, peft_config, reference_file)
+        model, self.reference = prepare_model(model, cfg, peft_config, Path(cfg.output_dir) if on_disk else None,
+                                              reference_prefix=f".reference-rank{self.rank}-")
         self.total_steps = total_steps(cfg, len(self.train_set), self.B)
 
         self.optimizer = make_optimizer(model, cfg)
