@@ -11,7 +11,7 @@ Two things here remove that, each checked token for token against the stock forw
   directly: per layer RMSNorm, q/k/v projections, rotary embedding, attention over the cache, output projection,
   RMSNorm and MLP. Plain linear projections run from stacked (in, out) copies of their weights, with RMSNorm and
   the rotary embedding written out in the operation order of these models' transformers code (so bit-identical to
-  it); LoRA-wrapped layers run the model's own modules and rotary function. The prompt is still encoded by the
+  it); LoRA-wrapped projections run as the model's own modules. The prompt is still encoded by the
   model's own forward (into the preallocated cache), so padding and long prompts keep transformers' handling.
 
 `LeanDecoder.supports(model)` decides; other models keep the stock forward.
@@ -76,8 +76,6 @@ class LeanDecoder:
 
     def __init__(self, model):
         self.inner = model.get_decoder()
-        module = importlib.import_module(type(self.inner).__module__)
-        self.rotate = module.apply_rotary_pos_emb  # the model's own rotary function
         # Per layer, the q/k/v projections as one matrix and the MLP's gate/up as another: 4 matrix multiplies
         # instead of 7 per layer, each call costing ~15 us of overhead on top of tiny arithmetic; all stored
         # (in, out) (see _Fused). The weights change at every optimizer step, so a LeanDecoder is made per rollout;
@@ -115,8 +113,8 @@ class LeanDecoder:
             h = _rms_norm(layer.input_layernorm, x)
             d = attn.head_dim
             if fused is None:
-                q, k, v = (m(h).view(n, 1, -1, d).transpose(1, 2) for m in (attn.q_proj, attn.k_proj, attn.v_proj))
-                q, k = self.rotate(q, k, cos, sin)  # (N, heads, 1, d)
+                q, k = (_rotate(m(h).view(n, 1, -1, d), cos, sin).transpose(1, 2) for m in (attn.q_proj, attn.k_proj))
+                v = attn.v_proj(h).view(n, 1, -1, d).transpose(1, 2)  # (N, heads, 1, d)
             else:  # q and k are side by side in one product: rotate them together
                 qkv = _times(h, fused.qkv, fused.qkv_bias)
                 split, q_heads = fused.qkv_sizes[0] + fused.qkv_sizes[1], fused.qkv_sizes[0] // d
@@ -160,6 +158,7 @@ def _times(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -
 
 
 def _cat_bias(*linears):
+    """The biases of one or more linear layers side by side (zeros for one without), or None if none has one."""
     biases = [m.bias for m in linears]
     if all(b is None for b in biases):
         return None
@@ -191,11 +190,9 @@ def _fused_weights(layer) -> _Fused:
         weight = torch.cat([m.weight for m in linears]) if len(linears) > 1 else linears[0].weight
         return weight.detach().t().contiguous()
 
-    def bias(m):
-        return None if m.bias is None else m.bias.detach()
-
     return _Fused(stacked(*qkv), _cat_bias(*qkv), [m.weight.shape[0] for m in qkv], stacked(attn.o_proj),
-                  bias(attn.o_proj), stacked(*gate_up), _cat_bias(*gate_up), stacked(mlp.down_proj), bias(mlp.down_proj))
+                  _cat_bias(attn.o_proj), stacked(*gate_up), _cat_bias(*gate_up), stacked(mlp.down_proj),
+                  _cat_bias(mlp.down_proj))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

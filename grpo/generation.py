@@ -17,7 +17,7 @@ from typing import Callable, Protocol
 import torch
 
 from grpo.decoding import LeanDecoder, packed_head, preallocated_cache
-from grpo.model import _plain_head
+from grpo.model import _plain_head, _positions
 
 
 @dataclass
@@ -173,7 +173,7 @@ class TransformersGenerator:
         ids, mask = left_pad(prompt_ids, self.pad_id)
         ids, mask = ids.to(device), mask.to(device)
         n = ids.shape[0]
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        positions = _positions(mask)
         eos = torch.tensor(self.eos_ids, device=device)
         width = ids.shape[1]
         cache = preallocated_cache(self.model, width + p.max_new_tokens)
