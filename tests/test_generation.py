@@ -48,6 +48,25 @@ def test_two_level_search_across_blocks_of_a_large_vocabulary():
     assert sample_rows(logits, u)[0].tolist() == expected.tolist()
 
 
+@pytest.mark.parametrize("vocab", [100, 1024])
+def test_one_block_vocabulary_samples_like_the_two_level_search(vocab):
+    # Up to 1,024 entries take a shorter path (_sample_one_block); it must draw what the float64 inverse CDF draws.
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(256, vocab, generator=gen) * 3
+    logits[:, ::7] = float("-inf")  # filtered entries are never drawn
+    u = torch.rand(256, generator=gen, dtype=torch.float64)
+    cdf = logits.double().softmax(-1).cumsum(-1)
+    expected = (cdf <= u[:, None] * cdf[:, -1:]).sum(-1)
+    tokens, logprobs = sample_rows(logits.clone(), u)
+    assert tokens.tolist() == expected.tolist()
+    torch.testing.assert_close(logprobs, logits.log_softmax(-1).gather(1, tokens[:, None])[:, 0])
+    # A target at the row's total (u = 1, past every cumulative sum): the last token with mass, on both paths.
+    for width in (3, 3000):
+        row = torch.full((1, width), float("-inf"))
+        row[0, :2] = 0.0
+        assert sample_rows(row, torch.tensor([1.0], dtype=torch.float64))[0].tolist() == [1]
+
+
 def test_filters_by_hand():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     keep = lambda p: torch.isfinite(process_logits(logits, None, p))[0].tolist()  # noqa: E731
