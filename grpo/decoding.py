@@ -308,14 +308,40 @@ def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
 
 
 def packed_head(weight: torch.Tensor, bias: torch.Tensor | None, rows: int):
-    """A function h (rows, H) -> logits (rows, V) equal to F.linear(h, weight, bias), with the weight repacked once
-    by oneDNN for this batch size when that is available (CPU, float32): a (16, 256) x (256, 151k) product then
-    takes ~23 ms instead of ~31 ms, which over 64 sampled tokens is worth the ~80 ms repacking. The weight changes
-    at every optimizer step, so pack once per rollout. Falls back to F.linear."""
+    """A function h (rows, H) -> logits (rows, V) equal to F.linear(h, weight, bias) up to rounding, with the
+    weight repacked once for this batch size (CPU, float32). With one intra-op thread the compiled head
+    (grpo/csrc/lean_step.c) streams the weight once per 16 rows: the benchmark's (16, 256) x (256, 151k) product
+    takes ~16 ms instead of ~25 ms for oneDNN's packed product, which is used otherwise (~31 ms for F.linear);
+    either repacking costs ~90 ms, worth it over 64 sampled tokens. The weight changes at every optimizer step, so
+    pack once per rollout. Falls back to F.linear."""
+    cpu32 = weight.device.type == "cpu" and weight.dtype == torch.float32
+    lib = native.library() if cpu32 and torch.get_num_threads() == 1 else None
+    if lib is not None:
+        return _CompiledHead(lib, weight, bias, rows)
     reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
-    if (weight.device.type != "cpu" or weight.dtype != torch.float32 or reorder is None
+    if (not cpu32 or reorder is None
             or not torch.backends.mkldnn.is_available()):
         return lambda h: F.linear(h, weight, bias)
     packed = reorder(weight.detach(), rows)
     linear = torch.ops.mkldnn._linear_pointwise
     return lambda h: linear(h.contiguous(), packed, bias, "none", [], "")
+
+
+class _CompiledHead:
+    """The output layer's product by lean_head, the weight packed once; each call overwrites the logits of the
+    previous one (sampling consumes them before the next step)."""
+
+    def __init__(self, lib, weight: torch.Tensor, bias: torch.Tensor | None, rows: int):
+        vocab, hidden = weight.shape
+        self.lib, self.bias = lib, None if bias is None else bias.detach().contiguous()
+        self.packed = torch.empty(lib.lean_head_packed_floats(hidden, vocab), dtype=torch.float32)
+        lib.lean_pack_head(hidden, vocab, weight.detach().contiguous().data_ptr(), self.packed.data_ptr())
+        self.out = torch.empty(rows, vocab)
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        h = h.detach().contiguous()
+        rows, hidden = h.shape
+        out = self.out if rows == self.out.shape[0] else torch.empty(rows, self.out.shape[1])
+        self.lib.lean_head(rows, hidden, out.shape[1], h.data_ptr(), self.packed.data_ptr(),
+                           None if self.bias is None else self.bias.data_ptr(), out.data_ptr())
+        return out

@@ -53,12 +53,16 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("GRPO_CACHE_DIR") or Path.home() / ".cache" / "grpo") / "native"
 
 
-def _build(compiler: str, target: Path) -> None:
+def _x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def _build(compiler: str, target: Path, flags: list[str] = FLAGS) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
     os.close(fd)
     try:
-        result = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+        result = subprocess.run([compiler, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
                                 timeout=120)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
@@ -86,6 +90,11 @@ def library():
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:
         log.warning("grpo.native: could not build the compiled decode step (%s); sampling uses the torch step", err)
         return None
+    return _declare(lib)
+
+
+def _declare(lib):
+    """Set the argument and result types of the library's functions (ctypes would guess ints otherwise)."""
     lib.lean_step.argtypes = [ctypes.POINTER(Model), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
                               ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     lib.lean_step.restype = None
@@ -93,6 +102,13 @@ def library():
     lib.lean_packed_floats.restype = ctypes.c_int64
     lib.lean_pack.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p]
     lib.lean_pack.restype = None
+    lib.lean_head_packed_floats.argtypes = [ctypes.c_int32, ctypes.c_int32]
+    lib.lean_head_packed_floats.restype = ctypes.c_int64
+    lib.lean_pack_head.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p]
+    lib.lean_pack_head.restype = None
+    lib.lean_head.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p,
+                              ctypes.c_void_p, ctypes.c_void_p]
+    lib.lean_head.restype = None
     lib.lean_scratch_floats.argtypes = [ctypes.c_int32] * 6
     lib.lean_scratch_floats.restype = ctypes.c_int64
     return lib

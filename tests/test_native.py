@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import ctypes
 import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from grpo import native
-from grpo.decoding import LeanDecoder, _CompiledStep, preallocated_cache
+from grpo.decoding import LeanDecoder, _CompiledHead, _CompiledStep, packed_head, preallocated_cache
 from grpo.generation import SamplingParams, TransformersGenerator
 
 needs_compiler = pytest.mark.skipif(native.library() is None, reason="no C compiler: the compiled step is not built")
@@ -95,6 +97,11 @@ def test_compiled_step_is_not_used_where_it_does_not_apply(monkeypatch):
     model.config.hidden_act = "gelu"
     assert LeanDecoder(model).compiled(cache, 1) is None
     model.config.hidden_act = "silu"
+    from peft import LoraConfig, get_peft_model  # LoRA-wrapped projections run as modules: the torch step
+
+    lora = get_peft_model(tiny("qwen2"), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    lora_cache, _ = prefilled(lora, ids, mask, 2)
+    assert LeanDecoder(lora).compiled(lora_cache, 1) is None
     big = tiny("qwen2").double()
     big_cache, _ = prefilled(big, ids, mask, 2)
     assert LeanDecoder(big).compiled(big_cache, 1) is None  # float64
@@ -131,3 +138,30 @@ def test_library_is_built_atomically_once_and_falls_back_without_a_compiler(tmp_
         assert len(built) == 1 and built[0].suffix == ".so"
     finally:
         native.library.cache_clear()
+
+
+@needs_compiler
+@pytest.mark.parametrize("rows", [5, 20])  # one partial block of 16 rows; a full block and a partial one
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_compiled_head_equals_linear(rows, with_bias, monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # the compiled head is for one intra-op thread
+    torch.manual_seed(0)
+    weight, h = torch.randn(37, 24), torch.randn(rows, 24)  # 37: the last panel of 16 entries is partial
+    bias = torch.randn(37) if with_bias else None
+    head = packed_head(weight, bias, rows)
+    assert isinstance(head, _CompiledHead)
+    torch.testing.assert_close(head(h), F.linear(h, weight, bias), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(head(h[:3]), F.linear(h[:3], weight, bias), atol=1e-5, rtol=1e-5)  # other rows
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+def test_portable_build_without_avx512_gives_the_same_products(tmp_path):
+    # The plain C paths (what a CPU without AVX-512 compiles) against the product they replace.
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    target = tmp_path / "portable.so"
+    native._build(compiler, target, [*native.FLAGS, "-mno-avx512f"] if native._x86() else native.FLAGS)
+    lib = native._declare(ctypes.CDLL(str(target)))
+    torch.manual_seed(0)
+    weight, h, bias = torch.randn(37, 24), torch.randn(20, 24), torch.randn(37)
+    head = _CompiledHead(lib, weight, bias, 20)
+    torch.testing.assert_close(head(h), F.linear(h, weight, bias), atol=1e-5, rtol=1e-5)

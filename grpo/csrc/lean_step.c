@@ -8,6 +8,9 @@
  * residual; at the end the final RMSNorm. The weights are decoding._Fused's (in, out) matrices, packed by
  * lean_pack.
  *
+ * lean_head is the output layer's product for sampling, (rows, H) x (V, H)^T, streaming the packed weight once per
+ * 16 rows.
+ *
  * Single-threaded, no allocation: the caller passes scratch memory. Plain C that compilers vectorize
  * (-O3 -march=native); the results equal the torch step up to float32 rounding (tests/test_native.py).
  */
@@ -15,6 +18,9 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 typedef struct {
     const float *input_norm, *post_norm;  /* (H) */
@@ -213,4 +219,58 @@ void lean_step(const Model *m, const int64_t *tokens, const int64_t *positions, 
         add_into((size_t)R * H, x, h);
     }
     rms_norm(R, H, x, m->final_norm, m->eps, out);
+}
+
+/* The output layer for sampling: logits (rows, V) = h (rows, K) @ W^T + bias, W the (V, K) weight of the linear
+ * layer packed by lean_pack_head into panels of 16 vocabulary entries: panel p holds rows p*16 .. p*16+15 of W
+ * transposed, K contiguous groups of 16 floats (zeros past V). With a 151k vocabulary the weight (155 MB) does
+ * not fit in any cache, so the product is bound by streaming it from memory: each panel is read once for 16 rows
+ * of h, with a software prefetch 4 KB ahead (16 ms per token on the benchmark's machine, against 25 ms for
+ * oneDNN's packed product). */
+#define HB 16
+
+int64_t lean_head_packed_floats(int32_t K, int32_t V) { return (int64_t)K * ((V + HB - 1) / HB) * HB; }
+
+void lean_pack_head(int32_t K, int32_t V, const float *restrict W, float *restrict packed) {
+    for (int v0 = 0; v0 < V; v0 += HB) {
+        float *restrict panel = packed + (size_t)v0 * K;
+        for (int k = 0; k < K; k++)
+            for (int j = 0; j < HB; j++) panel[(size_t)k * HB + j] = v0 + j < V ? W[(size_t)(v0 + j) * K + k] : 0.0f;
+    }
+}
+
+void lean_head(int32_t rows, int32_t K, int32_t V, const float *restrict h, const float *restrict packed,
+               const float *restrict bias, float *restrict out) {
+    for (int m0 = 0; m0 < rows; m0 += HB) {
+        const int mb = rows - m0 < HB ? rows - m0 : HB;
+        const float *x[HB];  /* rows past the end repeat the last row and are not stored */
+        for (int i = 0; i < HB; i++) x[i] = h + (size_t)(m0 + (i < mb ? i : mb - 1)) * K;
+        for (int v0 = 0; v0 < V; v0 += HB) {
+            const float *restrict panel = packed + (size_t)v0 * K;
+            const int vb = V - v0 < HB ? V - v0 : HB;
+#ifdef __AVX512F__
+            __m512 acc[HB];
+            for (int i = 0; i < HB; i++) acc[i] = _mm512_setzero_ps();
+            for (int k = 0; k < K; k++) {
+                const __m512 w = _mm512_loadu_ps(panel + (size_t)k * HB);
+                _mm_prefetch((const char *)(panel + (size_t)k * HB + 1024), _MM_HINT_T0);
+                for (int i = 0; i < HB; i++) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i][k]), w, acc[i]);
+            }
+            const __mmask16 keep = (__mmask16)((1u << vb) - 1u);
+            const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + v0) : _mm512_setzero_ps();
+            for (int i = 0; i < mb; i++)
+                _mm512_mask_storeu_ps(out + (size_t)(m0 + i) * V + v0, keep, bias ? _mm512_add_ps(acc[i], b) : acc[i]);
+#else
+            float acc[HB][HB];
+            for (int i = 0; i < HB; i++)
+                for (int j = 0; j < HB; j++) acc[i][j] = 0.0f;
+            for (int k = 0; k < K; k++)
+                for (int i = 0; i < HB; i++)
+                    for (int j = 0; j < HB; j++) acc[i][j] += x[i][k] * panel[(size_t)k * HB + j];
+            for (int i = 0; i < mb; i++)
+                for (int j = 0; j < vb; j++)
+                    out[(size_t)(m0 + i) * V + v0 + j] = bias ? acc[i][j] + bias[v0 + j] : acc[i][j];
+#endif
+        }
+    }
 }
