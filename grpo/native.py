@@ -13,6 +13,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -57,15 +58,15 @@ def _x86() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64")
 
 
-def _build(compiler: str, target: Path, flags: list[str] = FLAGS) -> None:
+def _build(compiler: list[str], target: Path, flags: list[str] = FLAGS) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
     os.close(fd)
     try:
-        result = subprocess.run([compiler, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+        result = subprocess.run([*compiler, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
                                 timeout=120)
         if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"{' '.join(compiler)} failed: {result.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -77,15 +78,19 @@ def library():
     """The compiled step's library, or None (no compiler, a failed build, or GRPO_NATIVE=0): callers fall back."""
     if os.environ.get("GRPO_NATIVE", "1") == "0":
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    found = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not found:
         log.info("grpo.native: no C compiler found; sampling uses the torch step")
         return None
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), compiler, *FLAGS, _cpu_tag()]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"lean_step-{key}.so"
+    compiler = shlex.split(found)  # CC may carry a launcher or flags, e.g. "ccache gcc"
     try:
+        key = hashlib.sha256("\n".join([SOURCE.read_text(), *compiler, *FLAGS, _cpu_tag()]).encode()).hexdigest()
+        target = _cache_dir() / f"lean_step-{key[:16]}.so"
         if not target.exists():
-            _build(compiler, target)
+            try:
+                _build(compiler, target)
+            except RuntimeError:  # a compiler without -march=native (some clang and non-x86 gcc builds)
+                _build(compiler, target, [f for f in FLAGS if f != "-march=native"])
         lib = ctypes.CDLL(str(target))
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:
         log.warning("grpo.native: could not build the compiled decode step (%s); sampling uses the torch step", err)
