@@ -9,10 +9,13 @@ Two things here remove that, each checked token for token against the stock forw
   rollout and expose a view of the filled prefix (no copying of the cache).
 * `LeanDecoder`: the decode step of Llama-style decoders (Llama, Qwen2, Mistral without sliding windows) written out
   directly: per layer RMSNorm, q/k/v projections, rotary embedding, attention over the cache, output projection,
-  RMSNorm and MLP. Plain linear projections run from stacked (in, out) copies of their weights, with RMSNorm and
+  RMSNorm and MLP. Linear projections run from stacked (in, out) copies of their weights (a LoRA-wrapped one's
+  with its adapters folded in: base + B A x scaling, as TRL does before handing weights to vLLM), with RMSNorm and
   the rotary embedding written out in the operation order of these models' transformers code (so bit-identical to
-  it); LoRA-wrapped projections run as the model's own modules. The prompt is still encoded by the
-  model's own forward (into the preallocated cache), so padding and long prompts keep transformers' handling.
+  it); projections that do not fold into one matrix (DoRA, adapter biases) run as the model's own modules. The
+  prompt is still encoded by the model's own forward (into the preallocated cache), so padding and long prompts
+  keep transformers' handling.
+* `_CompiledStep`: the same step as one C call per token (grpo/csrc/lean_step.c), where it applies.
 
 `LeanDecoder.supports(model)` decides; other models keep the stock forward.
 """
@@ -166,7 +169,7 @@ class _CompiledStep:
     @staticmethod
     def usable(decoder: LeanDecoder, cache, rows: int) -> bool:
         """Float32 weights on the CPU, plain modules where C reads weights directly (embedding, norms, every layer
-        fused: no LoRA), SiLU, one RMSNorm epsilon, a length-independent rotary embedding, a prefilled float32
+        fused: plain or folded LoRA projections), SiLU, one RMSNorm epsilon, a length-independent rotary embedding, a prefilled float32
         cache of these rows; and one intra-op thread or small layers (_COMPILED_ANY_THREADS_BYTES): the C step
         is single-threaded."""
         inner = decoder.inner
@@ -287,13 +290,12 @@ def _times(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -
     return out.view(x.shape[0], 1, -1)
 
 
-def _cat_bias(*linears):
-    """The biases of one or more linear layers side by side (zeros for one without), or None if none has one."""
-    biases = [m.bias for m in linears]
-    if all(b is None for b in biases):
+def _cat_bias(*pairs):
+    """The biases of one or more (weight, bias) pairs side by side (zeros for one without), or None if none has
+    one."""
+    if all(b is None for _, b in pairs):
         return None
-    return torch.cat([b if b is not None else m.weight.new_zeros(m.weight.shape[0])
-                      for b, m in zip(biases, linears)]).detach()
+    return torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in pairs]).detach()
 
 
 def _plain_layer(layer) -> bool:
@@ -305,24 +307,51 @@ def _plain_layer(layer) -> bool:
                                                                    layer.post_attention_layernorm)))
 
 
+def _effective_linear(m):
+    """(weight (out, in), bias) that module m multiplies its input by: a plain linear layer's own, or a LoRA-wrapped
+    linear layer's base weight plus its active adapters' B A x scaling (what its forward computes, up to rounding;
+    dropout is off in eval mode, where sampling runs). None for anything else, e.g. DoRA or other LoRA variants,
+    adapter biases, or other wrappers: those run as modules."""
+    if type(m) is torch.nn.Linear:
+        return m.weight, m.bias
+    base = getattr(m, "base_layer", None)
+    if type(base) is not torch.nn.Linear or not all(hasattr(m, k) for k in ("get_delta_weight", "lora_A", "merged")):
+        return None
+    if m.merged or m.disable_adapters:
+        return base.weight, base.bias  # merged: the adapters are in the base weight; disabled: not applied
+    if m.training:
+        return None  # adapter dropout would apply
+    weight = base.weight
+    for name in m.active_adapters:
+        if name not in m.lora_A:
+            continue
+        if (getattr(m, "lora_variant", {}).get(name) is not None or getattr(m, "use_dora", {}).get(name, False)
+                or getattr(m, "lora_bias", {}).get(name, False)):
+            return None
+        weight = weight + m.get_delta_weight(name)
+    return weight, base.bias
+
+
 def _plain_linears(layer) -> bool:
-    """Whether the projections to fuse are plain linear layers (a LoRA-wrapped one must run as a module)."""
+    """Whether every projection multiplies by one weight matrix (plain, or LoRA that folds into one)."""
     attn, mlp = layer.self_attn, layer.mlp
-    return all(type(m) is torch.nn.Linear for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
-                                                     mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+    return all(_effective_linear(m) is not None for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                                                          mlp.gate_proj, mlp.up_proj, mlp.down_proj))
 
 
+@torch.no_grad()
 def _fused_weights(layer) -> _Fused:
     attn, mlp = layer.self_attn, layer.mlp
-    qkv, gate_up = (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
+    qkv = [_effective_linear(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
+    gate_up = [_effective_linear(m) for m in (mlp.gate_proj, mlp.up_proj)]
+    o, down = _effective_linear(attn.o_proj), _effective_linear(mlp.down_proj)
 
-    def stacked(*linears):  # (in, out): the weights side by side
-        weight = torch.cat([m.weight for m in linears]) if len(linears) > 1 else linears[0].weight
+    def stacked(*pairs):  # (in, out): the weights side by side
+        weight = torch.cat([w for w, _ in pairs]) if len(pairs) > 1 else pairs[0][0]
         return weight.detach().t().contiguous()
 
-    return _Fused(stacked(*qkv), _cat_bias(*qkv), [m.weight.shape[0] for m in qkv], stacked(attn.o_proj),
-                  _cat_bias(attn.o_proj), stacked(*gate_up), _cat_bias(*gate_up), stacked(mlp.down_proj),
-                  _cat_bias(mlp.down_proj))
+    return _Fused(stacked(*qkv), _cat_bias(*qkv), [w.shape[0] for w, _ in qkv], stacked(o), _cat_bias(o),
+                  stacked(*gate_up), _cat_bias(*gate_up), stacked(down), _cat_bias(down))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

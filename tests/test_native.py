@@ -117,11 +117,11 @@ def test_compiled_step_is_not_used_where_it_does_not_apply(monkeypatch):
     model.config.hidden_act = "gelu"
     assert LeanDecoder(model).compiled(cache, 1) is None
     model.config.hidden_act = "silu"
-    from peft import LoraConfig, get_peft_model  # LoRA-wrapped projections run as modules: the torch step
+    from peft import LoraConfig, get_peft_model  # DoRA does not fold into one matrix: its modules, the torch step
 
-    lora = get_peft_model(tiny("qwen2"), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
-    lora_cache, _ = prefilled(lora, ids, mask, 2)
-    assert LeanDecoder(lora).compiled(lora_cache, 1) is None
+    dora = get_peft_model(tiny("qwen2"), LoraConfig(r=2, target_modules=["q_proj", "v_proj"], use_dora=True)).eval()
+    dora_cache, _ = prefilled(dora, ids, mask, 2)
+    assert LeanDecoder(dora).fused[0] is None and LeanDecoder(dora).compiled(dora_cache, 1) is None
     big = tiny("qwen2").double()
     big_cache, _ = prefilled(big, ids, mask, 2)
     assert LeanDecoder(big).compiled(big_cache, 1) is None  # float64
@@ -247,3 +247,29 @@ def test_compiled_head_from_a_non_contiguous_weight_and_inside_generation(monkey
     monkeypatch.setattr(LeanDecoder, "compiled", lambda self, c, n: None)
     plain = TransformersGenerator(model, pad_id=0, eos_ids=[60]).generate(ids, params, seeds=[1, 2, 3])
     assert fast.ids == plain.ids
+
+
+@needs_compiler
+@torch.no_grad()
+def test_lora_adapters_fold_into_the_compiled_step():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny("llama"), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:  # B starts at zero; make the adapters change the outputs
+            torch.nn.init.normal_(param, std=0.5)
+    model.train()
+    assert LeanDecoder(model).fused[0] is None  # training mode: adapter dropout would apply, so no folding
+    model.eval()
+    ids, mask = torch.tensor([[1, 2, 3], [0, 4, 5]]), torch.tensor([[1, 1, 1], [0, 1, 1]])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache, pos = prefilled(model, ids, mask, 2)
+    step = LeanDecoder(model).compiled(cache, 2)
+    assert isinstance(step, _CompiledStep)
+    token, full = torch.tensor([[7], [8]]), torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
+    stock = model(input_ids=torch.cat([ids, token], 1), attention_mask=full,
+                  position_ids=torch.cat([positions, pos + 1], 1)).logits[:, -1]
+    hidden = step(token, pos + 1, cache, full.bool())
+    torch.testing.assert_close(F.linear(hidden, model.get_output_embeddings().weight), stock, atol=2e-5, rtol=1e-5)
+    with model.disable_adapter():  # adapters off: the base weights
+        assert not any(torch.allclose(a.qkv, b.qkv) for a, b in zip(LeanDecoder(model).fused, step.decoder.fused))
