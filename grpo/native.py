@@ -1,4 +1,6 @@
-"""The compiled decode step (grpo/csrc/lean_step.c): built on first use with the system C compiler, loaded with ctypes.
+"""The compiled decode step and sampling LM head (grpo/csrc/lean_step.c): built on first use with the system C
+compiler, loaded with ctypes, and wrapped as `CompiledStep` (used by `decoding.LeanDecoder.compiled`) and
+`CompiledHead` (used by `decoding.packed_head`).
 
 `library()` returns the loaded library, or None when there is no C compiler, the build fails, or GRPO_NATIVE=0
 is set; callers then keep the torch step. The shared object is cached per source, compiler flags and CPU under
@@ -19,6 +21,8 @@ import subprocess
 import tempfile
 from functools import lru_cache
 from pathlib import Path
+
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -117,3 +121,149 @@ def _declare(lib):
     lib.lean_scratch_floats.argtypes = [ctypes.c_int32] * 6
     lib.lean_scratch_floats.restype = ctypes.c_int64
     return lib
+
+
+_ANY_THREADS_BYTES = 32 * 2**20
+"""Decoder layers up to this size (bytes) take the single-threaded C step whatever torch's thread count: per-operator
+overhead, not arithmetic, bounds the torch step there (the benchmark's W1, 17 MB: 2.0 ms per token against 3.1 ms
+for torch on 2 threads). Larger layers take it only when torch runs one thread."""
+
+
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+"""Rotary variants whose frequencies do not depend on the sequence length, so one table of cos/sin per rollout
+equals the per-step computation (dynamic NTK and longrope rescale with the longest position seen)."""
+
+
+class CompiledStep:
+    """`decoding.LeanDecoder.hidden` as one C call per token: the ~60 small torch operators of a layer cost ~3 ms
+    per token on W1 of the benchmark, mostly dispatch; the compiled step runs at the speed of streaming the
+    weights.
+
+    It writes each token's keys and values into the cache's buffers and advances the cache layers' `length`
+    (their `keys`/`values` views are not refreshed: nothing reads them after sampling). It holds a reference to
+    every tensor the C side points into (the decoder and its fused weights, the cache, the packed copies)."""
+
+    @staticmethod
+    def usable(decoder, cache, rows: int) -> bool:
+        """Float32 weights on the CPU, plain modules where C reads weights directly (embedding, norms, every layer
+        fused: plain or folded LoRA projections), SiLU, one RMSNorm epsilon, a length-independent rotary
+        embedding, a prefilled float32 cache of these rows; and one intra-op thread or small layers
+        (_ANY_THREADS_BYTES): the C step is single-threaded."""
+        inner = decoder.inner
+        config = inner.config
+        norms = [inner.norm] + [n for layer in inner.layers for n in (layer.input_layernorm,
+                                                                      layer.post_attention_layernorm)]
+        attn = inner.layers[0].self_attn
+        small = sum(p.numel() * p.element_size() for p in inner.layers.parameters()) <= _ANY_THREADS_BYTES
+        if not ((torch.get_num_threads() == 1 or small) and all(f is not None for f in decoder.fused)
+                and type(inner.embed_tokens) is torch.nn.Embedding
+                and all(type(n) is type(inner.norm) and isinstance(n.weight, torch.nn.Parameter) for n in norms)
+                and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in inner.parameters())
+                and getattr(config, "hidden_act", None) in ("silu", "swish")
+                and getattr(inner.rotary_emb, "rope_type", "default") in _ROPE_TYPES
+                and len({float(n.variance_epsilon) for n in norms}) == 1
+                and attn.head_dim % 2 == 0 and attn.head_dim <= 512):
+            return False
+        fused = decoder.fused[0]
+        layers = getattr(cache, "layers", [])
+        if len(layers) != len(inner.layers) or getattr(layers[0], "key_buffer", None) is None:
+            return False  # not a prefilled preallocated_cache
+        shape = (rows, fused.qkv_sizes[1] // attn.head_dim, layers[0].key_buffer.shape[2], attn.head_dim)
+        return all(b.dtype == torch.float32 and b.is_contiguous() and tuple(b.shape) == shape
+                   for layer in layers for b in (layer.key_buffer, layer.value_buffer))
+
+    def __init__(self, lib, decoder, cache, rows: int):
+        inner, self.lib, self.decoder, self.cache, self.rows = decoder.inner, lib, decoder, cache, rows
+        attn, buffer = inner.layers[0].self_attn, cache.layers[0].key_buffer
+        capacity, d = buffer.shape[2], attn.head_dim
+        cos, sin = inner.rotary_emb(buffer.new_zeros(1, 1, d), torch.arange(capacity)[None])
+        self.keep = [cos[0].contiguous(), sin[0].contiguous()]  # tensors made here that the C side points into
+        layers = (Layer * len(inner.layers))()
+        for i, (layer, fused, kv) in enumerate(zip(inner.layers, decoder.fused, cache.layers)):
+            tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, self._pack(fused.qkv),
+                       fused.qkv_bias, self._pack(fused.o), fused.o_bias, self._pack(fused.gate_up),
+                       fused.gate_up_bias, self._pack(fused.down), fused.down_bias, kv.key_buffer, kv.value_buffer]
+            layers[i] = Layer(*(self._pointer(t) for t in tensors))
+        hidden, q_heads = inner.norm.weight.shape[0], fused.qkv_sizes[0] // d
+        kv_heads, inter = fused.qkv_sizes[1] // d, fused.down.shape[0]
+        scratch = lib.lean_scratch_floats(rows, hidden, q_heads * d, kv_heads * d, inter, capacity)
+        self.scratch = torch.empty(scratch, dtype=torch.float32)
+        self.vocab = inner.embed_tokens.weight.shape[0]
+        self.model = Model(rows, hidden, q_heads, kv_heads, d, inter, capacity, len(inner.layers),
+                                  float(inner.norm.variance_epsilon), float(attn.scaling),
+                                  self._pointer(inner.embed_tokens.weight), self._pointer(inner.norm.weight),
+                                  self._pointer(self.keep[0]), self._pointer(self.keep[1]), layers,
+                                  self.scratch.data_ptr())
+        self.layers, self.out = layers, torch.empty(rows, hidden)
+
+    def _pack(self, weight_t: torch.Tensor) -> torch.Tensor:
+        """An (in, out) matrix in the C step's panel layout (lean_pack); kept alive with the step."""
+        k, n = weight_t.shape
+        packed = torch.empty(self.lib.lean_packed_floats(k, n), dtype=torch.float32)
+        source = weight_t.detach().contiguous()  # bound to a name: alive until lean_pack returns
+        self.lib.lean_pack(k, n, source.data_ptr(), packed.data_ptr())
+        self.keep.append(packed)
+        return packed
+
+    def _pointer(self, tensor: torch.Tensor | None):
+        if tensor is None:
+            return None
+        tensor = tensor.detach()
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+        self.keep.append(tensor)
+        return tensor.data_ptr()
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache, key_mask: torch.Tensor | None):
+        """Same arguments and result as `decoding.LeanDecoder.hidden`, checked before C reads them; the returned
+        (rows, H) tensor is overwritten by the next call (sampling consumes it first)."""
+        tokens, positions = tokens.reshape(-1).contiguous(), positions.reshape(-1).contiguous()
+        length, capacity = cache.layers[0].length, self.model.capacity
+        if cache is not self.cache or tokens.shape[0] != self.rows or positions.shape[0] != self.rows:
+            raise ValueError(f"compiled decode step: made for {self.rows} rows of its own cache; got {tokens.shape[0]} "
+                             f"tokens and {positions.shape[0]} positions")
+        if tokens.dtype != torch.int64 or positions.dtype != torch.int64:
+            raise TypeError("compiled decode step: tokens and positions must be int64")
+        if length >= capacity:
+            raise RuntimeError(f"preallocated_cache: {length + 1} positions exceed the capacity {capacity}")
+        if int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab:
+            raise IndexError(f"compiled decode step: token ids must be in [0, {self.vocab}) (the embedding's rows); "
+                             f"got {int(tokens.min())} .. {int(tokens.max())}")
+        if int(positions.min()) < 0 or int(positions.max()) >= capacity:
+            raise IndexError(f"compiled decode step: positions must be in [0, {capacity}) (the cache capacity)")
+        mask, stride = None, 0
+        if key_mask is not None:
+            if key_mask.dtype != torch.bool or key_mask.stride(1) != 1 or tuple(key_mask.shape) != (self.rows,
+                                                                                                  length + 1):
+                raise ValueError(f"compiled decode step: key_mask must be a ({self.rows}, {length + 1}) bool tensor "
+                                 "with contiguous rows")
+            mask, stride = key_mask.data_ptr(), key_mask.stride(0)
+        self.lib.lean_step(ctypes.byref(self.model), tokens.data_ptr(), positions.data_ptr(), length, mask, stride,
+                           self.out.data_ptr())
+        for layer in cache.layers:
+            layer.length = length + 1
+        return self.out
+
+
+class CompiledHead:
+    """The output layer's product by lean_head, the weight packed once; each call overwrites the logits of the
+    previous one (sampling consumes them before the next step)."""
+
+    def __init__(self, lib, weight: torch.Tensor, bias: torch.Tensor | None, rows: int):
+        vocab, hidden = weight.shape
+        self.lib, self.hidden, self.bias = lib, hidden, None if bias is None else bias.detach().contiguous()
+        self.packed = torch.empty(lib.lean_head_packed_floats(hidden, vocab), dtype=torch.float32)
+        source = weight.detach().contiguous()  # bound to a name: alive until lean_pack_head returns
+        lib.lean_pack_head(hidden, vocab, source.data_ptr(), self.packed.data_ptr())
+        self.out = torch.empty(rows, vocab)
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        h = h.detach().contiguous()
+        rows, hidden = h.shape
+        if h.dtype != torch.float32 or hidden != self.hidden:
+            raise ValueError(f"compiled LM head: expected float32 hidden states of width {self.hidden}, got "
+                             f"{h.dtype} of width {hidden}")
+        out = self.out if rows == self.out.shape[0] else torch.empty(rows, self.out.shape[1])
+        self.lib.lean_head(rows, hidden, out.shape[1], h.data_ptr(), self.packed.data_ptr(),
+                           None if self.bias is None else self.bias.data_ptr(), out.data_ptr())
+        return out

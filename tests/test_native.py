@@ -15,7 +15,8 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
 
 import grpo.generation as generation
 from grpo import native
-from grpo.decoding import LeanDecoder, _CompiledHead, _CompiledStep, packed_head, preallocated_cache
+from grpo.decoding import LeanDecoder, packed_head, preallocated_cache
+from grpo.native import CompiledHead, CompiledStep
 from grpo.generation import SamplingParams, TransformersGenerator
 
 # With a compiler on the machine the build must succeed (a failure fails these tests instead of skipping them).
@@ -70,8 +71,8 @@ def test_compiled_step_matches_the_torch_step(kind, sizes, rows, lib=None):
     torch_cache, pos = prefilled(model, ids, mask, extra)
     c_cache, _ = prefilled(model, ids, mask, extra)
     decoder = LeanDecoder(model)
-    step = decoder.compiled(c_cache, rows) if lib is None else _CompiledStep(lib, decoder, c_cache, rows)
-    assert isinstance(step, _CompiledStep)
+    step = decoder.compiled(c_cache, rows) if lib is None else CompiledStep(lib, decoder, c_cache, rows)
+    assert isinstance(step, CompiledStep)
     key_mask = torch.cat([mask.bool(), torch.ones(rows, extra, dtype=torch.bool)], dim=1)
     tokens = torch.randint(1, 61, (rows, 1))
     for t in range(extra):
@@ -125,7 +126,7 @@ def test_compiled_step_is_not_used_where_it_does_not_apply(monkeypatch):
     big = tiny("qwen2").double()
     big_cache, _ = prefilled(big, ids, mask, 2)
     assert LeanDecoder(big).compiled(big_cache, 1) is None  # float64
-    monkeypatch.setattr("grpo.decoding._COMPILED_ANY_THREADS_BYTES", 0)  # "large" layers: one thread only
+    monkeypatch.setattr("grpo.native._ANY_THREADS_BYTES", 0)  # "large" layers: one thread only
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
@@ -169,7 +170,7 @@ def test_compiled_head_equals_linear(rows, with_bias, monkeypatch):
     weight, h = torch.randn(37, 24), torch.randn(rows, 24)  # 37: the last panel of 16 entries is partial
     bias = torch.randn(37) if with_bias else None
     head = packed_head(weight, bias, rows)
-    assert isinstance(head, _CompiledHead)
+    assert isinstance(head, CompiledHead)
     torch.testing.assert_close(head(h), F.linear(h, weight, bias), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(head(h[:3]), F.linear(h[:3], weight, bias), atol=1e-5, rtol=1e-5)  # other rows
 
@@ -183,7 +184,7 @@ def test_portable_build_without_avx512_gives_the_same_products(tmp_path):
     lib = native._declare(ctypes.CDLL(str(target)))
     torch.manual_seed(0)
     weight, h, bias = torch.randn(37, 24), torch.randn(20, 24), torch.randn(37)
-    head = _CompiledHead(lib, weight, bias, 20)
+    head = CompiledHead(lib, weight, bias, 20)
     torch.testing.assert_close(head(h), F.linear(h, weight, bias), atol=1e-5, rtol=1e-5)
     test_compiled_step_matches_the_torch_step("llama", {}, 9, lib=lib)
 
@@ -242,7 +243,7 @@ def test_compiled_head_from_a_non_contiguous_weight_and_inside_generation(monkey
     model = tiny("qwen2")
     ids, params = [[5, 6, 7], [1, 2, 3, 4, 5], [9, 8, 7, 6]], SamplingParams(12, temperature=1.0)
     fast = TransformersGenerator(model, pad_id=0, eos_ids=[60]).generate(ids, params, seeds=[1, 2, 3])
-    assert heads and all(isinstance(head, _CompiledHead) for head in heads)
+    assert heads and all(isinstance(head, CompiledHead) for head in heads)
     monkeypatch.setattr(generation, "packed_head", lambda w, b, rows: (lambda x: F.linear(x, w, b)))
     monkeypatch.setattr(LeanDecoder, "compiled", lambda self, c, n: None)
     plain = TransformersGenerator(model, pad_id=0, eos_ids=[60]).generate(ids, params, seeds=[1, 2, 3])
@@ -265,7 +266,7 @@ def test_lora_adapters_fold_into_the_compiled_step():
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache, pos = prefilled(model, ids, mask, 2)
     step = LeanDecoder(model).compiled(cache, 2)
-    assert isinstance(step, _CompiledStep)
+    assert isinstance(step, CompiledStep)
     token, full = torch.tensor([[7], [8]]), torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
     stock = model(input_ids=torch.cat([ids, token], 1), attention_mask=full,
                   position_ids=torch.cat([positions, pos + 1], 1)).logits[:, -1]
