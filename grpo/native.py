@@ -55,7 +55,21 @@ def _cpu_tag() -> str:
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("GRPO_CACHE_DIR") or Path.home() / ".cache" / "grpo") / "native"
+    """$GRPO_CACHE_DIR/native (default ~/.cache/grpo/native), or a per-user folder in the temporary directory when
+    that cannot be created (a read-only or missing home)."""
+    try:
+        folder = Path(os.environ.get("GRPO_CACHE_DIR") or Path.home() / ".cache" / "grpo") / "native"
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+    except (OSError, RuntimeError):
+        pass
+    # A shared temporary directory: the folder must be this user's alone, or another user could plant a library.
+    folder = Path(tempfile.gettempdir()) / f"grpo-native-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    info = folder.stat()
+    if (hasattr(os, "getuid") and info.st_uid != os.getuid()) or info.st_mode & 0o077:
+        raise OSError(f"{folder} is not private to this user; set GRPO_CACHE_DIR")
+    return folder
 
 
 def _x86() -> bool:

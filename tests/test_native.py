@@ -274,3 +274,22 @@ def test_lora_adapters_fold_into_the_compiled_step():
     torch.testing.assert_close(F.linear(hidden, model.get_output_embeddings().weight), stock, atol=2e-5, rtol=1e-5)
     with model.disable_adapter():  # adapters off: the base weights
         assert not any(torch.allclose(a.qkv, b.qkv) for a, b in zip(LeanDecoder(model).fused, step.decoder.fused))
+
+
+@needs_compiler
+def test_an_unwritable_cache_folder_falls_back_to_the_temporary_directory(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")  # GRPO_CACHE_DIR/native cannot be made below a file
+    monkeypatch.setenv("GRPO_CACHE_DIR", str(blocker))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    native.library.cache_clear()
+    try:
+        assert native.library() is not None
+        built = list((tmp_path / "tmp").glob("grpo-native-*/lean_step-*.so"))
+        assert built and built[0].parent.stat().st_mode & 0o077 == 0  # private to this user
+        native.library.cache_clear()
+        built[0].parent.chmod(0o777)  # a folder others can write to: not used
+        assert native.library() is None
+    finally:
+        native.library.cache_clear()
