@@ -86,7 +86,8 @@ class LeanDecoder:
         # instead of 7 per layer, each call costing ~15 us of overhead on top of tiny arithmetic; all stored
         # (in, out) (see _Fused). The weights change at every optimizer step, so a LeanDecoder is made per rollout;
         # the copies are skipped for big models.
-        big = sum(p.numel() * p.element_size() for p in self.inner.layers.parameters()) > _FUSE_BYTES
+        self.layer_bytes = sum(p.numel() * p.element_size() for p in self.inner.layers.parameters())
+        big = self.layer_bytes > _FUSE_BYTES
         self.fused = [None if big or not _plain_linears(layer) else _fused_weights(layer)
                       for layer in self.inner.layers]
 
@@ -261,8 +262,7 @@ def packed_head(weight: torch.Tensor, bias: torch.Tensor | None, rows: int):
     if lib is not None:
         return native.CompiledHead(lib, weight, bias, rows)
     reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
-    if (not cpu32 or reorder is None
-            or not torch.backends.mkldnn.is_available()):
+    if not cpu32 or reorder is None or not torch.backends.mkldnn.is_available():
         return lambda h: F.linear(h, weight, bias)
     packed = reorder(weight.detach(), rows)
     linear = torch.ops.mkldnn._linear_pointwise

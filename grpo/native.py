@@ -116,24 +116,23 @@ def library():
     return _declare(lib)
 
 
+_I32, _I64, _PTR = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+_SIGNATURES = {  # name: (argument types, result type), as in lean_step.c
+    "lean_step": ([ctypes.POINTER(Model), _PTR, _PTR, _I32, _PTR, _I64, _PTR], None),
+    "lean_scratch_floats": ([_I32] * 6, _I64),
+    "lean_packed_floats": ([_I32, _I32], _I64),
+    "lean_pack": ([_I32, _I32, _PTR, _PTR], None),
+    "lean_head_packed_floats": ([_I32, _I32], _I64),
+    "lean_pack_head": ([_I32, _I32, _PTR, _PTR], None),
+    "lean_head": ([_I32, _I32, _I32, _PTR, _PTR, _PTR, _PTR], None),
+}
+
+
 def _declare(lib):
     """Set the argument and result types of the library's functions (ctypes would guess ints otherwise)."""
-    lib.lean_step.argtypes = [ctypes.POINTER(Model), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
-                              ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-    lib.lean_step.restype = None
-    lib.lean_packed_floats.argtypes = [ctypes.c_int32, ctypes.c_int32]
-    lib.lean_packed_floats.restype = ctypes.c_int64
-    lib.lean_pack.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p]
-    lib.lean_pack.restype = None
-    lib.lean_head_packed_floats.argtypes = [ctypes.c_int32, ctypes.c_int32]
-    lib.lean_head_packed_floats.restype = ctypes.c_int64
-    lib.lean_pack_head.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p]
-    lib.lean_pack_head.restype = None
-    lib.lean_head.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p,
-                              ctypes.c_void_p, ctypes.c_void_p]
-    lib.lean_head.restype = None
-    lib.lean_scratch_floats.argtypes = [ctypes.c_int32] * 6
-    lib.lean_scratch_floats.restype = ctypes.c_int64
+    for name, (argtypes, restype) in _SIGNATURES.items():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = argtypes, restype
     return lib
 
 
@@ -168,8 +167,8 @@ class CompiledStep:
         norms = [inner.norm] + [n for layer in inner.layers for n in (layer.input_layernorm,
                                                                       layer.post_attention_layernorm)]
         attn = inner.layers[0].self_attn
-        small = sum(p.numel() * p.element_size() for p in inner.layers.parameters()) <= _ANY_THREADS_BYTES
-        if not ((torch.get_num_threads() == 1 or small) and all(f is not None for f in decoder.fused)
+        if not ((torch.get_num_threads() == 1 or decoder.layer_bytes <= _ANY_THREADS_BYTES)
+                and all(f is not None for f in decoder.fused)
                 and type(inner.embed_tokens) is torch.nn.Embedding
                 and all(type(n) is type(inner.norm) and isinstance(n.weight, torch.nn.Parameter) for n in norms)
                 and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in inner.parameters())
@@ -192,22 +191,22 @@ class CompiledStep:
         capacity, d = buffer.shape[2], attn.head_dim
         cos, sin = inner.rotary_emb(buffer.new_zeros(1, 1, d), torch.arange(capacity)[None])
         self.keep = [cos[0].contiguous(), sin[0].contiguous()]  # tensors made here that the C side points into
-        layers = (Layer * len(inner.layers))()
+        layers = (Layer * len(inner.layers))()  # kept (self.layers): self.model points into it
         for i, (layer, fused, kv) in enumerate(zip(inner.layers, decoder.fused, cache.layers)):
             tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, self._pack(fused.qkv),
                        fused.qkv_bias, self._pack(fused.o), fused.o_bias, self._pack(fused.gate_up),
                        fused.gate_up_bias, self._pack(fused.down), fused.down_bias, kv.key_buffer, kv.value_buffer]
             layers[i] = Layer(*(self._pointer(t) for t in tensors))
+        fused = decoder.fused[0]  # every layer has the same sizes
         hidden, q_heads = inner.norm.weight.shape[0], fused.qkv_sizes[0] // d
         kv_heads, inter = fused.qkv_sizes[1] // d, fused.down.shape[0]
         scratch = lib.lean_scratch_floats(rows, hidden, q_heads * d, kv_heads * d, inter, capacity)
         self.scratch = torch.empty(scratch, dtype=torch.float32)
         self.vocab = inner.embed_tokens.weight.shape[0]
         self.model = Model(rows, hidden, q_heads, kv_heads, d, inter, capacity, len(inner.layers),
-                                  float(inner.norm.variance_epsilon), float(attn.scaling),
-                                  self._pointer(inner.embed_tokens.weight), self._pointer(inner.norm.weight),
-                                  self._pointer(self.keep[0]), self._pointer(self.keep[1]), layers,
-                                  self.scratch.data_ptr())
+                           float(inner.norm.variance_epsilon), float(attn.scaling),
+                           self._pointer(inner.embed_tokens.weight), self._pointer(inner.norm.weight),
+                           self._pointer(self.keep[0]), self._pointer(self.keep[1]), layers, self.scratch.data_ptr())
         self.layers, self.out = layers, torch.empty(rows, hidden)
 
     def _pack(self, weight_t: torch.Tensor) -> torch.Tensor:
@@ -240,10 +239,12 @@ class CompiledStep:
             raise TypeError("compiled decode step: tokens and positions must be int64")
         if length >= capacity:
             raise RuntimeError(f"preallocated_cache: {length + 1} positions exceed the capacity {capacity}")
-        if int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab:
+        low, high = (int(v) for v in torch.aminmax(tokens))
+        if low < 0 or high >= self.vocab:
             raise IndexError(f"compiled decode step: token ids must be in [0, {self.vocab}) (the embedding's rows); "
-                             f"got {int(tokens.min())} .. {int(tokens.max())}")
-        if int(positions.min()) < 0 or int(positions.max()) >= capacity:
+                             f"got {low} .. {high}")
+        low, high = (int(v) for v in torch.aminmax(positions))
+        if low < 0 or high >= capacity:
             raise IndexError(f"compiled decode step: positions must be in [0, {capacity}) (the cache capacity)")
         mask, stride = None, 0
         if key_mask is not None:
