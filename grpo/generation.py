@@ -16,6 +16,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from grpo import native
 from grpo.decoding import LeanDecoder, packed_head, preallocated_cache
 from grpo.model import _plain_head, _positions
 
@@ -59,7 +60,7 @@ _CDF_BLOCK = 1024
 
 def sample_rows(logits: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of (N, V) float32 logits (filtered entries -inf) by inverse CDF with each row's uniform
-    (N,). The logits are overwritten (shifted to a row maximum of 0).
+    (N,). The logits may be overwritten (the torch path shifts them to a row maximum of 0).
 
     Returns (tokens (N,) int64, their log-probabilities (N,) float32). Token i is drawn when
     cdf[i-1] <= u * total < cdf[i]; filtered tokens have probability 0 and are never drawn.
@@ -68,7 +69,16 @@ def sample_rows(logits: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Ten
     unnormalized probabilities are summed per block of 1,024 entries, the float64 cumulative sum of those block sums
     finds the block, and a float64 cumulative sum inside that one block finds the token (float64 across the
     vocabulary: the last blocks of a 150k vocabulary keep their mass).
+
+    On the CPU the compiled sampler (grpo/csrc/softmax.c) runs the same search in two passes per row; its exps and
+    sums round differently from torch's, so a uniform within ~1e-7 of a boundary can pick the neighbouring token.
     """
+    lib = native.library() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    if lib is not None:
+        bad, tokens, logprobs = native.sample(lib, logits, uniforms)
+        if bad >= 0:
+            _raise_no_mass(bad)
+        return tokens, logprobs
     rows, vocab = logits.shape
     shifted = logits.sub_(logits.amax(-1, keepdim=True))  # (N, V), in place: max 0 per row
     weights = torch.exp(shifted)  # (N, V) float32, unnormalized; 0 where filtered
@@ -115,8 +125,12 @@ def _check_mass(total: torch.Tensor) -> None:
     """Each row's (N,) total unnormalized probability must be finite and positive."""
     bad = ~(torch.isfinite(total) & (total > 0))
     if bool(bad.any()):
-        raise ValueError(f"sample_rows: row {int(bad.nonzero()[0])} has non-finite logits or no token left to "
-                         "sample (every logit -inf); check the model's outputs and the sampling filters")
+        _raise_no_mass(int(bad.nonzero()[0]))
+
+
+def _raise_no_mass(row: int) -> None:
+    raise ValueError(f"sample_rows: row {row} has non-finite logits or no token left to sample (every logit -inf); "
+                     "check the model's outputs and the sampling filters")
 
 
 def _last_positive(x: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from grpo import native
 from grpo.config import ConfigError, GRPOConfig
 from grpo.core import hidden_logprobs, hidden_loss, token_entropy, token_logprobs
 
@@ -255,7 +256,8 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
         # The head's weight gradient goes straight into .grad (no (V, H) temporary per micro-batch): safe here, the
         # trainer calls .backward() on an unwrapped model.
         logp, entropy = hidden_logprobs(hidden, head.weight, targets, temperature=temperature, bias=head.bias,
-                                        with_entropy=with_entropy, weight_grad_in_place=head.weight.is_leaf)
+                                        with_entropy=with_entropy, weight_grad_in_place=head.weight.is_leaf,
+                                        kernels=native.tile_kernels(hidden.dtype, hidden.device))
         return (logp, entropy.detach()) if with_entropy else logp
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=_positions(attention_mask),
                 logits_to_keep=completion_len + 1, use_cache=False)

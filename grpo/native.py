@@ -1,6 +1,7 @@
-"""The compiled decode step and sampling LM head (grpo/csrc/lean_step.c): built on first use with the system C
-compiler, loaded with ctypes, and wrapped as `CompiledStep` (used by `decoding.LeanDecoder.compiled`) and
-`CompiledHead` (used by `decoding.packed_head`).
+"""The compiled decode step and sampling LM head (grpo/csrc/lean_step.c) and softmax passes (grpo/csrc/softmax.c):
+built on first use with the system C compiler, loaded with ctypes, and wrapped as `CompiledStep` (used by
+`decoding.LeanDecoder.compiled`), `CompiledHead` (used by `decoding.packed_head`) and `sample` (used by
+`generation.sample_rows`).
 
 `library()` returns the loaded library, or None when there is no C compiler, the build fails, or GRPO_NATIVE=0
 is set; callers then keep the torch step. The shared object is cached per source, compiler flags and CPU under
@@ -26,7 +27,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "lean_step.c"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "lean_step.c", CSRC / "softmax.c"]
+HEADERS = [CSRC / "vecmath.h"]
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared"]
 
 
@@ -81,8 +84,8 @@ def _build(compiler: list[str], target: Path, flags: list[str] = FLAGS) -> None:
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
     os.close(fd)
     try:
-        result = subprocess.run([*compiler, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
-                                timeout=120)
+        result = subprocess.run([*compiler, *flags, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True,
+                                text=True, timeout=120)
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(compiler)} failed: {result.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
@@ -102,7 +105,8 @@ def library():
         return None
     compiler = shlex.split(found)  # CC may carry a launcher or flags, e.g. "ccache gcc"
     try:
-        key = hashlib.sha256("\n".join([SOURCE.read_text(), *compiler, *FLAGS, _cpu_tag()]).encode()).hexdigest()
+        texts = [f.read_text() for f in SOURCES + HEADERS]
+        key = hashlib.sha256("\n".join([*texts, *compiler, *FLAGS, _cpu_tag()]).encode()).hexdigest()
         target = _cache_dir() / f"lean_step-{key[:16]}.so"
         if not target.exists():
             try:
@@ -116,8 +120,8 @@ def library():
     return _declare(lib)
 
 
-_I32, _I64, _PTR = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
-_SIGNATURES = {  # name: (argument types, result type), as in lean_step.c
+_I32, _I64, _PTR, _F32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+_SIGNATURES = {  # name: (argument types, result type), as in lean_step.c and softmax.c
     "lean_step": ([ctypes.POINTER(Model), _PTR, _PTR, _I32, _PTR, _I64, _PTR], None),
     "lean_scratch_floats": ([_I32] * 6, _I64),
     "lean_packed_floats": ([_I32, _I32], _I64),
@@ -125,6 +129,10 @@ _SIGNATURES = {  # name: (argument types, result type), as in lean_step.c
     "lean_head_packed_floats": ([_I32, _I32], _I64),
     "lean_pack_head": ([_I32, _I32, _PTR, _PTR], None),
     "lean_head": ([_I32, _I32, _I32, _PTR, _PTR, _PTR, _PTR], None),
+    "lean_sample_scratch_floats": ([_I32], _I64),
+    "lean_sample": ([_I32, _I32, _PTR, _PTR, _PTR, _PTR, _PTR], _I32),
+    "lean_tile_stats": ([_I32, _I32, _I64, _PTR, _F32, _PTR, _I64, _PTR, _PTR, _PTR, _PTR], None),
+    "lean_tile_grad": ([_I32, _I32, _I64, _PTR, _F32, _PTR, _PTR, _PTR, _PTR], None),
 }
 
 
@@ -282,3 +290,67 @@ class CompiledHead:
         self.lib.lean_head(rows, hidden, out.shape[1], h.data_ptr(), self.packed.data_ptr(),
                            None if self.bias is None else self.bias.data_ptr(), out.data_ptr())
         return out
+
+
+def sample(lib, logits: torch.Tensor, uniforms: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """`generation.sample_rows` by lean_sample for (N, V) float32 CPU logits (not modified) and (N,) uniforms:
+    (first bad row or -1, tokens (N,) int64, log-probs (N,) float32). Two passes per row (the max, then the block
+    sums) and one block's exps again, instead of ~8 operators that each read and write all (N, V) values (W2 of the
+    benchmark: 7.5 -> 0.5 ms per token; see bench/README.md)."""
+    rows, vocab = logits.shape
+    if logits.dtype != torch.float32 or logits.device.type != "cpu" or uniforms.shape != (rows,):
+        raise ValueError(f"compiled sampler: expected (N, V) float32 CPU logits and (N,) uniforms, got "
+                         f"{tuple(logits.shape)} {logits.dtype} on {logits.device} and {tuple(uniforms.shape)}")
+    logits = logits.contiguous()
+    u = uniforms.to(device="cpu", dtype=torch.float64).contiguous()
+    scratch = torch.empty(lib.lean_sample_scratch_floats(vocab), dtype=torch.float32)
+    tokens, logprobs = torch.empty(rows, dtype=torch.int64), torch.empty(rows, dtype=torch.float32)
+    bad = lib.lean_sample(rows, vocab, logits.data_ptr(), u.data_ptr(), scratch.data_ptr(), tokens.data_ptr(),
+                          logprobs.data_ptr())
+    return bad, tokens, logprobs
+
+
+class TileKernels:
+    """The elementwise work on one float32 CPU logit tile of `grpo.core.hidden_logprobs` (its `kernels`
+    argument), by lean_tile_stats and lean_tile_grad: one pass per row where torch runs ~15 operators per tile
+    in forward and ~6 in backward, each over the whole tile."""
+
+    def __init__(self, lib):
+        self.lib = lib
+
+    @staticmethod
+    def _check(x: torch.Tensor, *vectors: torch.Tensor | None) -> None:
+        rows = x.shape[0]
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1:
+            raise ValueError(f"compiled logit tiles: expected a float32 CPU (m, b) tile with contiguous rows, got "
+                             f"{x.dtype} {tuple(x.shape)} on {x.device}")
+        for v in vectors:
+            if v is not None and (v.dtype != torch.float32 or v.shape != (rows,) or not v.is_contiguous()):
+                raise ValueError(f"compiled logit tiles: per-row values must be contiguous float32 ({rows},), got "
+                                 f"{v.dtype} {tuple(v.shape)}")
+
+    def tile_stats(self, x, inv_t: float, y, v0: int, target, run_max, s, s2) -> None:
+        """Scale x by inv_t, pick each row's target logit, fold x into the running max, s and s2 (in place)."""
+        self._check(x, target, run_max, s, s2)
+        y = y.to(torch.int64).contiguous()
+        if y.shape != (x.shape[0],):
+            raise ValueError(f"compiled logit tiles: expected {x.shape[0]} targets, got {tuple(y.shape)}")
+        self.lib.lean_tile_stats(x.shape[0], x.shape[1], x.stride(0), x.data_ptr(), inv_t, y.data_ptr(), v0,
+                                 target.data_ptr(), run_max.data_ptr(), s.data_ptr(),
+                                 None if s2 is None else s2.data_ptr())
+
+    def tile_grad(self, x, inv_t: float, lse, g, g_entropy, entropy) -> torch.Tensor:
+        """x <- d loss / d logits without the target's +g, in place; returns x."""
+        if (g_entropy is None) != (entropy is None):
+            raise ValueError("compiled logit tiles: g_entropy and entropy come together")
+        self._check(x, lse, g, g_entropy, entropy)
+        self.lib.lean_tile_grad(x.shape[0], x.shape[1], x.stride(0), x.data_ptr(), inv_t, lse.data_ptr(),
+                                g.data_ptr(), None if g_entropy is None else g_entropy.data_ptr(),
+                                None if entropy is None else entropy.data_ptr())
+        return x
+
+
+def tile_kernels(dtype: torch.dtype, device: torch.device) -> TileKernels | None:
+    """TileKernels for float32 CPU logits where the library is built, else None (the torch code then runs)."""
+    lib = library() if dtype == torch.float32 and device.type == "cpu" else None
+    return None if lib is None else TileKernels(lib)

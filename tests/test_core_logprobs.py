@@ -98,15 +98,17 @@ def test_minus_inf_logits_give_finite_entropy():
 @pytest.mark.parametrize("chunk_size", [1, 4, 6, 1024])
 @pytest.mark.parametrize("vocab_block", [None, 1, 3, 4, 11])
 @pytest.mark.parametrize("use_bias", [False, True])
-def test_hidden_logprobs_match_naive_full_logits(chunk_size, vocab_block, use_bias):
+def test_hidden_logprobs_match_naive_full_logits(chunk_size, vocab_block, use_bias, kernels=None):
     # vocab 11: blocks of 1 (the running max moves at nearly every tile), 3 and 4 (a short last tile), 11 (one tile).
+    # tests/test_native.py runs this with the compiled tile kernels.
     hidden, weight, bias, tokens = random_case(seed=chunk_size)
     weight[2] += 3.0  # a large logit in the middle of the vocabulary: the running max must move up and be rescaled
     bias = bias if use_bias else None
     temperature = 0.8
     leaves = [t.clone().requires_grad_() for t in ((hidden, weight, bias) if use_bias else (hidden, weight))]
     logp, entropy = hidden_logprobs(leaves[0], leaves[1], tokens, temperature, chunk_size,
-                                    bias=leaves[2] if use_bias else None, with_entropy=True, vocab_block=vocab_block)
+                                    bias=leaves[2] if use_bias else None, with_entropy=True, vocab_block=vocab_block,
+                                    kernels=kernels)
     upstream = torch.linspace(-1, 1, tokens.numel()).reshape(tokens.shape)
     grads = torch.autograd.grad((logp * upstream).sum() + (entropy * upstream).sum(), leaves)
 

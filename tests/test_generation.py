@@ -8,11 +8,22 @@ import math
 import pytest
 import torch
 
+from grpo import native
 from grpo.generation import (SamplingParams, TransformersGenerator, left_pad, process_logits, sample_rows,
                              uniform_streams)
 
 
-def test_inverse_cdf_frequencies_and_zero_mass():
+@pytest.fixture(params=["compiled", "torch"])
+def sampler(request, monkeypatch):
+    """Runs a sampling test on the compiled sampler (grpo/csrc/softmax.c) and on the torch one."""
+    if request.param == "torch":
+        monkeypatch.setattr(native, "library", lambda: None)
+    elif native.library() is None:
+        pytest.skip("no C compiler: the compiled sampler is not built")
+    return request.param
+
+
+def test_inverse_cdf_frequencies_and_zero_mass(sampler):
     probs = torch.tensor([[0.1, 0.0, 0.6, 0.3]]).repeat(20000, 1)
     u = uniform_streams([torch.Generator().manual_seed(i) for i in range(20000)], 1)[:, 0]
     tokens, logprobs = sample_rows(probs.log(), u)
@@ -22,7 +33,7 @@ def test_inverse_cdf_frequencies_and_zero_mass():
     torch.testing.assert_close(logprobs, probs.log()[0, tokens])
 
 
-def test_boundaries_of_the_inverse_cdf():
+def test_boundaries_of_the_inverse_cdf(sampler):
     logits = torch.tensor([[0.25, 0.25, 0.5]] * 3).log() + 7.0  # a constant shift changes nothing
     # cdf = [0.25, 0.5, 1.0]: u = 0 -> token 0; u = 0.25 -> token 1 (cdf[0] <= u); u = 0.999 -> token 2.
     tokens, logprobs = sample_rows(logits, torch.tensor([0.0, 0.25, 0.999], dtype=torch.float64))
@@ -30,7 +41,7 @@ def test_boundaries_of_the_inverse_cdf():
     torch.testing.assert_close(logprobs, torch.tensor([0.25, 0.25, 0.5]).log())
 
 
-def test_two_level_search_across_blocks_of_a_large_vocabulary():
+def test_two_level_search_across_blocks_of_a_large_vocabulary(sampler):
     # 3,000 entries = blocks of 1,024, 1,024 and 952 (a short last block). Mass only on tokens 5, 1500 and 2999
     # (probabilities 0.2, 0.5, 0.3); the middle of every block is filtered (-inf) and must never be drawn.
     logits = torch.full((1, 3000), float("-inf"))
@@ -49,7 +60,7 @@ def test_two_level_search_across_blocks_of_a_large_vocabulary():
 
 
 @pytest.mark.parametrize("vocab", [100, 1024])
-def test_one_block_vocabulary_samples_like_the_two_level_search(vocab):
+def test_one_block_vocabulary_samples_like_the_two_level_search(vocab, sampler):
     # Up to 1,024 entries take a shorter path (_sample_one_block); it must draw what the float64 inverse CDF draws.
     gen = torch.Generator().manual_seed(vocab)
     logits = torch.randn(256, vocab, generator=gen) * 3
@@ -147,8 +158,14 @@ def test_chunked_head_path_equals_the_logits_path(tiny_model_dir, monkeypatch):
     assert torch.allclose(a, b, atol=1e-5) and torch.allclose(ea, eb, atol=1e-5) and torch.allclose(ga, gb, atol=1e-4)
 
 
-def test_sampling_from_non_finite_logits_is_a_clear_error():
-    logits = torch.zeros(3, 2000)
-    logits[1, 7] = float("nan")
-    with pytest.raises(ValueError, match="sample_rows: row 1 has non-finite logits"):
+@pytest.mark.parametrize("vocab", [50, 2000])  # one block, several blocks
+def test_sampling_from_non_finite_logits_is_a_clear_error(sampler, vocab):
+    for row, value in ((1, float("nan")), (2, float("inf"))):
+        logits = torch.zeros(3, vocab)
+        logits[row, 7] = value
+        with pytest.raises(ValueError, match=f"sample_rows: row {row} has non-finite logits"):
+            sample_rows(logits, torch.full((3,), 0.5, dtype=torch.float64))
+    logits = torch.zeros(3, vocab)
+    logits[2] = float("-inf")  # every token filtered
+    with pytest.raises(ValueError, match="sample_rows: row 2 .* no token left"):
         sample_rows(logits, torch.full((3,), 0.5, dtype=torch.float64))

@@ -15,9 +15,11 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
 
 import grpo.generation as generation
 from grpo import native
+from grpo.core import hidden_logprobs
 from grpo.decoding import LeanDecoder, packed_head, preallocated_cache
 from grpo.native import CompiledHead, CompiledStep
 from grpo.generation import SamplingParams, TransformersGenerator
+import tests.test_core_logprobs as core_tests
 
 # With a compiler on the machine the build must succeed (a failure fails these tests instead of skipping them).
 needs_compiler = pytest.mark.skipif(
@@ -187,6 +189,30 @@ def test_portable_build_without_avx512_gives_the_same_products(tmp_path):
     head = CompiledHead(lib, weight, bias, 20)
     torch.testing.assert_close(head(h), F.linear(h, weight, bias), atol=1e-5, rtol=1e-5)
     test_compiled_step_matches_the_torch_step("llama", {}, 9, lib=lib)
+    check_sampler(lib)
+    for vocab_block in (3, 11):
+        core_tests.test_hidden_logprobs_match_naive_full_logits(4, vocab_block, True, kernels=native.TileKernels(lib))
+
+
+def check_sampler(lib):
+    """lean_sample draws what a float64 inverse CDF over the whole vocabulary draws."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(16, 3001, generator=gen) * 3  # blocks of 1,024, 1,024 and 953
+    logits[:, ::5] = float("-inf")
+    u = torch.rand(16, generator=gen, dtype=torch.float64)
+    cdf = logits.double().softmax(-1).cumsum(-1)
+    bad, tokens, logprobs = native.sample(lib, logits, u)
+    assert bad == -1 and tokens.tolist() == (cdf <= u[:, None] * cdf[:, -1:]).sum(-1).tolist()
+    torch.testing.assert_close(logprobs, logits.log_softmax(-1).gather(1, tokens[:, None])[:, 0])
+
+
+@needs_compiler
+def test_compiled_sampler_draws_like_the_float64_inverse_cdf_and_checks_its_inputs():
+    check_sampler(native.library())
+    with pytest.raises(ValueError, match="compiled sampler: expected"):
+        native.sample(native.library(), torch.zeros(4, 10, dtype=torch.float64), torch.rand(4))
+    with pytest.raises(ValueError, match="compiled sampler: expected"):
+        native.sample(native.library(), torch.zeros(4, 10), torch.rand(3))
 
 
 @needs_compiler
@@ -293,3 +319,62 @@ def test_an_unwritable_cache_folder_falls_back_to_the_temporary_directory(tmp_pa
         assert native.library() is None
     finally:
         native.library.cache_clear()
+
+
+@needs_compiler
+@pytest.mark.parametrize("chunk_size", [1, 6, 1024])
+@pytest.mark.parametrize("vocab_block", [None, 1, 3, 4, 11])
+@pytest.mark.parametrize("use_bias", [False, True])
+def test_compiled_logit_tiles_match_the_naive_full_logits(chunk_size, vocab_block, use_bias):
+    # The core's own test (values and gradients of log-probs and entropies at temperature 0.8), with the C tiles.
+    core_tests.test_hidden_logprobs_match_naive_full_logits(chunk_size, vocab_block, use_bias,
+                                                 kernels=native.tile_kernels(torch.float32, torch.device("cpu")))
+
+
+@needs_compiler
+def test_compiled_logit_tiles_with_a_filtered_vocabulary_and_a_large_one():
+    kernels = native.tile_kernels(torch.float32, torch.device("cpu"))
+    torch.manual_seed(0)
+    # -inf bias on whole tiles (entries 0-5 with blocks of 3) and inside others: exp(-inf) = 0 everywhere, no NaN.
+    hidden, weight, bias = torch.randn(2, 5, 8), torch.randn(20, 8), torch.randn(20)
+    bias[[0, 1, 2, 3, 4, 5, 9, 17]] = float("-inf")
+    tokens = torch.tensor([[6, 7, 8, 10, 19]] * 2)
+    leaf = hidden.clone().requires_grad_()
+    logp, entropy = hidden_logprobs(leaf, weight, tokens, 0.7, 4, bias=bias, with_entropy=True, vocab_block=3,
+                                    kernels=kernels)
+    logp.sum().backward()
+    naive_leaf = hidden.clone().requires_grad_()
+    logits = naive_leaf @ weight.T + bias
+    expected = core_tests.naive_logprobs(logits, tokens, 0.7)
+    expected.sum().backward()
+    p = torch.softmax(logits.detach() / 0.7, -1)
+    torch.testing.assert_close(logp, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, -torch.special.xlogy(p, p).sum(-1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(leaf.grad, naive_leaf.grad, atol=1e-5, rtol=1e-5)
+    # A 150k-entry vocabulary in 2,048-wide tiles (the benchmark's W2 size): log-probs, entropies and gradients
+    # against torch's own tiles.
+    hidden, weight = torch.randn(3, 16, 64), torch.randn(150_001, 64) * 0.3
+    tokens = torch.randint(0, 150_001, (3, 16))
+    results = []
+    for k in (kernels, None):
+        leaves = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
+        logp, entropy = hidden_logprobs(*leaves, tokens, 1.0, 32, with_entropy=True, vocab_block=2048, kernels=k)
+        (logp.sum() + 0.5 * entropy.sum()).backward()
+        results.append((logp, entropy, leaves[0].grad, leaves[1].grad))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@needs_compiler
+def test_compiled_logit_tiles_check_their_inputs():
+    kernels = native.tile_kernels(torch.float32, torch.device("cpu"))
+    assert native.tile_kernels(torch.bfloat16, torch.device("cpu")) is None
+    x, v = torch.zeros(4, 6), torch.zeros(4)
+    with pytest.raises(ValueError, match="float32 CPU"):
+        kernels.tile_grad(x.double(), 1.0, v, v, None, None)
+    with pytest.raises(ValueError, match="per-row values"):
+        kernels.tile_grad(x, 1.0, torch.zeros(3), v, None, None)
+    with pytest.raises(ValueError, match="come together"):
+        kernels.tile_grad(x, 1.0, v, v, v, None)
+    with pytest.raises(ValueError, match="expected 4 targets"):
+        kernels.tile_stats(x, 1.0, torch.zeros(3, dtype=torch.long), 0, v, v.clone(), v.clone(), None)

@@ -163,7 +163,7 @@ def _head_block(h: Tensor, weight: Tensor, bias: Tensor | None, v0: int, width: 
 
 
 def _head_forward(h: Tensor, weight: Tensor, bias: Tensor | None, y: Tensor, temperature: float, block: int,
-                  with_entropy: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+                  with_entropy: bool, kernels=None) -> tuple[Tensor, Tensor, Tensor | None]:
     """(lse, logp, entropy or None), each (m,), for positions h (m, H) and targets y (m,), one vocabulary block of
     logits at a time with a running (online) log-sum-exp, as flash attention does for its softmax.
 
@@ -173,27 +173,36 @@ def _head_forward(h: Tensor, weight: Tensor, bias: Tensor | None, y: Tensor, tem
     """
     vocab = weight.shape[0]
     target = running_max = s = s2 = None
-    for v0 in range(0, vocab, block):
-        x = _head_block(h, weight, bias, v0, block, temperature)  # (m, b)
-        width = x.shape[1]
-        local = y - v0
-        hit = (local >= 0) & (local < width)
-        picked = x.gather(1, local.clamp(0, width - 1).unsqueeze(1)).squeeze(1)
-        target = picked if target is None else torch.where(hit, picked, target)
-        block_max = x.amax(-1)
-        new_max = block_max if running_max is None else torch.maximum(running_max, block_max)
-        x.sub_(new_max.unsqueeze(1))  # x - M'
-        e = torch.exp(x)
-        if running_max is None:
-            s = e.sum(-1)
-            s2 = (e * x).sum(-1) if with_entropy else None
-        else:
-            shift = running_max - new_max  # <= 0
-            scale = torch.exp(shift)
-            if with_entropy:
-                s2 = scale * (s2 + shift * s) + (e * x).sum(-1)
-            s = scale * s + e.sum(-1)
-        running_max = new_max
+    if kernels is not None:  # the same statistics, each tile's elementwise work in one call
+        m = h.shape[0]
+        target, running_max = h.new_zeros(m), h.new_full((m,), float("-inf"))
+        s, s2 = h.new_zeros(m), h.new_zeros(m) if with_entropy else None
+        tile = h.new_empty(m, min(block, vocab))
+        for v0 in range(0, vocab, block):
+            kernels.tile_stats(_logits_into(tile, h, weight, bias, v0, 1.0), 1.0 / temperature, y, v0, target,
+                               running_max, s, s2)
+    else:
+        for v0 in range(0, vocab, block):
+            x = _head_block(h, weight, bias, v0, block, temperature)  # (m, b)
+            width = x.shape[1]
+            local = y - v0
+            hit = (local >= 0) & (local < width)
+            picked = x.gather(1, local.clamp(0, width - 1).unsqueeze(1)).squeeze(1)
+            target = picked if target is None else torch.where(hit, picked, target)
+            block_max = x.amax(-1)
+            new_max = block_max if running_max is None else torch.maximum(running_max, block_max)
+            x.sub_(new_max.unsqueeze(1))  # x - M'
+            e = torch.exp(x)
+            if running_max is None:
+                s = e.sum(-1)
+                s2 = (e * x).sum(-1) if with_entropy else None
+            else:
+                shift = running_max - new_max  # <= 0
+                scale = torch.exp(shift)
+                if with_entropy:
+                    s2 = scale * (s2 + shift * s) + (e * x).sum(-1)
+                s = scale * s + e.sum(-1)
+            running_max = new_max
     log_s = torch.log(s)
     lse = running_max + log_s
     entropy = log_s - s2 / s if with_entropy else None
@@ -266,9 +275,10 @@ class _HiddenLogprob(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, tokens, temperature, positions, block, with_entropy, grad_in_place):
+    def forward(ctx, hidden, weight, bias, tokens, temperature, positions, block, with_entropy, grad_in_place,
+                kernels):
         ctx.set_materialize_grads(False)
-        ctx.weight = weight if grad_in_place else None
+        ctx.weight, ctx.kernels = weight if grad_in_place else None, kernels
         rows, cols, size = hidden.shape
         h_all, y_all = hidden.reshape(-1, size), tokens.reshape(-1)
         dtype = _upcast(hidden.dtype)
@@ -278,7 +288,7 @@ class _HiddenLogprob(torch.autograd.Function):
         for p0 in range(0, h_all.shape[0], positions):
             part = slice(p0, p0 + positions)
             lse[part], logp[part], chunk_entropy = _head_forward(h_all[part], weight, bias, y_all[part], temperature,
-                                                                 block, with_entropy)
+                                                                 block, with_entropy, kernels)
             if entropy is not None:
                 entropy[part] = chunk_entropy
         ctx.save_for_backward(hidden, weight, bias, tokens, lse, entropy)
@@ -299,10 +309,19 @@ class _HiddenLogprob(torch.autograd.Function):
         g_entropy = _over_temperature(grad_entropy, ctx.temperature)
         g_entropy = None if g_entropy is None else g_entropy.reshape(-1).to(lse.dtype)
         grads = _HeadGrads(h_all, weight, bias, ctx.needs_input_grad[:3], ctx.weight is not None)
+        tile = None if ctx.kernels is None else h_all.new_empty(min(ctx.positions, h_all.shape[0]),
+                                                                min(ctx.block, weight.shape[0]))
         for p0 in range(0, h_all.shape[0], ctx.positions):
             part = slice(p0, p0 + ctx.positions)
             h, chunk_lse, chunk_g = h_all[part], lse[part].unsqueeze(1), g[part].unsqueeze(1)
             for v0 in range(0, weight.shape[0], ctx.block):
+                if ctx.kernels is not None:  # the same d loss / d logits, in one call
+                    grad_x = ctx.kernels.tile_grad(_logits_into(tile[:h.shape[0]], h, weight, bias, v0, 1.0),
+                                                   1.0 / ctx.temperature, lse[part], g[part],
+                                                   *((None, None) if g_entropy is None else
+                                                     (g_entropy[part], entropy[part])))
+                    grads.add_tile(part, h, grad_x, slice(v0, v0 + grad_x.shape[1]), first_chunk=p0 == 0)
+                    continue
                 x = _head_block(h, weight, bias, v0, ctx.block, ctx.temperature)  # (m, b)
                 log_p = x.sub_(chunk_lse)
                 p = torch.exp(log_p)
@@ -313,12 +332,13 @@ class _HiddenLogprob(torch.autograd.Function):
                 grad_x = p.mul_(factor).neg_().to(weight.dtype)  # (m, b), without the target column's +g
                 grads.add_tile(part, h, grad_x, slice(v0, v0 + x.shape[1]), first_chunk=p0 == 0)
         grads.add_targets(slice(None), h_all, y_all, g)
-        return (*grads.result(hidden.shape), None, None, None, None, None, None)
+        return (*grads.result(hidden.shape), None, None, None, None, None, None, None)
 
 
-def _logits_into(out: Tensor, h: Tensor, weight: Tensor, bias: Tensor | None, v0: int, temperature: float) -> None:
+def _logits_into(out: Tensor, h: Tensor, weight: Tensor, bias: Tensor | None, v0: int, temperature: float) -> Tensor:
     """Write the logits / temperature of vocabulary rows v0 .. v0+width into out (m, block) (width = what is left of
-    the vocabulary, at most block): straight from the matrix multiply when dtypes allow, else through a copy."""
+    the vocabulary, at most block): straight from the matrix multiply when dtypes allow, else through a copy.
+    Returns out[:, :width]."""
     width = min(out.shape[1], weight.shape[0] - v0)
     rows = slice(v0, v0 + width)
     if width == out.shape[1] and out.dtype == weight.dtype == h.dtype:
@@ -330,6 +350,7 @@ def _logits_into(out: Tensor, h: Tensor, weight: Tensor, bias: Tensor | None, v0
             out.div_(temperature)
     else:
         out[:, :width] = _head_block(h, weight, bias, v0, width, temperature)
+    return out[:, :width]
 
 
 class _HiddenLoss(torch.autograd.Function):
@@ -479,6 +500,7 @@ def hidden_logprobs(
     with_entropy: bool = False,
     vocab_block: int | None = None,
     weight_grad_in_place: bool = False,
+    kernels=None,
 ) -> tuple[Tensor, Tensor | None]:
     """Token log-probs (and entropies) straight from final hidden states and the LM-head weight.
 
@@ -501,6 +523,11 @@ def hidden_logprobs(
             instead of returning it, so no second (V, H) buffer is made when gradients accumulate over micro-batches.
             Only for a leaf parameter trained with `.backward()` and no gradient hooks on it (not DDP, not
             `torch.autograd.grad`, which would see no gradient for the weight).
+        kernels: None, or an object doing each float32 tile's elementwise work in one call, with the torch code's
+            results up to rounding: `tile_stats(x, inv_t, y, v0, target, run_max, s, s2)` folds an unscaled
+            (m, b) logit tile of vocabulary rows v0 .. v0+b into the running statistics of `_head_forward` (in
+            place), and `tile_grad(x, inv_t, lse, g, g_entropy, entropy)` turns it into d loss / d logits without
+            the target's +g (in place; returns it). grpo.native.TileKernels is one (compiled C).
 
     Returns:
         (logp, entropy): (N, T) float32 log-probs (float64 for float64 input) and entropies of the same dtype, or
@@ -520,7 +547,7 @@ def hidden_logprobs(
     if vocab_block is None:
         vocab_block = _auto_block(min(chunk_size, tokens.numel()), hidden.device)
     return _HiddenLogprob.apply(hidden, weight, bias, tokens.long(), temperature, chunk_size, vocab_block,
-                                with_entropy, weight_grad_in_place)
+                                with_entropy, weight_grad_in_place, kernels)
 
 
 def hidden_loss(

@@ -18,9 +18,8 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+
+#include "vecmath.h"
 
 typedef struct {
     const float *input_norm, *post_norm;  /* (H) */
@@ -124,24 +123,6 @@ static void rotate(float *restrict x, const float *restrict cos, const float *re
     for (int j = 0; j < half; j++) tmp[j] = x[j] * cos[j] - x[j + half] * sin[j];
     for (int j = half; j < d; j++) tmp[j] = x[j] * cos[j] + x[j - half] * sin[j];
     memcpy(x, tmp, (size_t)d * sizeof(float));
-}
-
-/* exp for arguments <= 0 (softmax after subtracting the maximum, and SiLU's exp(-|g|)): 2^n * p(r) with
- * |r| <= ln2/2, a degree-7 Taylor polynomial (relative error < 2e-7); vectorizable, unlike libm's expf. */
-static inline float exp_nonpositive(float x) {
-    if (x < -87.0f) return 0.0f;
-    const float n = nearbyintf(x * 1.44269504088896341f);
-    const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    union { uint32_t i; float f; } scale = {.i = (uint32_t)((int32_t)n + 127) << 23};
-    return p * scale.f;
 }
 
 /* h = x + y, rows of width H (the residual add). */

@@ -1,0 +1,55 @@
+/* exp for softmax-style arguments, shared by lean_step.c and softmax.c: a scalar version that compilers can
+ * inline anywhere and, where the CPU has AVX-512, a 16-lane one. Both compute 2^n * p(r) with |r| <= ln2/2 and
+ * p a degree-7 Taylor polynomial (relative error < 2e-7), and return 0 below -87 (where float32 exp underflows),
+ * so -inf (a filtered logit) gives 0. Meant for arguments <= 0 (after subtracting a maximum); slightly positive
+ * ones (rounding) are fine. */
+#ifndef GRPO_VECMATH_H
+#define GRPO_VECMATH_H
+
+#include <math.h>
+#include <stdint.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+static inline float exp_nonpositive(float x) {
+    if (x < -87.0f) return 0.0f;
+    const float n = nearbyintf(x * 1.44269504088896341f);
+    const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union { uint32_t i; float f; } scale = {.i = (uint32_t)((int32_t)n + 127) << 23};
+    return p * scale.f;
+}
+
+#ifdef __AVX512F__
+static inline __m512 exp16(__m512 x) {
+    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);  /* false for NaN too */
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(bits));
+}
+
+/* The lanes of a 16-wide step that are inside a row with `left` entries to go. */
+static inline __mmask16 lanes(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u); }
+#endif
+
+#endif
