@@ -298,7 +298,8 @@ def completion_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     hidden = _completion_hidden(model, input_ids, attention_mask, completion_len)
     return hidden_loss(hidden, head.weight, input_ids[:, -completion_len:], row_loss, temperature, bias=head.bias,
                        with_entropy=with_entropy, rows_per_chunk=max(1, cap // per_row),
-                       weight_grad_in_place=head.weight.is_leaf)
+                       weight_grad_in_place=head.weight.is_leaf,
+                       kernels=native.tile_kernels(hidden.dtype, hidden.device))
 
 
 # Config attributes that change logits after the LM head; a model with any of them set takes the logits path.

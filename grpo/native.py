@@ -133,6 +133,7 @@ _SIGNATURES = {  # name: (argument types, result type), as in lean_step.c and so
     "lean_sample": ([_I32, _I32, _PTR, _PTR, _PTR, _PTR, _PTR], _I32),
     "lean_tile_stats": ([_I32, _I32, _I64, _PTR, _F32, _PTR, _I64, _PTR, _PTR, _PTR, _PTR], None),
     "lean_tile_grad": ([_I32, _I32, _I64, _PTR, _F32, _PTR, _PTR, _PTR, _PTR], None),
+    "lean_tile_exp": ([_I32, _I32, _I64, _PTR, _PTR, _PTR, _PTR], None),
 }
 
 
@@ -311,9 +312,9 @@ def sample(lib, logits: torch.Tensor, uniforms: torch.Tensor) -> tuple[int, torc
 
 
 class TileKernels:
-    """The elementwise work on one float32 CPU logit tile of `grpo.core.hidden_logprobs` (its `kernels`
-    argument), by lean_tile_stats and lean_tile_grad: one pass per row where torch runs ~15 operators per tile
-    in forward and ~6 in backward, each over the whole tile."""
+    """The elementwise work on one float32 CPU logit tile of `grpo.core.hidden_logprobs` and `hidden_loss` (their
+    `kernels` argument), by lean_tile_stats, lean_tile_grad and lean_tile_exp: one pass per row where torch runs
+    ~15 operators per tile in forward and ~6 in backward, each over the whole tile."""
 
     def __init__(self, lib):
         self.lib = lib
@@ -338,6 +339,12 @@ class TileKernels:
         self.lib.lean_tile_stats(x.shape[0], x.shape[1], x.stride(0), x.data_ptr(), inv_t, y.data_ptr(), v0,
                                  target.data_ptr(), run_max.data_ptr(), s.data_ptr(),
                                  None if s2 is None else s2.data_ptr())
+
+    def tile_exp(self, x, row_max, s, s2) -> None:
+        """x <- exp(x - row_max) in place, adding the row sums of e to s and of e (x - row_max) to s2."""
+        self._check(x, row_max, s, s2)
+        self.lib.lean_tile_exp(x.shape[0], x.shape[1], x.stride(0), x.data_ptr(), row_max.data_ptr(), s.data_ptr(),
+                               None if s2 is None else s2.data_ptr())
 
     def tile_grad(self, x, inv_t: float, lse, g, g_entropy, entropy) -> torch.Tensor:
         """x <- d loss / d logits without the target's +g, in place; returns x."""

@@ -191,7 +191,10 @@ def row_separable_loss(weights):
 @pytest.mark.parametrize("rows_per_chunk", [1, 2, 5])
 @pytest.mark.parametrize("vocab_block", [None, 1, 3, 4])
 @pytest.mark.parametrize("use_bias", [False, True])
-def test_hidden_loss_matches_autograd_through_the_naive_logits(rows_per_chunk, vocab_block, use_bias):
+def test_hidden_loss_matches_autograd_through_the_naive_logits(rows_per_chunk, vocab_block, use_bias, kernels=None,
+                                                               atol=1e-5):
+    # tests/test_native.py runs this with the compiled tile kernels (their sums round differently from torch's, and
+    # this loss's gradients carry float32 errors of ~1e-5 on both: against float64, 1.1e-5 for torch, 1.5e-5 for C).
     hidden, weight, bias, tokens = random_case(seed=rows_per_chunk + 10, rows=4)
     weight[5] += 3.0
     bias = bias if use_bias else None
@@ -200,7 +203,7 @@ def test_hidden_loss_matches_autograd_through_the_naive_logits(rows_per_chunk, v
     leaves = [t.clone().requires_grad_() for t in ((hidden, weight, bias) if use_bias else (hidden, weight))]
     loss, logp, entropy = hidden_loss(leaves[0], leaves[1], tokens, row_separable_loss(weights), temperature,
                                       bias=leaves[2] if use_bias else None, with_entropy=True,
-                                      rows_per_chunk=rows_per_chunk, vocab_block=vocab_block)
+                                      rows_per_chunk=rows_per_chunk, vocab_block=vocab_block, kernels=kernels)
     grads = torch.autograd.grad(3.0 * loss, leaves)  # a scale other than 1 reaches every gradient
 
     naive = [t.clone().requires_grad_() for t in leaves]
@@ -213,7 +216,7 @@ def test_hidden_loss_matches_autograd_through_the_naive_logits(rows_per_chunk, v
     torch.testing.assert_close(entropy, naive_entropy(logits, temperature).detach(), atol=1e-5, rtol=1e-5)
     assert not logp.requires_grad and not entropy.requires_grad
     for got, want in zip(grads, expected):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, want, atol=atol, rtol=1e-5)
 
 
 def test_hidden_loss_in_place_weight_gradient_accumulates_into_grad():

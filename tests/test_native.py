@@ -192,6 +192,9 @@ def test_portable_build_without_avx512_gives_the_same_products(tmp_path):
     check_sampler(lib)
     for vocab_block in (3, 11):
         core_tests.test_hidden_logprobs_match_naive_full_logits(4, vocab_block, True, kernels=native.TileKernels(lib))
+        core_tests.test_hidden_loss_matches_autograd_through_the_naive_logits(3, vocab_block, True,
+                                                                               kernels=native.TileKernels(lib),
+                                                                               atol=3e-5)
 
 
 def check_sampler(lib):
@@ -329,6 +332,16 @@ def test_compiled_logit_tiles_match_the_naive_full_logits(chunk_size, vocab_bloc
     # The core's own test (values and gradients of log-probs and entropies at temperature 0.8), with the C tiles.
     core_tests.test_hidden_logprobs_match_naive_full_logits(chunk_size, vocab_block, use_bias,
                                                  kernels=native.tile_kernels(torch.float32, torch.device("cpu")))
+
+
+@needs_compiler
+@pytest.mark.parametrize("rows_per_chunk", [1, 3, 4])
+@pytest.mark.parametrize("vocab_block", [None, 1, 4])
+@pytest.mark.parametrize("use_bias", [False, True])
+def test_compiled_logit_tiles_in_the_one_pass_loss(rows_per_chunk, vocab_block, use_bias):
+    core_tests.test_hidden_loss_matches_autograd_through_the_naive_logits(
+        rows_per_chunk, vocab_block, use_bias, kernels=native.tile_kernels(torch.float32, torch.device("cpu")),
+        atol=3e-5)
 
 
 @needs_compiler

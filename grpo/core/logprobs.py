@@ -359,7 +359,7 @@ class _HiddenLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, tokens, row_loss, temperature, rows_per_chunk, block, with_entropy,
-                grad_in_place):
+                grad_in_place, kernels):
         rows, cols, size = hidden.shape
         vocab = weight.shape[0]
         dtype = _upcast(hidden.dtype)
@@ -385,7 +385,11 @@ class _HiddenLoss(torch.autograd.Function):
             s = torch.zeros_like(row_max)
             s2 = torch.zeros_like(row_max) if with_entropy else None
             for i in range(tiles):  # x <- exp(x - max), keeping sum e and sum e (x - max)
-                shifted = x[i, :, :min(block, vocab - i * block)].sub_(row_max[:, None])
+                shifted = x[i, :, :min(block, vocab - i * block)]
+                if kernels is not None:  # the same, in one call
+                    kernels.tile_exp(shifted, row_max, s, s2)
+                    continue
+                shifted.sub_(row_max[:, None])
                 if with_entropy:
                     e = torch.exp(shifted)
                     s2 += (e * shifted).sum(-1)
@@ -423,7 +427,7 @@ class _HiddenLoss(torch.autograd.Function):
                                "during forward, so backward must start from this loss with gradient 1 "
                                "(loss.backward()); scale row_loss instead.")
         grads = [None if g is None else (g if float(grad_loss) == 1.0 else g * grad_loss) for g in ctx.grads]
-        return (*grads, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None)
 
 
 def _check_args(name: str, leading: torch.Size, tokens: Tensor | None, temperature: float, chunk_size) -> None:
@@ -561,6 +565,7 @@ def hidden_loss(
     rows_per_chunk: int = 1,
     vocab_block: int | None = None,
     weight_grad_in_place: bool = False,
+    kernels=None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """A loss of the token log-probs and its gradient, in one pass over the LM head instead of two.
 
@@ -583,6 +588,8 @@ def hidden_loss(
         vocab_block: vocabulary rows per tile (None: as in `hidden_logprobs`).
         weight_grad_in_place: add the weight's gradient straight into `weight.grad` during forward (no (V, H)
             buffer); backward must then start from this loss with gradient 1 (a plain `loss.backward()`).
+        kernels: as in `hidden_logprobs`; here its `tile_exp(x, row_max, s, s2)` turns a float32 buffer tile into
+            exp(x - row_max) in place and adds the row sums of e and e (x - row_max) to s and s2.
 
     Returns:
         (loss, logp, entropy): the scalar loss (differentiable w.r.t. hidden, weight and bias), the (N, T)
@@ -604,5 +611,5 @@ def hidden_loss(
     block = vocab_block or _auto_block(positions, hidden.device)
     loss, logp, entropy = _HiddenLoss.apply(hidden, weight, bias, tokens.long(), row_loss, temperature,
                                             rows_per_chunk, min(block, weight.shape[0]), with_entropy,
-                                            weight_grad_in_place)
+                                            weight_grad_in_place, kernels)
     return loss, logp.detach(), None if entropy is None else entropy.detach()

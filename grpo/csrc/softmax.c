@@ -5,9 +5,9 @@
  * lean_sample: one token per row by inverse CDF, the two-level search of grpo.generation.sample_rows
  *   (block sums of 1,024 entries, a float64 running sum over blocks, a float64 running sum inside the chosen
  *   block).
- * lean_tile_stats / lean_tile_grad: the elementwise part of one (positions x vocabulary block) tile of
- *   grpo.core.logprobs' tiled LM head: the running log-sum-exp of the forward, and d loss / d logits of the
- *   backward.
+ * lean_tile_stats / lean_tile_grad / lean_tile_exp: the elementwise part of one (positions x vocabulary block)
+ *   tile of grpo.core.logprobs' tiled LM head: the running log-sum-exp of the forward, d loss / d logits of the
+ *   backward, and the exps of hidden_loss's one-pass buffer.
  *
  * Single-threaded, no allocation. AVX-512 where the CPU has it, otherwise plain C; both give the torch
  * functions' results up to float32 rounding (tests/test_native.py).
@@ -148,6 +148,17 @@ void lean_tile_stats(int32_t m, int32_t b, int64_t ld, float *restrict x, float 
         if (s2) s2[i] = rescale * (s2[i] + shift * s[i]) + sum_ed;
         s[i] = rescale * s[i] + sum_e;
         run_max[i] = now;
+    }
+}
+
+/* x <- exp(x - row_max) in place for one (m, b) tile of logits whose rows' maxima over the whole vocabulary are
+ * known, adding sum exp(x - row_max) to s and, when s2 is not NULL, sum exp(x - row_max) (x - row_max) to s2. */
+void lean_tile_exp(int32_t m, int32_t b, int64_t ld, float *restrict x, const float *restrict row_max,
+                   float *restrict s, float *restrict s2) {
+    for (int i = 0; i < m; i++) {
+        float *r = x + (size_t)i * ld, sum_ed;
+        s[i] += exp_sums(r, b, row_max[i], r, &sum_ed);
+        if (s2) s2[i] += sum_ed;
     }
 }
 
