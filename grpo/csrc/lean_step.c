@@ -125,6 +125,49 @@ static void rotate(float *restrict x, const float *restrict cos, const float *re
     memcpy(x, tmp, (size_t)d * sizeof(float));
 }
 
+/* a = silu(g) * u over n entries, silu(g) = g / (1 + exp(-g)) computed with exp of -|g| (never positive). */
+static void silu_times(int n, const float *restrict g, const float *restrict u, float *restrict a) {
+    int j = 0;
+#ifdef __AVX512F__
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (; j < n; j += 16) {
+        const __mmask16 k = lanes(n - j);
+        const __m512 gv = _mm512_maskz_loadu_ps(k, g + j);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));
+        const __mmask16 positive = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_GE_OQ);
+        const __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(positive, e, one), _mm512_add_ps(one, e));
+        _mm512_mask_storeu_ps(a + j, k, _mm512_mul_ps(_mm512_mul_ps(gv, sig), _mm512_maskz_loadu_ps(k, u + j)));
+    }
+#endif
+    for (; j < n; j++) {
+        const float e = exp_nonpositive(-fabsf(g[j]));
+        const float sig = g[j] >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+        a[j] = g[j] * sig * u[j];
+    }
+}
+
+/* scores[t] <- exp(scores[t] - best) over n scores (0 for -inf, a masked key); returns their sum. */
+static float exp_scores(int n, float *restrict scores, float best) {
+    int t = 0;
+    float total = 0.0f;
+#ifdef __AVX512F__
+    __m512 sum = _mm512_setzero_ps();
+    const __m512 b = _mm512_set1_ps(best);
+    for (; t < n; t += 16) {
+        const __mmask16 k = lanes(n - t);
+        const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, scores + t), b)));
+        _mm512_mask_storeu_ps(scores + t, k, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    total = _mm512_reduce_add_ps(sum);
+#endif
+    for (; t < n; t++) {
+        scores[t] = scores[t] == -INFINITY ? 0.0f : exp_nonpositive(scores[t] - best);
+        total += scores[t];
+    }
+    return total;
+}
+
 /* h = x + y, rows of width H (the residual add). */
 static void add_into(size_t count, float *restrict x, const float *restrict y) {
     for (size_t j = 0; j < count; j++) x[j] += y[j];
@@ -165,11 +208,7 @@ void lean_step(const Model *m, const int64_t *tokens, const int64_t *positions, 
                     scores[t] = (mask && !mask[t]) ? -INFINITY : dot(q, K + (size_t)t * d, d) * m->scale;
                     if (scores[t] > best) best = scores[t];
                 }
-                float total = 0.0f;
-                for (int t = 0; t < L; t++) {
-                    scores[t] = scores[t] == -INFINITY ? 0.0f : exp_nonpositive(scores[t] - best);
-                    total += scores[t];
-                }
+                const float total = exp_scores(L, scores, best);
                 float *restrict o = att + (size_t)r * Q + (size_t)qh * d;
                 for (int j0 = 0; j0 < d; j0 += 64) {  /* 64 output dims at a time stay in registers */
                     const int w = d - j0 < 64 ? d - j0 : 64;
@@ -187,15 +226,8 @@ void lean_step(const Model *m, const int64_t *tokens, const int64_t *positions, 
         add_into((size_t)R * H, x, h);
         rms_norm(R, H, x, ly->post_norm, m->eps, h);
         gemm(R, H, 2 * I, h, ly->gate_up, ly->gate_up_bias, gu);
-        for (int r = 0; r < R; r++) {
-            const float *g = gu + (size_t)r * 2 * I, *u = g + I;
-            float *a = act + (size_t)r * I;
-            for (int j = 0; j < I; j++) {  /* silu(g) = g / (1 + exp(-g)), with exp of a non-positive argument */
-                const float e = exp_nonpositive(-fabsf(g[j]));
-                const float sig = g[j] >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-                a[j] = g[j] * sig * u[j];
-            }
-        }
+        for (int r = 0; r < R; r++) silu_times(I, gu + (size_t)r * 2 * I, gu + (size_t)r * 2 * I + I,
+                                               act + (size_t)r * I);
         gemm(R, I, H, act, ly->down, ly->down_bias, h);
         add_into((size_t)R * H, x, h);
     }
