@@ -254,7 +254,8 @@ def packed_head(weight: torch.Tensor, bias: torch.Tensor | None, rows: int):
     """A function h (rows, H) -> logits (rows, V) equal to F.linear(h, weight, bias) up to rounding, with the
     weight repacked once for this batch size (CPU, float32). With one intra-op thread the compiled head
     (grpo/csrc/lean_step.c) streams the weight once per 16 rows: the benchmark's (16, 256) x (256, 151k) product
-    takes ~16 ms instead of ~25 ms for oneDNN's packed product, which is used otherwise (~31 ms for F.linear);
+    takes 9-16 ms (the speed of streaming 155 MB from memory, which moves with the machine) instead of ~25 ms for
+    oneDNN's packed product, which is used otherwise (~31 ms for F.linear);
     either repacking costs ~90-100 ms, worth it over 64 sampled tokens. The weight changes at every optimizer step, so
     pack once per rollout. Falls back to F.linear."""
     cpu32 = weight.device.type == "cpu" and weight.dtype == torch.float32

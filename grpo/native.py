@@ -297,7 +297,7 @@ def sample(lib, logits: torch.Tensor, uniforms: torch.Tensor) -> tuple[int, torc
     """`generation.sample_rows` by lean_sample for (N, V) float32 CPU logits (not modified) and (N,) uniforms:
     (first bad row or -1, tokens (N,) int64, log-probs (N,) float32). Two passes per row (the max, then the block
     sums) and one block's exps again, instead of ~8 operators that each read and write all (N, V) values (W2 of the
-    benchmark: 7.5 -> 0.5 ms per token; see bench/README.md)."""
+    benchmark: 3.5-7.5 -> 1.7 ms per token; see bench/README.md)."""
     rows, vocab = logits.shape
     if logits.dtype != torch.float32 or logits.device.type != "cpu" or uniforms.shape != (rows,):
         raise ValueError(f"compiled sampler: expected (N, V) float32 CPU logits and (N,) uniforms, got "
