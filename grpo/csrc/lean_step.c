@@ -78,6 +78,11 @@ static void gemm(int M, int K, int N, const float *restrict x, const float *rest
                 for (int j = 0; j < NB; j++) acc[i][j] = 0.0f;
             for (int k = 0; k < K; k++) {
                 const float *restrict w = panel + (size_t)k * NB;
+                if (m0 == 0) {  /* the first row block streams the panels: fetch 4 KB ahead (the next panel
+                                 * follows this one in memory) */
+                    __builtin_prefetch(w + 1024);
+                    __builtin_prefetch(w + 1024 + 16);
+                }
                 for (int i = 0; i < MB; i++) {
                     const float xv = rows[i][k];
                     for (int j = 0; j < NB; j++) acc[i][j] += xv * w[j];
