@@ -71,7 +71,7 @@ def sample_rows(logits: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Ten
     vocabulary: the last blocks of a 150k vocabulary keep their mass).
 
     On the CPU the compiled sampler (grpo/csrc/softmax.c) runs the same search in two passes per row; its exps and
-    sums round differently from torch's, so a uniform within ~1e-7 of a boundary can pick the neighbouring token.
+    sums round differently from torch's, so a uniform within ~1e-6 of a boundary can pick the neighbouring token.
     """
     lib = native.library() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
     if lib is not None:

@@ -78,8 +78,12 @@ def prepare_model(model, cfg: GRPOConfig, peft_config=None, reference_dir: Path 
             model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
         model = get_peft_model(model, peft_config)
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs=cfg.gradient_checkpointing_kwargs or {"use_reentrant": False})
+        kwargs = cfg.gradient_checkpointing_kwargs or {"use_reentrant": False}
+        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.23; the old name goes in v6
+        if enable is not None:
+            enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         model.config.use_cache = False
     reference = None
     if cfg.beta > 0 and peft_config is None:

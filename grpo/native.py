@@ -322,20 +322,23 @@ class TileKernels:
     @staticmethod
     def _check(x: torch.Tensor, *vectors: torch.Tensor | None) -> None:
         rows = x.shape[0]
-        if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1:
-            raise ValueError(f"compiled logit tiles: expected a float32 CPU (m, b) tile with contiguous rows, got "
-                             f"{x.dtype} {tuple(x.shape)} on {x.device}")
+        if (x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1
+                or (rows > 1 and x.stride(0) < x.shape[1])):
+            raise ValueError(f"compiled logit tiles: expected a float32 CPU (m, b) tile with contiguous, separate "
+                             f"rows, got {x.dtype} {tuple(x.shape)} with strides {x.stride()} on {x.device}")
         for v in vectors:
-            if v is not None and (v.dtype != torch.float32 or v.shape != (rows,) or not v.is_contiguous()):
-                raise ValueError(f"compiled logit tiles: per-row values must be contiguous float32 ({rows},), got "
-                                 f"{v.dtype} {tuple(v.shape)}")
+            if v is not None and (v.dtype != torch.float32 or v.shape != (rows,) or not v.is_contiguous()
+                                  or v.device.type != "cpu"):
+                raise ValueError(f"compiled logit tiles: per-row values must be contiguous float32 ({rows},) on the "
+                                 f"CPU, got {v.dtype} {tuple(v.shape)} on {v.device}")
 
     def tile_stats(self, x, inv_t: float, y, v0: int, target, run_max, s, s2) -> None:
         """Scale x by inv_t, pick each row's target logit, fold x into the running max, s and s2 (in place)."""
         self._check(x, target, run_max, s, s2)
         y = y.to(torch.int64).contiguous()
-        if y.shape != (x.shape[0],):
-            raise ValueError(f"compiled logit tiles: expected {x.shape[0]} targets, got {tuple(y.shape)}")
+        if y.shape != (x.shape[0],) or y.device.type != "cpu":
+            raise ValueError(f"compiled logit tiles: expected {x.shape[0]} targets on the CPU, got {tuple(y.shape)} on "
+                             f"{y.device}")
         self.lib.lean_tile_stats(x.shape[0], x.shape[1], x.stride(0), x.data_ptr(), inv_t, y.data_ptr(), v0,
                                  target.data_ptr(), run_max.data_ptr(), s.data_ptr(),
                                  None if s2 is None else s2.data_ptr())

@@ -15,7 +15,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
 
 import grpo.generation as generation
 from grpo import native
-from grpo.core import hidden_logprobs
+from grpo.core import hidden_logprobs, hidden_loss
 from grpo.decoding import LeanDecoder, packed_head, preallocated_cache
 from grpo.native import CompiledHead, CompiledStep
 from grpo.generation import SamplingParams, TransformersGenerator
@@ -344,26 +344,63 @@ def test_compiled_logit_tiles_in_the_one_pass_loss(rows_per_chunk, vocab_block, 
         atol=3e-5)
 
 
-@needs_compiler
-def test_compiled_logit_tiles_with_a_filtered_vocabulary_and_a_large_one():
-    kernels = native.tile_kernels(torch.float32, torch.device("cpu"))
+@pytest.mark.parametrize("path", ["compiled", "torch"])
+def test_logit_tiles_with_a_filtered_vocabulary(path):
+    # -inf bias on whole tiles (entries 0-5 with blocks of 3, so the first tile is all -inf) and inside others:
+    # exp(-inf) = 0 and 0 log 0 = 0 everywhere, on both paths; no NaN in log-probs, entropies or gradients.
+    if path == "compiled" and native.library() is None:
+        pytest.skip("no C compiler: the compiled tiles are not built")
+    kernels = native.tile_kernels(torch.float32, torch.device("cpu")) if path == "compiled" else None
     torch.manual_seed(0)
-    # -inf bias on whole tiles (entries 0-5 with blocks of 3) and inside others: exp(-inf) = 0 everywhere, no NaN.
     hidden, weight, bias = torch.randn(2, 5, 8), torch.randn(20, 8), torch.randn(20)
     bias[[0, 1, 2, 3, 4, 5, 9, 17]] = float("-inf")
     tokens = torch.tensor([[6, 7, 8, 10, 19]] * 2)
     leaf = hidden.clone().requires_grad_()
     logp, entropy = hidden_logprobs(leaf, weight, tokens, 0.7, 4, bias=bias, with_entropy=True, vocab_block=3,
                                     kernels=kernels)
-    logp.sum().backward()
+    (logp.sum() + 0.3 * entropy.sum()).backward()
+    # The reference drops the filtered entries (probability exactly 0), so its own autograd has no 0 * -inf.
+    keep = torch.isfinite(bias)
     naive_leaf = hidden.clone().requires_grad_()
-    logits = naive_leaf @ weight.T + bias
-    expected = core_tests.naive_logprobs(logits, tokens, 0.7)
-    expected.sum().backward()
-    p = torch.softmax(logits.detach() / 0.7, -1)
+    logits = naive_leaf @ weight[keep].T + bias[keep]
+    expected = core_tests.naive_logprobs(logits, keep.long().cumsum(0)[tokens] - 1, 0.7)
+    p = torch.softmax(logits / 0.7, -1)
+    expected_entropy = -(p * p.log()).sum(-1)
+    (expected.sum() + 0.3 * expected_entropy.sum()).backward()
     torch.testing.assert_close(logp, expected, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(entropy, -torch.special.xlogy(p, p).sum(-1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, expected_entropy.detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(leaf.grad, naive_leaf.grad, atol=1e-5, rtol=1e-5)
+    # The one-pass loss: its entropies too.
+    _, logp, entropy = hidden_loss(hidden, weight, tokens, lambda lp, rows: lp.sum(), 0.7, bias=bias,
+                                   with_entropy=True, rows_per_chunk=1, vocab_block=3, kernels=kernels)
+    torch.testing.assert_close(logp, expected.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, expected_entropy.detach(), atol=1e-5, rtol=1e-5)
+
+
+@needs_compiler
+def test_a_nan_reaches_the_gradient_through_the_compiled_tiles():
+    # A NaN hidden state must give NaN gradients, as on the torch path (the trainer skips steps on a non-finite
+    # gradient norm); a floored log p must not turn it into 0.
+    torch.manual_seed(0)
+    hidden, weight, tokens = torch.randn(1, 3, 8), torch.randn(40, 8), torch.tensor([[1, 20, 39]])
+    hidden[0, 1, 0] = float("nan")
+    for with_entropy in (False, True):
+        grads = []
+        for kernels in (native.tile_kernels(torch.float32, torch.device("cpu")), None):
+            leaf = hidden.clone().requires_grad_()
+            logp, entropy = hidden_logprobs(leaf, weight, tokens, 1.0, 4, with_entropy=with_entropy, vocab_block=16,
+                                            kernels=kernels)
+            loss = logp[:, [0, 2]].sum()  # the NaN row's loss weight is 0: only a NaN p can carry it
+            (loss + entropy[:, [0, 2]].sum() if with_entropy else loss).backward()
+            grads.append(leaf.grad)
+        assert torch.isnan(grads[0][0, 1]).all() and torch.isnan(grads[1][0, 1]).all()
+        torch.testing.assert_close(grads[0][0, [0, 2]], grads[1][0, [0, 2]], atol=1e-5, rtol=1e-5)
+
+
+@needs_compiler
+def test_compiled_logit_tiles_on_a_large_vocabulary():
+    kernels = native.tile_kernels(torch.float32, torch.device("cpu"))
+    torch.manual_seed(0)
     # A 150k-entry vocabulary in 2,048-wide tiles (the benchmark's W2 size): log-probs, entropies and gradients
     # against torch's own tiles.
     hidden, weight = torch.randn(3, 16, 64), torch.randn(150_001, 64) * 0.3

@@ -191,16 +191,19 @@ def _head_forward(h: Tensor, weight: Tensor, bias: Tensor | None, y: Tensor, tem
             target = picked if target is None else torch.where(hit, picked, target)
             block_max = x.amax(-1)
             new_max = block_max if running_max is None else torch.maximum(running_max, block_max)
-            x.sub_(new_max.unsqueeze(1))  # x - M'
+            # A row whose logits so far are all -inf (a filtered vocabulary) adds nothing: subtract 0, not -inf.
+            x.sub_(torch.where(new_max == float("-inf"), 0.0, new_max).unsqueeze(1))  # x - M'
             e = torch.exp(x)
+            e_x = torch.where(e > 0, e * x, 0.0) if with_entropy else None  # 0 at -inf logits, not 0 * -inf
             if running_max is None:
                 s = e.sum(-1)
-                s2 = (e * x).sum(-1) if with_entropy else None
+                s2 = e_x.sum(-1) if with_entropy else None
             else:
-                shift = running_max - new_max  # <= 0
-                scale = torch.exp(shift)
+                empty = running_max == float("-inf")  # s = s2 = 0 so far: nothing to rescale
+                shift = torch.where(empty, 0.0, running_max - new_max)  # <= 0
+                scale = torch.where(empty, 0.0, torch.exp(shift))
                 if with_entropy:
-                    s2 = scale * (s2 + shift * s) + (e * x).sum(-1)
+                    s2 = scale * (s2 + shift * s) + e_x.sum(-1)
                 s = scale * s + e.sum(-1)
             running_max = new_max
     log_s = torch.log(s)
@@ -327,8 +330,9 @@ class _HiddenLogprob(torch.autograd.Function):
                 p = torch.exp(log_p)
                 if g_entropy is None:
                     factor = chunk_g
-                else:
-                    factor = log_p.add_(entropy[part].unsqueeze(1)).mul_(g_entropy[part].unsqueeze(1)).add_(chunk_g)
+                else:  # log p of a -inf logit floored where p is 0 anyway, so p * factor is 0, not 0 * -inf
+                    factor = log_p.clamp_(min=-1e4).add_(entropy[part].unsqueeze(1)).mul_(
+                        g_entropy[part].unsqueeze(1)).add_(chunk_g)
                 grad_x = p.mul_(factor).neg_().to(weight.dtype)  # (m, b), without the target column's +g
                 grads.add_tile(part, h, grad_x, slice(v0, v0 + x.shape[1]), first_chunk=p0 == 0)
         grads.add_targets(slice(None), h_all, y_all, g)
@@ -392,7 +396,7 @@ class _HiddenLoss(torch.autograd.Function):
                 shifted.sub_(row_max[:, None])
                 if with_entropy:
                     e = torch.exp(shifted)
-                    s2 += (e * shifted).sum(-1)
+                    s2 += torch.where(e > 0, e * shifted, 0.0).sum(-1)  # 0 at -inf logits, not 0 * -inf
                     shifted.copy_(e)
                 else:
                     e = shifted.exp_()

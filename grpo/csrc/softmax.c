@@ -54,7 +54,7 @@ static float exp_sums(const float *r, int64_t n, float top, float *out, float *s
     const __m512 t = _mm512_set1_ps(top), floor = _mm512_set1_ps(-88.0f);
     for (int64_t j = 0; j < n; j += 16) {
         const __mmask16 k = lanes(n - j);
-        const __m512 d = _mm512_max_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, r + j), t), floor);
+        const __m512 d = _mm512_maskz_max_ps(k, _mm512_sub_ps(_mm512_maskz_loadu_ps(k, r + j), t), floor);
         const __m512 e = _mm512_maskz_mov_ps(k, exp16(d));
         se = _mm512_add_ps(se, e);
         sd = _mm512_fmadd_ps(e, d, sd);
@@ -164,7 +164,8 @@ void lean_tile_exp(int32_t m, int32_t b, int64_t ld, float *restrict x, const fl
 
 /* The backward of one such tile, in place: x[i, j] <- -p_ij (g_i + gh_i (log p_ij + H_i)) with
  * log p_ij = x_ij inv_t - lse_i: d loss / d logits without the target column's +g_i (added by the caller), for
- * d loss / d logp = g and, when gh is not NULL, d loss / d entropy = gh and the entropies H. */
+ * d loss / d logp = g and, when gh is not NULL, d loss / d entropy = gh and the entropies H. A NaN logit or lse
+ * gives NaN (so the trainer's non-finite check sees it); log p is floored at -88 elsewhere, where p is 0 anyway. */
 void lean_tile_grad(int32_t m, int32_t b, int64_t ld, float *restrict x, float inv_t, const float *restrict lse,
                     const float *restrict g, const float *restrict gh, const float *restrict entropy) {
     for (int i = 0; i < m; i++) {
@@ -175,14 +176,16 @@ void lean_tile_grad(int32_t m, int32_t b, int64_t ld, float *restrict x, float i
                      vh = _mm512_set1_ps(hi), by = _mm512_set1_ps(inv_t), floor = _mm512_set1_ps(-88.0f);
         for (int64_t j = 0; j < b; j += 16) {
             const __mmask16 k = lanes(b - j);
-            const __m512 log_p = _mm512_max_ps(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, r + j), by, vl), floor);
+            const __m512 raw = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, r + j), by, vl);
+            const __m512 log_p = _mm512_max_ps(raw, floor);  /* the floor would turn NaN into -88: put it back */
             const __m512 factor = _mm512_fmadd_ps(vgh, _mm512_add_ps(log_p, vh), vg);
-            _mm512_mask_storeu_ps(r + j, k, _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), exp16(log_p)), factor));
+            const __m512 grad = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), exp16(log_p)), factor);
+            _mm512_mask_storeu_ps(r + j, k, _mm512_mask_mov_ps(grad, _mm512_cmp_ps_mask(raw, raw, _CMP_UNORD_Q), raw));
         }
 #else
         for (int64_t j = 0; j < b; j++) {
-            const float log_p = fmaxf(r[j] * inv_t - l, -88.0f);
-            r[j] = -exp_nonpositive(log_p) * (gi + ghi * (log_p + hi));
+            const float raw = r[j] * inv_t - l, log_p = fmaxf(raw, -88.0f);
+            r[j] = raw != raw ? raw : -exp_nonpositive(log_p) * (gi + ghi * (log_p + hi));
         }
 #endif
     }

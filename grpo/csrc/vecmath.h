@@ -1,7 +1,7 @@
 /* exp for softmax-style arguments, shared by lean_step.c and softmax.c: a scalar version that compilers can
  * inline anywhere and, where the CPU has AVX-512, a 16-lane one. Both compute 2^n * p(r) with |r| <= ln2/2 and
  * p a degree-7 Taylor polynomial (relative error < 2e-7), and return 0 below -87 (where float32 exp underflows),
- * so -inf (a filtered logit) gives 0. Meant for arguments <= 0 (after subtracting a maximum); slightly positive
+ * so -inf (a filtered logit) gives 0, and NaN stays NaN. Meant for arguments <= 0 (after subtracting a maximum); slightly positive
  * ones (rounding) are fine. */
 #ifndef GRPO_VECMATH_H
 #define GRPO_VECMATH_H
@@ -31,6 +31,7 @@ static inline float exp_nonpositive(float x) {
 #ifdef __AVX512F__
 static inline __m512 exp16(__m512 x) {
     const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);  /* false for NaN too */
+    const __m512 in = x;
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -45,7 +46,8 @@ static inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(bits));
+    const __m512 e = _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(bits));
+    return _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(in, in, _CMP_UNORD_Q), in);  /* NaN stays NaN, as in the scalar exp */
 }
 
 /* The lanes of a 16-wide step that are inside a row with `left` entries to go. */
