@@ -317,24 +317,22 @@ class _HiddenLogprob(torch.autograd.Function):
         for p0 in range(0, h_all.shape[0], ctx.positions):
             part = slice(p0, p0 + ctx.positions)
             h, chunk_lse, chunk_g = h_all[part], lse[part].unsqueeze(1), g[part].unsqueeze(1)
+            per_row = (lse[part], g[part], *((None, None) if g_entropy is None else (g_entropy[part], entropy[part])))
             for v0 in range(0, weight.shape[0], ctx.block):
                 if ctx.kernels is not None:  # the same d loss / d logits, in one call
                     grad_x = ctx.kernels.tile_grad(_logits_into(tile[:h.shape[0]], h, weight, bias, v0, 1.0),
-                                                   1.0 / ctx.temperature, lse[part], g[part],
-                                                   *((None, None) if g_entropy is None else
-                                                     (g_entropy[part], entropy[part])))
-                    grads.add_tile(part, h, grad_x, slice(v0, v0 + grad_x.shape[1]), first_chunk=p0 == 0)
-                    continue
-                x = _head_block(h, weight, bias, v0, ctx.block, ctx.temperature)  # (m, b)
-                log_p = x.sub_(chunk_lse)
-                p = torch.exp(log_p)
-                if g_entropy is None:
-                    factor = chunk_g
-                else:  # log p of a -inf logit floored where p is 0 anyway, so p * factor is 0, not 0 * -inf
-                    factor = log_p.clamp_(min=-1e4).add_(entropy[part].unsqueeze(1)).mul_(
-                        g_entropy[part].unsqueeze(1)).add_(chunk_g)
-                grad_x = p.mul_(factor).neg_().to(weight.dtype)  # (m, b), without the target column's +g
-                grads.add_tile(part, h, grad_x, slice(v0, v0 + x.shape[1]), first_chunk=p0 == 0)
+                                                   1.0 / ctx.temperature, *per_row)
+                else:
+                    x = _head_block(h, weight, bias, v0, ctx.block, ctx.temperature)  # (m, b)
+                    log_p = x.sub_(chunk_lse)
+                    p = torch.exp(log_p)
+                    if g_entropy is None:
+                        factor = chunk_g
+                    else:  # log p of a -inf logit floored where p is 0 anyway, so p * factor is 0, not 0 * -inf
+                        factor = log_p.clamp_(min=-1e4).add_(entropy[part].unsqueeze(1)).mul_(
+                            g_entropy[part].unsqueeze(1)).add_(chunk_g)
+                    grad_x = p.mul_(factor).neg_().to(weight.dtype)  # (m, b), without the target column's +g
+                grads.add_tile(part, h, grad_x, slice(v0, v0 + grad_x.shape[1]), first_chunk=p0 == 0)
         grads.add_targets(slice(None), h_all, y_all, g)
         return (*grads.result(hidden.shape), None, None, None, None, None, None, None)
 

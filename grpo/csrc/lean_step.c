@@ -153,28 +153,6 @@ static void silu_times(int n, const float *restrict g, const float *restrict u, 
     }
 }
 
-/* scores[t] <- exp(scores[t] - best) over n scores (0 for -inf, a masked key); returns their sum. */
-static float exp_scores(int n, float *restrict scores, float best) {
-    int t = 0;
-    float total = 0.0f;
-#ifdef __AVX512F__
-    __m512 sum = _mm512_setzero_ps();
-    const __m512 b = _mm512_set1_ps(best);
-    for (; t < n; t += 16) {
-        const __mmask16 k = lanes(n - t);
-        const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, scores + t), b)));
-        _mm512_mask_storeu_ps(scores + t, k, e);
-        sum = _mm512_add_ps(sum, e);
-    }
-    total = _mm512_reduce_add_ps(sum);
-#endif
-    for (; t < n; t++) {
-        scores[t] = scores[t] == -INFINITY ? 0.0f : exp_nonpositive(scores[t] - best);
-        total += scores[t];
-    }
-    return total;
-}
-
 /* h = x + y, rows of width H (the residual add). */
 static void add_into(size_t count, float *restrict x, const float *restrict y) {
     for (size_t j = 0; j < count; j++) x[j] += y[j];
@@ -215,7 +193,7 @@ void lean_step(const Model *m, const int64_t *tokens, const int64_t *positions, 
                     scores[t] = (mask && !mask[t]) ? -INFINITY : dot(q, K + (size_t)t * d, d) * m->scale;
                     if (scores[t] > best) best = scores[t];
                 }
-                const float total = exp_scores(L, scores, best);
+                const float total = exp_sums(scores, L, best, scores, NULL);  /* masked keys (-inf) get 0 */
                 float *restrict o = att + (size_t)r * Q + (size_t)qh * d;
                 for (int j0 = 0; j0 < d; j0 += 64) {  /* 64 output dims at a time stay in registers */
                     const int w = d - j0 < 64 ? d - j0 : 64;

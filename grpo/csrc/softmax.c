@@ -46,35 +46,6 @@ static float row_max(float *restrict r, int64_t n, float scale) {
 #endif
 }
 
-/* sum_j e_j, and sum_j e_j d_j into *sum_ed when it is not NULL, with d_j = max(r_j - top, -88) and e_j = exp(d_j)
- * (0 for -inf entries). With `out`, e_j is also written to out[j] (out may be r). */
-static float exp_sums(const float *r, int64_t n, float top, float *out, float *sum_ed) {
-#ifdef __AVX512F__
-    __m512 se = _mm512_setzero_ps(), sd = _mm512_setzero_ps();
-    const __m512 t = _mm512_set1_ps(top), floor = _mm512_set1_ps(-88.0f);
-    for (int64_t j = 0; j < n; j += 16) {
-        const __mmask16 k = lanes(n - j);
-        const __m512 d = _mm512_maskz_max_ps(k, _mm512_sub_ps(_mm512_maskz_loadu_ps(k, r + j), t), floor);
-        const __m512 e = _mm512_maskz_mov_ps(k, exp16(d));
-        se = _mm512_add_ps(se, e);
-        sd = _mm512_fmadd_ps(e, d, sd);
-        if (out) _mm512_mask_storeu_ps(out + j, k, e);
-    }
-    if (sum_ed) *sum_ed = _mm512_reduce_add_ps(sd);
-    return _mm512_reduce_add_ps(se);
-#else
-    float se = 0.0f, sd = 0.0f;
-    for (int64_t j = 0; j < n; j++) {
-        const float d = fmaxf(r[j] - top, -88.0f), e = exp_nonpositive(d);
-        se += e;
-        sd += e * d;
-        if (out) out[j] = e;
-    }
-    if (sum_ed) *sum_ed = sd;
-    return se;
-#endif
-}
-
 #define CDF_BLOCK 1024
 
 /* Floats of scratch memory lean_sample needs (one row's block running sums, as doubles, and one block's exps). */
@@ -176,16 +147,15 @@ void lean_tile_grad(int32_t m, int32_t b, int64_t ld, float *restrict x, float i
                      vh = _mm512_set1_ps(hi), by = _mm512_set1_ps(inv_t), floor = _mm512_set1_ps(-88.0f);
         for (int64_t j = 0; j < b; j += 16) {
             const __mmask16 k = lanes(b - j);
-            const __m512 raw = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, r + j), by, vl);
-            const __m512 log_p = _mm512_max_ps(raw, floor);  /* the floor would turn NaN into -88: put it back */
+            /* max(floor, NaN) is NaN: a NaN logit or lse stays NaN (torch gives NaN there too) */
+            const __m512 log_p = _mm512_max_ps(floor, _mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, r + j), by, vl));
             const __m512 factor = _mm512_fmadd_ps(vgh, _mm512_add_ps(log_p, vh), vg);
-            const __m512 grad = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), exp16(log_p)), factor);
-            _mm512_mask_storeu_ps(r + j, k, _mm512_mask_mov_ps(grad, _mm512_cmp_ps_mask(raw, raw, _CMP_UNORD_Q), raw));
+            _mm512_mask_storeu_ps(r + j, k, _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), exp16(log_p)), factor));
         }
 #else
         for (int64_t j = 0; j < b; j++) {
-            const float raw = r[j] * inv_t - l, log_p = fmaxf(raw, -88.0f);
-            r[j] = raw != raw ? raw : -exp_nonpositive(log_p) * (gi + ghi * (log_p + hi));
+            const float log_p = floor88(r[j] * inv_t - l);
+            r[j] = -exp_nonpositive(log_p) * (gi + ghi * (log_p + hi));
         }
 #endif
     }

@@ -1,8 +1,8 @@
 /* exp for softmax-style arguments, shared by lean_step.c and softmax.c: a scalar version that compilers can
  * inline anywhere and, where the CPU has AVX-512, a 16-lane one. Both compute 2^n * p(r) with |r| <= ln2/2 and
  * p a degree-7 Taylor polynomial (relative error < 2e-7), and return 0 below -87 (where float32 exp underflows),
- * so -inf (a filtered logit) gives 0, and NaN stays NaN. Meant for arguments <= 0 (after subtracting a maximum); slightly positive
- * ones (rounding) are fine. */
+ * so -inf (a filtered logit) gives 0, and NaN stays NaN. Meant for arguments <= 0 (after subtracting a maximum);
+ * slightly positive ones (rounding) are fine. exp_sums, the softmax pass built on them, is shared too. */
 #ifndef GRPO_VECMATH_H
 #define GRPO_VECMATH_H
 
@@ -13,7 +13,7 @@
 #endif
 
 static inline float exp_nonpositive(float x) {
-    if (x < -87.0f) return 0.0f;
+    if (!(x >= -87.0f)) return x == x ? 0.0f : x;  /* NaN returns before the (undefined) cast of NaN to int */
     const float n = nearbyintf(x * 1.44269504088896341f);
     const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
     float p = 1.0f / 5040.0f;
@@ -27,6 +27,9 @@ static inline float exp_nonpositive(float x) {
     union { uint32_t i; float f; } scale = {.i = (uint32_t)((int32_t)n + 127) << 23};
     return p * scale.f;
 }
+
+/* max(x, -88) that keeps NaN (fmaxf would drop it): where exp is 0 anyway, and 0 * d stays finite for -inf. */
+static inline float floor88(float x) { return x < -88.0f ? -88.0f : x; }
 
 #ifdef __AVX512F__
 static inline __m512 exp16(__m512 x) {
@@ -47,11 +50,41 @@ static inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     const __m512 e = _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(bits));
-    return _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(in, in, _CMP_UNORD_Q), in);  /* NaN stays NaN, as in the scalar exp */
+    return _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(in, in, _CMP_UNORD_Q), in);  /* NaN stays NaN, as in scalar */
 }
 
 /* The lanes of a 16-wide step that are inside a row with `left` entries to go. */
 static inline __mmask16 lanes(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u); }
 #endif
+
+/* sum_j e_j, and sum_j e_j d_j into *sum_ed when it is not NULL, with d_j = max(r_j - top, -88) and e_j = exp(d_j)
+ * (0 for -inf entries; NaN stays NaN: the floor keeps it). With `out`, e_j is also written to out[j] (out may be
+ * r). The softmax of attention scores, of a sampled row's blocks, and of the LM head's logit tiles. */
+static inline float exp_sums(const float *r, int64_t n, float top, float *out, float *sum_ed) {
+#ifdef __AVX512F__
+    __m512 se = _mm512_setzero_ps(), sd = _mm512_setzero_ps();
+    const __m512 t = _mm512_set1_ps(top), floor = _mm512_set1_ps(-88.0f);
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 k = lanes(n - j);
+        const __m512 d = _mm512_maskz_max_ps(k, floor, _mm512_sub_ps(_mm512_maskz_loadu_ps(k, r + j), t));
+        const __m512 e = _mm512_maskz_mov_ps(k, exp16(d));
+        se = _mm512_add_ps(se, e);
+        sd = _mm512_fmadd_ps(e, d, sd);
+        if (out) _mm512_mask_storeu_ps(out + j, k, e);
+    }
+    if (sum_ed) *sum_ed = _mm512_reduce_add_ps(sd);
+    return _mm512_reduce_add_ps(se);
+#else
+    float se = 0.0f, sd = 0.0f;
+    for (int64_t j = 0; j < n; j++) {
+        const float d = floor88(r[j] - top), e = exp_nonpositive(d);
+        se += e;
+        sd += e * d;
+        if (out) out[j] = e;
+    }
+    if (sum_ed) *sum_ed = sd;
+    return se;
+#endif
+}
 
 #endif
