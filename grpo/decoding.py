@@ -72,6 +72,16 @@ def preallocated_cache(model, capacity: int):
     return cache
 
 
+def expand_cache(cache, copies: torch.Tensor) -> None:
+    """Make a prefilled `preallocated_cache` of R rows one of len(copies) rows, row i a copy of row copies[i]: the
+    prompts of a group are encoded once and copied to its G completions."""
+    for layer in cache.layers:
+        layer.key_buffer = layer.key_buffer.index_select(0, copies)
+        layer.value_buffer = layer.value_buffer.index_select(0, copies)
+        layer.keys = layer.key_buffer[:, :, :layer.length]
+        layer.values = layer.value_buffer[:, :, :layer.length]
+
+
 class LeanDecoder:
     """One-token forward steps of a Llama-style `transformers` model over a `preallocated_cache`.
 
@@ -88,8 +98,17 @@ class LeanDecoder:
         # the copies are skipped for big models.
         self.layer_bytes = sum(p.numel() * p.element_size() for p in self.inner.layers.parameters())
         big = self.layer_bytes > _FUSE_BYTES
-        self.fused = [None if big or not _plain_linears(layer) else _fused_weights(layer)
-                      for layer in self.inner.layers]
+        self.foldable = [not big and _plain_linears(layer) for layer in self.inner.layers]
+        self._fused: list[_Fused | None] | None = None
+
+    @property
+    def fused(self) -> list[_Fused | None]:
+        """Per layer, its projections as stacked (in, out) copies (_Fused), or None where they do not fold into
+        one matrix each; made on first use (the compiled step packs the weights itself and never asks)."""
+        if self._fused is None:
+            self._fused = [_fused_weights(layer) if ok else None
+                           for layer, ok in zip(self.inner.layers, self.foldable)]
+        return self._fused
 
     @staticmethod
     def supports(model) -> bool:
@@ -170,8 +189,8 @@ def _times(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -
     return out.view(x.shape[0], 1, -1)
 
 
-def _cat_bias(*pairs):
-    """The biases of one or more (weight, bias) pairs side by side (zeros for one without), or None if none has
+def stacked_bias(pairs: list):
+    """The biases of a list of (weight, bias) pairs side by side (zeros for one without), or None if none has
     one."""
     if all(b is None for _, b in pairs):
         return None
@@ -220,18 +239,24 @@ def _plain_linears(layer) -> bool:
 
 
 @torch.no_grad()
-def _fused_weights(layer) -> _Fused:
+def layer_products(layer) -> tuple[list, list, list, list]:
+    """A foldable layer's four products as lists of (weight (out, in), bias) pairs whose outputs sit side by side:
+    q/k/v, o, gate/up, down."""
     attn, mlp = layer.self_attn, layer.mlp
-    qkv = [_effective_linear(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
-    gate_up = [_effective_linear(m) for m in (mlp.gate_proj, mlp.up_proj)]
-    o, down = _effective_linear(attn.o_proj), _effective_linear(mlp.down_proj)
+    return ([_effective_linear(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj)], [_effective_linear(attn.o_proj)],
+            [_effective_linear(m) for m in (mlp.gate_proj, mlp.up_proj)], [_effective_linear(mlp.down_proj)])
 
-    def stacked(*pairs):  # (in, out): the weights side by side
+
+@torch.no_grad()
+def _fused_weights(layer) -> _Fused:
+    qkv, o, gate_up, down = layer_products(layer)
+
+    def stacked(pairs):  # (in, out): the weights side by side
         weight = torch.cat([w for w, _ in pairs]) if len(pairs) > 1 else pairs[0][0]
         return weight.detach().t().contiguous()
 
-    return _Fused(stacked(*qkv), _cat_bias(*qkv), [w.shape[0] for w, _ in qkv], stacked(o), _cat_bias(o),
-                  stacked(*gate_up), _cat_bias(*gate_up), stacked(down), _cat_bias(down))
+    return _Fused(stacked(qkv), stacked_bias(qkv), [w.shape[0] for w, _ in qkv], stacked(o), stacked_bias(o),
+                  stacked(gate_up), stacked_bias(gate_up), stacked(down), stacked_bias(down))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -125,7 +125,7 @@ _SIGNATURES = {  # name: (argument types, result type), as in lean_step.c and so
     "lean_step": ([ctypes.POINTER(Model), _PTR, _PTR, _I32, _PTR, _I64, _PTR], None),
     "lean_scratch_floats": ([_I32] * 6, _I64),
     "lean_packed_floats": ([_I32, _I32], _I64),
-    "lean_pack": ([_I32, _I32, _PTR, _PTR], None),
+    "lean_pack_rows": ([_I32, _I32, _I32, _I32, _PTR, _PTR], None),
     "lean_head_packed_floats": ([_I32, _I32], _I64),
     "lean_pack_head": ([_I32, _I32, _PTR, _PTR], None),
     "lean_head": ([_I32, _I32, _I32, _PTR, _PTR, _PTR, _PTR], None),
@@ -177,7 +177,7 @@ class CompiledStep:
                                                                       layer.post_attention_layernorm)]
         attn = inner.layers[0].self_attn
         if not ((torch.get_num_threads() == 1 or decoder.layer_bytes <= _ANY_THREADS_BYTES)
-                and all(f is not None for f in decoder.fused)
+                and all(decoder.foldable)
                 and type(inner.embed_tokens) is torch.nn.Embedding
                 and all(type(n) is type(inner.norm) and isinstance(n.weight, torch.nn.Parameter) for n in norms)
                 and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in inner.parameters())
@@ -186,29 +186,32 @@ class CompiledStep:
                 and len({float(n.variance_epsilon) for n in norms}) == 1
                 and attn.head_dim % 2 == 0 and attn.head_dim <= 512):
             return False
-        fused = decoder.fused[0]
         layers = getattr(cache, "layers", [])
         if len(layers) != len(inner.layers) or getattr(layers[0], "key_buffer", None) is None:
             return False  # not a prefilled preallocated_cache
-        shape = (rows, fused.qkv_sizes[1] // attn.head_dim, layers[0].key_buffer.shape[2], attn.head_dim)
+        shape = (rows, attn.k_proj.out_features // attn.head_dim, layers[0].key_buffer.shape[2], attn.head_dim)
         return all(b.dtype == torch.float32 and b.is_contiguous() and tuple(b.shape) == shape
                    for layer in layers for b in (layer.key_buffer, layer.value_buffer))
 
     def __init__(self, lib, decoder, cache, rows: int):
+        from grpo.decoding import layer_products, stacked_bias  # decoding imports this module
+
         inner, self.lib, self.decoder, self.cache, self.rows = decoder.inner, lib, decoder, cache, rows
         attn, buffer = inner.layers[0].self_attn, cache.layers[0].key_buffer
         capacity, d = buffer.shape[2], attn.head_dim
         cos, sin = inner.rotary_emb(buffer.new_zeros(1, 1, d), torch.arange(capacity)[None])
         self.keep = [cos[0].contiguous(), sin[0].contiguous()]  # tensors made here that the C side points into
         layers = (Layer * len(inner.layers))()  # kept (self.layers): self.model points into it
-        for i, (layer, fused, kv) in enumerate(zip(inner.layers, decoder.fused, cache.layers)):
-            tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, self._pack(fused.qkv),
-                       fused.qkv_bias, self._pack(fused.o), fused.o_bias, self._pack(fused.gate_up),
-                       fused.gate_up_bias, self._pack(fused.down), fused.down_bias, kv.key_buffer, kv.value_buffer]
+        for i, (layer, kv) in enumerate(zip(inner.layers, cache.layers)):
+            qkv, o, gate_up, down = layer_products(layer)
+            tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            for pairs in (qkv, o, gate_up, down):
+                tensors += [self._pack(pairs), stacked_bias(pairs)]
+            tensors += [kv.key_buffer, kv.value_buffer]
             layers[i] = Layer(*(self._pointer(t) for t in tensors))
-        fused = decoder.fused[0]  # every layer has the same sizes
-        hidden, q_heads = inner.norm.weight.shape[0], fused.qkv_sizes[0] // d
-        kv_heads, inter = fused.qkv_sizes[1] // d, fused.down.shape[0]
+        qkv, _, _, down = layer_products(inner.layers[0])  # every layer has the same sizes
+        hidden, q_heads = inner.norm.weight.shape[0], qkv[0][0].shape[0] // d
+        kv_heads, inter = qkv[1][0].shape[0] // d, down[0][0].shape[1]
         scratch = lib.lean_scratch_floats(rows, hidden, q_heads * d, kv_heads * d, inter, capacity)
         self.scratch = torch.empty(scratch, dtype=torch.float32)
         self.vocab = inner.embed_tokens.weight.shape[0]
@@ -218,12 +221,16 @@ class CompiledStep:
                            self._pointer(self.keep[0]), self._pointer(self.keep[1]), layers, self.scratch.data_ptr())
         self.layers, self.out = layers, torch.empty(rows, hidden)
 
-    def _pack(self, weight_t: torch.Tensor) -> torch.Tensor:
-        """An (in, out) matrix in the C step's panel layout (lean_pack); kept alive with the step."""
-        k, n = weight_t.shape
+    def _pack(self, pairs: list) -> torch.Tensor:
+        """The (out, in) weights of (weight, bias) pairs, stacked along out and transposed, as one (in, out) matrix in
+        the C step's panel layout (lean_pack_rows: no stacked or transposed copy is made); kept alive with the step."""
+        k, n = pairs[0][0].shape[1], sum(w.shape[0] for w, _ in pairs)
         packed = torch.empty(self.lib.lean_packed_floats(k, n), dtype=torch.float32)
-        source = weight_t.detach().contiguous()  # bound to a name: alive until lean_pack returns
-        self.lib.lean_pack(k, n, source.data_ptr(), packed.data_ptr())
+        column = 0
+        for weight, _ in pairs:
+            source = weight.detach().contiguous()  # bound to a name: alive until lean_pack_rows returns
+            self.lib.lean_pack_rows(k, n, column, source.shape[0], source.data_ptr(), packed.data_ptr())
+            column += source.shape[0]
         self.keep.append(packed)
         return packed
 

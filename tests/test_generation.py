@@ -114,6 +114,39 @@ def test_a_rows_completion_depends_only_on_its_seed(tiny_model_dir):
     assert gen.generate([a], params, seeds=[8]).ids[0] != alone or len(alone) == 0
 
 
+@pytest.mark.parametrize("lean", [True, False])
+def test_a_shared_prompt_is_encoded_once_with_the_same_completions(tiny_model_dir, monkeypatch, lean):
+    """Rows with the same prompt (a group) share one prompt forward whose cache is copied to them: the completions
+    and log-probs are those of encoding every row, with the lean step and with transformers' own forward."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import grpo.generation as generation
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    if not lean:
+        monkeypatch.setattr(generation.LeanDecoder, "supports", staticmethod(lambda m: False))
+    gen = TransformersGenerator(model, tok.pad_token_id, [tok.eos_token_id])
+    a = tok("abc", add_special_tokens=False)["input_ids"]
+    b = tok("a much longer prompt", add_special_tokens=False)["input_ids"]
+    prompts, seeds = [a, a, b, a, b], [1, 2, 3, 4, 5]
+    assert generation._distinct_rows(prompts) == ([0, 2], [0, 0, 1, 0, 1])
+    prefills, forward = [], model.forward
+
+    def counted(*args, **kwargs):
+        prefills.append(kwargs["input_ids"].shape)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", counted)
+    shared = gen.generate(prompts, SamplingParams(12), seeds)
+    assert prefills[0][0] == 2  # two distinct prompts encoded, not five rows
+    monkeypatch.setattr(generation, "_distinct_rows", lambda rows: (list(range(len(rows))), list(range(len(rows)))))
+    each = gen.generate(prompts, SamplingParams(12), seeds)
+    assert shared.ids == each.ids and shared.truncated == each.truncated
+    for x, y in zip(shared.logprobs, each.logprobs):
+        assert torch.allclose(torch.tensor(x), torch.tensor(y), atol=1e-5)
+
+
 def test_sampling_logprobs_match_a_full_forward(tiny_model_dir):
     """The kept per-token sampling log-probs equal the policy's log-probs of the same tokens (temperature 1, no
     filters), recomputed in one pass over prompt + completion as the trainer does."""

@@ -6,7 +6,7 @@
  * preallocated KV cache, attention over the cached positions (a key mask for left padding), the output product
  * added to the residual, RMSNorm, the stacked gate/up product, SiLU(gate) * up, the down product added to the
  * residual; at the end the final RMSNorm. The weights are decoding._Fused's (in, out) matrices, packed by
- * lean_pack.
+ * lean_pack_rows.
  *
  * lean_head is the output layer's product for sampling, (rows, H) x (V, H)^T, streaming the packed weight once per
  * 16 rows.
@@ -47,7 +47,7 @@ int64_t lean_scratch_floats(int32_t rows, int32_t hidden, int32_t q, int32_t kv,
     return (int64_t)rows * (2 * hidden + q + 2 * kv + q + 3 * inter) + capacity;
 }
 
-/* The weights are packed once per rollout (lean_pack) into panels of NB columns: panel p holds columns
+/* The weights are packed once per rollout (lean_pack_rows) into panels of NB columns: panel p holds columns
  * p*NB .. p*NB+NB-1 of the (K, N) matrix as K contiguous rows of NB floats (zeros past column N), so a product
  * streams each panel sequentially instead of striding across the whole matrix. */
 #define MB 8
@@ -55,16 +55,21 @@ int64_t lean_scratch_floats(int32_t rows, int32_t hidden, int32_t q, int32_t kv,
 
 int64_t lean_packed_floats(int32_t K, int32_t N) { return (int64_t)K * ((N + NB - 1) / NB) * NB; }
 
-void lean_pack(int32_t K, int32_t N, const float *restrict W, float *restrict packed) {
-    for (int n0 = 0; n0 < N; n0 += NB) {
-        const int nb = N - n0 < NB ? N - n0 : NB;
-        float *restrict panel = packed + (size_t)n0 * K;
-        for (int k = 0; k < K; k++)
-            for (int j = 0; j < NB; j++) panel[(size_t)k * NB + j] = j < nb ? W[(size_t)k * N + n0 + j] : 0.0f;
+/* Columns col0 .. col0+n-1 of a packed (K, N) matrix from a row-major (n, K) weight, PyTorch's (out, in) layout:
+ * column c is row c - col0, so stacked projections (q/k/v, gate/up) are packed side by side without a stacked or
+ * transposed copy. The call that fills column N-1 also zeroes the last panel's columns past N. */
+void lean_pack_rows(int32_t K, int32_t N, int32_t col0, int32_t n, const float *restrict W, float *restrict packed) {
+    for (int c = col0; c < col0 + n; c++) {
+        float *restrict dst = packed + (size_t)(c / NB) * NB * K + c % NB;
+        const float *restrict src = W + (size_t)(c - col0) * K;
+        for (int k = 0; k < K; k++) dst[(size_t)k * NB] = src[k];
     }
+    if (col0 + n == N)
+        for (int c = N; c % NB; c++)
+            for (int k = 0; k < K; k++) packed[(size_t)(c / NB) * NB * K + (size_t)k * NB + c % NB] = 0.0f;
 }
 
-/* out (M, N) = x (M, K) @ W (K, N) + bias (N, or NULL), W packed by lean_pack. A block of MB rows x NB columns
+/* out (M, N) = x (M, K) @ W (K, N) + bias (N, or NULL), W packed by lean_pack_rows. A block of MB rows x NB columns
  * is accumulated in registers over all of K; a panel is read from memory once and from cache for the other row
  * blocks. Rows past M repeat row M-1 and are not stored, so every block runs the same unrolled loop. */
 static void gemm(int M, int K, int N, const float *restrict x, const float *restrict packed,
