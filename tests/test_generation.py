@@ -202,3 +202,32 @@ def test_sampling_from_non_finite_logits_is_a_clear_error(sampler, vocab):
     logits[2] = float("-inf")  # every token filtered
     with pytest.raises(ValueError, match="sample_rows: row 2 .* no token left"):
         sample_rows(logits, torch.full((3,), 0.5, dtype=torch.float64))
+
+
+def test_a_shared_prompt_is_scored_once_with_the_same_logprobs(tiny_model_dir, monkeypatch):
+    """Without gradients (the reference pass), rows with the same prompt share one prompt forward: the log-probs
+    are those of the full forward, with left-padded prompts of two lengths and right-padded completions."""
+    from transformers import AutoModelForCausalLM
+
+    import grpo.model as model_module
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    torch.manual_seed(0)
+    short, long = torch.randint(3, 200, (3,)), torch.randint(3, 200, (6,))
+    completions = torch.randint(3, 200, (5, 7))
+    ids = torch.cat([torch.stack([torch.cat([torch.zeros(3, dtype=torch.long), short]), long, long,
+                                  torch.cat([torch.zeros(3, dtype=torch.long), short]), long]), completions], dim=1)
+    attn = torch.ones_like(ids)
+    attn[[0, 3], :3] = 0  # the short prompt's left padding
+    attn[1, -2:] = 0  # a completion that ended early
+    calls = []
+    shared_hidden = model_module._shared_prompt_hidden
+    monkeypatch.setattr(model_module, "_shared_prompt_hidden", lambda *a: calls.append(1) or shared_hidden(*a))
+    with torch.no_grad():
+        shared = model_module.completion_logprobs(model, ids, attn, 7, 0.8)
+        assert calls and shared_hidden(model, ids, attn, 7) is not None  # the shared path ran
+        monkeypatch.setattr(model_module, "_shared_prompt_hidden", lambda *a: None)
+        full = model_module.completion_logprobs(model, ids, attn, 7, 0.8)
+        assert shared_hidden(model, ids[:2], attn[:2], 7) is None  # no prompt repeats: the full forward
+    torch.testing.assert_close(shared, full, atol=1e-5, rtol=1e-5)
+
