@@ -18,7 +18,7 @@ import torch
 
 from grpo import native
 from grpo.decoding import LeanDecoder, expand_cache, packed_head, preallocated_cache
-from grpo.model import _plain_head, _positions
+from grpo.model import _positions, plain_head
 
 
 @dataclass
@@ -246,7 +246,7 @@ class TransformersGenerator:
                              past_key_values=cache, logits_to_keep=1)
             logits = out.logits[:, -1, :]
         vocab = logits.shape[-1]
-        head = _plain_head(self.model)
+        head = plain_head(self.model)
         lean = cache is not None and head is not None and LeanDecoder.supports(self.model)
         if lean:  # the one-token steps without transformers' general forward (grpo/decoding.py)
             decoder, project = LeanDecoder(self.model), packed_head(head.weight, head.bias, n)

@@ -294,7 +294,7 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     scored in chunks.
     """
     targets = input_ids[:, -completion_len:]  # (N, T)
-    head = _plain_head(model)
+    head = plain_head(model)
     if head is not None:
         hidden = _completion_hidden(model, input_ids, attention_mask, completion_len)
         # The head's weight gradient goes straight into .grad (no (V, H) temporary per micro-batch): safe here, the
@@ -325,32 +325,46 @@ against 3; no weight gradient), 0.67 s of W3's 2-iteration update, and no (V, H)
 
 
 def completion_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
-                    temperature: float, row_loss, with_entropy: bool = False):
+                    temperature: float, row_loss, with_entropy: bool = False,
+                    logp_estimate: torch.Tensor | None = None):
     """The loss `row_loss(logp rows, rows)` summed over the rows of this micro-batch, with its gradient formed in the
     same pass as the log-probs (`grpo.core.hidden_loss`: the LM head applied three times instead of four).
 
+    With `logp_estimate` (N, T) (the sampler's log-probs of these tokens, or for a frozen head any close estimate)
+    every row goes through one pass over the vocabulary with no buffer (hidden_loss's logp_estimate). Otherwise
+    rows are scored a few at a time into a buffer of their full logits, capped at _FUSED_ELEMENTS
+    (_FUSED_ELEMENTS_FROZEN_HEAD for a frozen head).
+
     Returns (loss, logp (N, T) detached, entropy (N, T) detached or None), or None when this path does not apply:
-    a head that is not a plain linear layer, or one row's (T, V) logits larger than the buffer's cap
-    (_FUSED_ELEMENTS, or _FUSED_ELEMENTS_FROZEN_HEAD for a frozen head). Only for an unwrapped model in one process
-    trained with `loss.backward()` (the head's weight gradient is added to its .grad during forward).
+    a head that is not a plain linear layer, or, without an estimate, one row's (T, V) logits larger than the cap.
+    Only for an unwrapped model in one process trained with `loss.backward()` (the head's weight gradient is added
+    to its .grad during forward).
     """
-    head = _plain_head(model)
+    head = plain_head(model)
     per_row = completion_len * (head.weight.shape[0] if head is not None else 0)
     cap = _FUSED_ELEMENTS if head is None or head.weight.requires_grad else _FUSED_ELEMENTS_FROZEN_HEAD
-    if head is None or per_row == 0 or per_row > cap:
+    if head is None or per_row == 0 or (logp_estimate is None and per_row > cap):
         return None
     hidden = _completion_hidden(model, input_ids, attention_mask, completion_len)
     return hidden_loss(hidden, head.weight, input_ids[:, -completion_len:], row_loss, temperature, bias=head.bias,
                        with_entropy=with_entropy, rows_per_chunk=max(1, cap // per_row),
                        weight_grad_in_place=head.weight.is_leaf,
-                       kernels=native.tile_kernels(hidden.dtype, hidden.device))
+                       kernels=native.tile_kernels(hidden.dtype, hidden.device), logp_estimate=logp_estimate)
+
+
+def dropout_active(model) -> bool:
+    """Whether the model's training-mode forward is random: a dropout module with p > 0 (LoRA's included) or an
+    attention dropout in its config."""
+    config = getattr(model, "config", None)
+    return (any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
+            or float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0)
 
 
 # Config attributes that change logits after the LM head; a model with any of them set takes the logits path.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
-def _plain_head(model):
+def plain_head(model):
     """The LM head when logits are exactly `hidden @ W.T + b` and calling the decoder directly is safe, else None.
 
     Not for a model wrapped by DDP, FSDP or DeepSpeed (their forward syncs or gathers), prompt-learning PEFT, a

@@ -132,6 +132,7 @@ _SIGNATURES = {  # name: (argument types, result type), as in lean_step.c and so
     "lean_sample_scratch_floats": ([_I32], _I64),
     "lean_sample": ([_I32, _I32, _PTR, _PTR, _PTR, _PTR, _PTR], _I32),
     "lean_tile_stats": ([_I32, _I32, _I64, _PTR, _F32, _PTR, _I64, _PTR, _PTR, _PTR, _PTR], None),
+    "lean_tile_shifted_exp": ([_I32, _I32, _I64, _PTR, _PTR, _F32, _PTR, _PTR, _PTR], None),
     "lean_tile_grad": ([_I32, _I32, _I64, _PTR, _F32, _PTR, _PTR, _PTR, _PTR], None),
     "lean_tile_exp": ([_I32, _I32, _I64, _PTR, _PTR, _PTR, _PTR], None),
 }
@@ -320,8 +321,8 @@ def sample(lib, logits: torch.Tensor, uniforms: torch.Tensor) -> tuple[int, torc
 
 class TileKernels:
     """The elementwise work on one float32 CPU logit tile of `grpo.core.hidden_logprobs` and `hidden_loss` (their
-    `kernels` argument), by lean_tile_stats, lean_tile_grad and lean_tile_exp: one pass per row where torch runs
-    ~15 operators per tile in forward and ~6 in backward, each over the whole tile."""
+    `kernels` argument), by lean_tile_stats, lean_tile_grad, lean_tile_exp and lean_tile_shifted_exp: one pass per
+    row where torch runs ~15 operators per tile in forward and ~6 in backward, each over the whole tile."""
 
     def __init__(self, lib):
         self.lib = lib
@@ -355,6 +356,13 @@ class TileKernels:
         self._check(x, row_max, s, s2)
         self.lib.lean_tile_exp(x.shape[0], x.shape[1], x.stride(0), x.data_ptr(), row_max.data_ptr(), s.data_ptr(),
                                None if s2 is None else s2.data_ptr())
+
+    def shifted_exp(self, x, shift, cap: float, s, s2, top) -> None:
+        """x <- exp(min(x - shift, cap)) in place, adding the row sums of e to s and of e (x - shift) to s2, and
+        folding the rows' max(x - shift) before capping into top."""
+        self._check(x, shift, s, s2, top)
+        self.lib.lean_tile_shifted_exp(x.shape[0], x.shape[1], x.stride(0), x.data_ptr(), shift.data_ptr(), cap,
+                                       s.data_ptr(), None if s2 is None else s2.data_ptr(), top.data_ptr())
 
     def tile_grad(self, x, inv_t: float, lse, g, g_entropy, entropy) -> torch.Tensor:
         """x <- d loss / d logits without the target's +g, in place; returns x."""

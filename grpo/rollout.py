@@ -22,6 +22,9 @@ class RolloutBatch:
     completion_mask: torch.Tensor  # (N, T) float, 1 on completion tokens that enter the loss
     advantages: torch.Tensor  # (N,) outcome, or (N, T) with process supervision
     old_logp: torch.Tensor | None = None  # (N, T) when num_iterations > 1
+    # (N, T): the sampler's log-probs of the completion tokens (0 past each row's end), where they estimate the
+    # update's (GRPOTrainer.sampling_estimates); None otherwise
+    sampling_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None  # (N, T) when beta > 0
     metrics: dict[str, float] = field(default_factory=dict)
     samples: list[dict] = field(default_factory=list)
@@ -49,12 +52,14 @@ class Sampled:
     per_func: dict[str, list[float | None]]
     errors: dict[str, int]
     timeouts: dict[str, int]
+    logprobs: list[list[float]] | None = None  # the sampler's, per completion token (None if it gave none)
 
     def select(self, rows: list[int]) -> "Sampled":
         pick = lambda xs: [xs[i] for i in rows]  # noqa: E731
         return Sampled(pick(self.prompts), pick(self.prompt_ids), {k: pick(v) for k, v in self.columns.items()},
                        pick(self.completion_ids), pick(self.truncated), pick(self.texts), pick(self.completions),
-                       pick(self.total), {k: pick(v) for k, v in self.per_func.items()}, self.errors, self.timeouts)
+                       pick(self.total), {k: pick(v) for k, v in self.per_func.items()}, self.errors, self.timeouts,
+                       None if self.logprobs is None else pick(self.logprobs))
 
     @staticmethod
     def concat(parts: list["Sampled"]) -> "Sampled":
@@ -66,7 +71,7 @@ class Sampled:
                        {k: [x for p in parts for x in p.columns[k]] for k in first.columns},
                        join("completion_ids"), join("truncated"), join("texts"), join("completions"), join("total"),
                        {k: [x for p in parts for x in p.per_func[k]] for k in first.per_func}, add("errors"),
-                       add("timeouts"))
+                       add("timeouts"), join("logprobs") if all(p.logprobs is not None for p in parts) else None)
 
 
 def strip_eos(ids: list[int], eos_ids: set[int]) -> list[int]:

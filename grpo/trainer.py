@@ -30,8 +30,9 @@ from grpo.core import group_advantages, mix_advantages, policy_loss, process_adv
 from grpo.data import PromptSampler, build_prompt_set
 from grpo.health import HealthMonitor
 from grpo.generation import SamplingParams, TransformersGenerator, row_seed
-from grpo.model import (completion_logprobs, completion_loss, load_model, load_tokenizer, load_trainable_state,
-                        prepare_model, reference_view, save_final, sparse_tied_embedding_grad, trainable_state)
+from grpo.model import (completion_logprobs, completion_loss, dropout_active, load_model, load_tokenizer,
+                        load_trainable_state, plain_head, prepare_model, reference_view, save_final,
+                        sparse_tied_embedding_grad, trainable_state)
 from grpo.rollout import RolloutBatch, Sampled, as_completion, char_to_token_ends, group_stats, pack, strip_eos
 from grpo.setup import (batch_layout, check_sizes, make_datasets, make_optimizer, make_reward_runner, make_schedule,
                         make_step_rewards, seed_everything, total_steps, load_task)
@@ -110,6 +111,16 @@ class GRPOTrainer:
         self.sampler = PromptSampler(len(self.train_set), cfg.seed)
         self.params = SamplingParams(cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p,
                                      cfg.repetition_penalty)
+        # The sampler's own log-probs are the first update pass's up to float32 rounding when this process sampled
+        # from the same weights without filters; the fused loss then applies the LM head 3 times instead of 4 (a
+        # frozen head, which needs them only roughly, 2 instead of 3 and no buffer): grpo.core.hidden_loss's
+        # logp_estimate. Not where training-mode dropout makes the update's forward differ from sampling's.
+        head = plain_head(self.policy)
+        self.frozen_head = head is not None and not head.weight.requires_grad
+        unfiltered = (cfg.top_k == 0 and cfg.top_p == 1.0 and cfg.min_p == 0.0 and cfg.repetition_penalty == 1.0)
+        self.sampling_estimates = (self.fused_loss and unfiltered and isinstance(self.generator, TransformersGenerator)
+                                   and self.generator.model is self.policy
+                                   and (self.frozen_head or not dropout_active(self.policy)))
         self.health = HealthMonitor(accuracy=self.reward_names[0],
                                     format=next((n for n in self.reward_names if "format" in n), None))
         self.step = 0
@@ -215,7 +226,7 @@ class GRPOTrainer:
         self._times["generation"] += t1 - t0
         self._times["scoring"] += time.perf_counter() - t1
         return Sampled(prompts, prompt_ids, columns, out.ids, out.truncated, texts, completions, scored.total,
-                       scored.per_func, scored.errors, scored.timeouts)
+                       scored.per_func, scored.errors, scored.timeouts, out.logprobs)
 
     def _sample_dynamic(self) -> tuple[Sampled, dict[str, float]]:
         """DAPO dynamic sampling: drop groups whose rewards are all equal, sample more prompts until the step has
@@ -253,6 +264,10 @@ class GRPOTrainer:
         self._times["scoring"] += time.perf_counter() - t0
         t1 = time.perf_counter()
         batch = RolloutBatch(input_ids, attention, cmask, advantages)
+        if self.sampling_estimates and s.logprobs is not None:
+            batch.sampling_logp = torch.zeros_like(cmask)
+            for i, row in enumerate(s.logprobs):
+                batch.sampling_logp[i, :len(row)] = torch.tensor(row[:cmask.shape[1]], dtype=cmask.dtype)
         self._score_logprobs(batch)
         batch.metrics = {**self._rollout_metrics(s, rewards, outcome), **step_metrics,
                          "time/logprobs": time.perf_counter() - t1}
@@ -385,8 +400,14 @@ class GRPOTrainer:
 
         fused = None
         if self.fused_loss:  # the loss's gradient in the log-prob pass
+            estimate = None  # of the log-probs: the sampler's in the first pass; for a frozen head, the last pass's
+            if given_old is None and batch.sampling_logp is not None:
+                estimate = batch.sampling_logp[sl, :width]
+            elif self.frozen_head and given_old is not None and batch.sampling_logp is not None:
+                estimate = given_old
             fused = completion_loss(self.model, ids, attn, width, cfg.temperature,
-                                    lambda lp, rows: loss_of(lp, rows).loss, with_entropy=with_entropy)
+                                    lambda lp, rows: loss_of(lp, rows).loss, with_entropy=with_entropy,
+                                    logp_estimate=estimate)
         if fused is not None:
             loss, logp, entropy = fused
         else:

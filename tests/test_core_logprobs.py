@@ -219,6 +219,79 @@ def test_hidden_loss_matches_autograd_through_the_naive_logits(rows_per_chunk, v
         torch.testing.assert_close(got, want, atol=atol, rtol=1e-5)
 
 
+@pytest.mark.parametrize("estimate, corrected", [
+    ("close", False),  # within float32 rounding, as the sampler's own log-probs are: one pass
+    ("off", True),  # 0-0.5 nats off: the weight gradient's correcting pass
+    ("too_high", True),  # 5 nats above: capped exponents, the exact log-sum-exp in a pass of its own
+    ("too_low", True),  # 120 nats below: every q underflows, likewise
+    ("mixed", True),  # close but for two positions 30 nats off (as padding past a row's end can be)
+])
+@pytest.mark.parametrize("vocab_block", [None, 3])
+@pytest.mark.parametrize("use_bias", [False, True])
+def test_seeded_hidden_loss_matches_autograd_through_the_naive_logits(estimate, corrected, vocab_block, use_bias,
+                                                                     monkeypatch, kernels=None, atol=1e-5):
+    # tests/test_native.py runs this with the compiled tile kernels.
+    import grpo.core.logprobs as logprobs_module
+
+    hidden, weight, bias, tokens = random_case(seed=31, rows=4)
+    weight[5] += 3.0
+    bias = bias if use_bias else None
+    weights = torch.linspace(-1, 1, tokens.numel()).reshape(tokens.shape)
+    temperature = 0.8
+    naive = [t.clone().requires_grad_() for t in ((hidden, weight, bias) if use_bias else (hidden, weight))]
+    logits = naive[0] @ naive[1].T + (naive[2] if use_bias else 0)
+    expected_logp = naive_logprobs(logits, tokens, temperature)
+    expected_loss = row_separable_loss(weights)(expected_logp, slice(None))
+    expected = torch.autograd.grad(3.0 * expected_loss, naive)
+    noise = torch.rand(tokens.shape, generator=torch.Generator().manual_seed(3))
+    mixed = torch.zeros(tokens.shape)
+    mixed[1, 2], mixed[3, 4] = 30.0, -30.0
+    logp_estimate = expected_logp.detach() + {"close": 1e-6 * noise, "off": 0.5 * noise, "too_high": 5.0,
+                                              "too_low": -120.0, "mixed": 1e-6 * noise + mixed}[estimate]
+    passes = []
+    correct = logprobs_module._correct_seeded
+    monkeypatch.setattr(logprobs_module, "_correct_seeded", lambda h, *a: passes.append(len(h)) or correct(h, *a))
+
+    leaves = [t.detach().clone().requires_grad_() for t in naive]
+    loss, logp, entropy = hidden_loss(leaves[0], leaves[1], tokens, row_separable_loss(weights), temperature,
+                                      bias=leaves[2] if use_bias else None, with_entropy=True,
+                                      vocab_block=vocab_block, kernels=kernels, logp_estimate=logp_estimate)
+    grads = torch.autograd.grad(3.0 * loss, leaves)
+    assert bool(passes) == corrected
+    if estimate == "mixed":  # the second pass runs over the rows of those two positions (this loss couples a
+        assert passes == [2 * tokens.shape[1]]  # row's positions through its mean), not over all four rows
+    torch.testing.assert_close(loss, expected_loss.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logp, expected_logp.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, naive_entropy(logits, temperature).detach(), atol=1e-5, rtol=1e-5)
+    # The hidden states' gradient is exact: up to float32 rounding, which here (entries up to ~40, some near 0 by
+    # cancellation) is ~1e-6 of the largest entry on both sides (against float64: 9e-6 here, 5e-6 for autograd).
+    scale = float(expected[0].abs().max())
+    torch.testing.assert_close(grads[0], expected[0], atol=max(atol, 1e-6 * scale), rtol=1e-5)
+    for got, want in zip(grads[1:], expected[1:]):  # the head's: within the tolerance (1e-5) of the largest
+        torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max()), rtol=0)
+
+    # A frozen head takes one pass (two head products) whatever the estimate: only the hidden gradient, exact.
+    passes.clear()
+    frozen = hidden.clone().requires_grad_()
+    loss, _, _ = hidden_loss(frozen, weight, tokens, row_separable_loss(weights), temperature, bias=bias,
+                             vocab_block=vocab_block, kernels=kernels, logp_estimate=logp_estimate)
+    (grad_hidden,) = torch.autograd.grad(3.0 * loss, (frozen,))
+    assert bool(passes) == (estimate in ("too_high", "too_low", "mixed"))  # the exact sum p W needs the tiles again
+    torch.testing.assert_close(grad_hidden, expected[0], atol=max(atol, 1e-6 * scale), rtol=1e-5)
+
+
+def test_seeded_hidden_loss_tolerance_zero_is_exact_and_gradcheck():
+    hidden, weight, bias, tokens = random_case(seed=32, rows=2, cols=3, vocab=5, hidden_size=3, dtype=torch.float64)
+    weights = torch.linspace(-1, 1, tokens.numel(), dtype=torch.float64).reshape(tokens.shape)
+    estimate = naive_logprobs(hidden @ weight.T + bias, tokens, 0.9).double() + 0.01
+    leaves = tuple(t.requires_grad_() for t in (hidden, weight, bias))
+    assert torch.autograd.gradcheck(
+        lambda h, w, b: hidden_loss(h, w, tokens, row_separable_loss(weights), 0.9, b, vocab_block=2,
+                                    logp_estimate=estimate, tolerance=0.0)[0], leaves)
+    with pytest.raises(ValueError, match="logp_estimate must have the tokens' shape"):
+        hidden_loss(hidden, weight, tokens, row_separable_loss(weights), logp_estimate=estimate[:1])
+
+
 def test_hidden_loss_in_place_weight_gradient_accumulates_into_grad():
     hidden, weight, _, tokens = random_case(seed=21, rows=3)
     weights = torch.linspace(-1, 1, tokens.numel()).reshape(tokens.shape)

@@ -180,8 +180,8 @@ def test_chunked_head_path_equals_the_logits_path(tiny_model_dir, monkeypatch):
     for fast in (True, False):
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
         if not fast:
-            monkeypatch.setattr(model_module, "_plain_head", lambda m: None)
-        assert (model_module._plain_head(model) is not None) == fast
+            monkeypatch.setattr(model_module, "plain_head", lambda m: None)
+        assert (model_module.plain_head(model) is not None) == fast
         logp, entropy = model_module.completion_logprobs(model, ids, attn, 8, 0.7, with_entropy=True)
         logp.sum().backward()
         grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])

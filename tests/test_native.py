@@ -178,7 +178,7 @@ def test_compiled_head_equals_linear(rows, with_bias, monkeypatch):
 
 
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
-def test_portable_build_without_avx512_gives_the_same_products(tmp_path):
+def test_portable_build_without_avx512_gives_the_same_products(tmp_path, monkeypatch):
     # The plain C paths (what a CPU without AVX-512 compiles) against the product they replace.
     compiler = shutil.which("cc") or shutil.which("gcc")
     target = tmp_path / "portable.so"
@@ -195,6 +195,9 @@ def test_portable_build_without_avx512_gives_the_same_products(tmp_path):
         core_tests.test_hidden_loss_matches_autograd_through_the_naive_logits(3, vocab_block, True,
                                                                                kernels=native.TileKernels(lib),
                                                                                atol=3e-5)
+    for estimate, corrected in (("close", False), ("off", True), ("too_high", True)):
+        core_tests.test_seeded_hidden_loss_matches_autograd_through_the_naive_logits(
+            estimate, corrected, 3, True, monkeypatch, kernels=native.TileKernels(lib), atol=3e-5)
 
 
 def check_sampler(lib):
@@ -342,6 +345,16 @@ def test_compiled_logit_tiles_match_the_naive_full_logits(chunk_size, vocab_bloc
 def test_compiled_logit_tiles_in_the_one_pass_loss(rows_per_chunk, vocab_block, use_bias):
     core_tests.test_hidden_loss_matches_autograd_through_the_naive_logits(
         rows_per_chunk, vocab_block, use_bias, kernels=native.tile_kernels(torch.float32, torch.device("cpu")),
+        atol=3e-5)
+
+
+@needs_compiler
+@pytest.mark.parametrize("estimate, corrected", [("close", False), ("off", True), ("too_high", True),
+                                                 ("too_low", True)])
+@pytest.mark.parametrize("use_bias", [False, True])
+def test_compiled_logit_tiles_in_the_seeded_loss(estimate, corrected, use_bias, monkeypatch):
+    core_tests.test_seeded_hidden_loss_matches_autograd_through_the_naive_logits(
+        estimate, corrected, 3, use_bias, monkeypatch, kernels=native.tile_kernels(torch.float32, torch.device("cpu")),
         atol=3e-5)
 
 

@@ -69,19 +69,30 @@ def test_micro_batches_match_one_big_batch(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("ratio_level", ["token", "sequence"])
-def test_one_pass_loss_gradient_matches_the_two_pass_path(tiny_model_dir, tmp_path, ratio_level):
-    """hidden_loss (the loss's gradient formed in the log-prob pass) trains to the same weights and metrics as
-    hidden_logprobs + backward, with the KL term, 2 iterations and 2 micro-batches of ragged completions."""
+@pytest.mark.parametrize("one_pass", ["seeded", "buffer"])
+def test_one_pass_loss_gradient_matches_the_two_pass_path(tiny_model_dir, tmp_path, ratio_level, one_pass,
+                                                          monkeypatch):
+    """hidden_loss (the loss's gradient formed in the log-prob pass), seeded by the sampler's log-probs in the first
+    iteration or through its row buffer, trains to the same weights and metrics as hidden_logprobs + backward, with
+    the KL term, 2 iterations and 2 micro-batches of ragged completions."""
+    import grpo.model as model_module
+
+    seeded = []
+    hidden_loss = model_module.hidden_loss
+    monkeypatch.setattr(model_module, "hidden_loss", lambda *a, **kw: seeded.append(
+        kw["logp_estimate"] is not None) or hidden_loss(*a, **kw))
     runs = []
     for fused in (True, False):
         cfg = base_config(tmp_path / str(fused), max_steps=3, beta=0.04, num_iterations=2,
                           per_device_train_batch_size=16, importance_sampling_level=ratio_level,
                           loss_aggregation="sequence_mean")
         t = GRPOTrainer(model=tiny_model_dir, reward_funcs=[count_a], args=cfg, train_dataset=prompts())
-        assert t.fused_loss
-        t.fused_loss = fused
+        assert t.fused_loss and t.sampling_estimates
+        t.fused_loss, t.sampling_estimates = fused, one_pass == "seeded"
         metrics = t.train()
         runs.append(({k: v.clone() for k, v in t.policy.state_dict().items()}, metrics))
+    # the first iteration's passes seeded (the trained head's second iteration takes the buffer), or none
+    assert seeded == ([True, True, False, False] * 3 if one_pass == "seeded" else [False] * 12)
     diff = max((runs[0][0][k] - runs[1][0][k]).abs().max().item() for k in runs[0][0])
     assert diff < 1e-4, diff  # float rounding order only: lr 1e-2 moves weights ~1e-2 per step
     for key in ("policy/loss", "policy/kl_divergence", "policy/clip_frac", "policy/entropy", "train/grad_norm"):

@@ -355,6 +355,25 @@ def _logits_into(out: Tensor, h: Tensor, weight: Tensor, bias: Tensor | None, v0
     return out[:, :width]
 
 
+def _loss_and_grad(row_loss, logp: Tensor, rows: slice) -> tuple[Tensor, Tensor]:
+    """row_loss(logp (r, T), rows) and its gradient d loss / d logp, flat (r * T,) in logp's dtype; both detached."""
+    leaf = logp.detach().requires_grad_()
+    with torch.enable_grad():
+        loss = row_loss(leaf, rows)
+    (g,) = torch.autograd.grad(loss, leaf, allow_unused=True)
+    g = torch.zeros_like(leaf) if g is None else g
+    return loss.detach(), g.reshape(-1).to(logp.dtype)
+
+
+def _saved_grads(ctx, grad_loss: Tensor) -> list:
+    """The gradients a one-pass loss saved during forward, scaled by the incoming grad_loss."""
+    if ctx.weight_in_place_guard and float(grad_loss) != 1.0:
+        raise RuntimeError("hidden_loss(weight_grad_in_place=True): the weight's gradient was added to .grad "
+                           "during forward, so backward must start from this loss with gradient 1 "
+                           "(loss.backward()); scale row_loss instead.")
+    return [None if g is None else (g if float(grad_loss) == 1.0 else g * grad_loss) for g in ctx.grads]
+
+
 class _HiddenLoss(torch.autograd.Function):
     """(hidden (N, T, H), weight (V, H), bias, tokens (N, T), row_loss) -> (loss, logp (N, T), entropy or None), with
     the gradient computed during forward: see `hidden_loss`. Backward only scales the saved gradients."""
@@ -405,13 +424,9 @@ class _HiddenLoss(torch.autograd.Function):
             logp_all[part] = logp
             if entropy is not None:
                 entropy_all[part] = entropy
-            leaf = logp.detach().requires_grad_()
-            with torch.enable_grad():
-                loss = row_loss(leaf, part)
-            (g,) = torch.autograd.grad(loss, leaf, allow_unused=True)
-            total += loss.detach()
-            g = torch.zeros_like(leaf) if g is None else g
-            g = _over_temperature(g.reshape(-1).to(dtype), temperature)  # d loss / d logp, per position
+            loss, g = _loss_and_grad(row_loss, logp, part)
+            total += loss
+            g = _over_temperature(g, temperature)  # d loss / d logp, per position
             scale = (-g / s)[:, None]  # d logp_y / dx_j = onehot - e_j / s
             for i in range(tiles):
                 width = min(block, vocab - i * block)
@@ -424,12 +439,171 @@ class _HiddenLoss(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
-        if ctx.weight_in_place_guard and float(grad_loss) != 1.0:
-            raise RuntimeError("hidden_loss(weight_grad_in_place=True): the weight's gradient was added to .grad "
-                               "during forward, so backward must start from this loss with gradient 1 "
-                               "(loss.backward()); scale row_loss instead.")
-        grads = [None if g is None else (g if float(grad_loss) == 1.0 else g * grad_loss) for g in ctx.grads]
-        return (*grads, None, None, None, None, None, None, None, None)
+        return (*_saved_grads(ctx, grad_loss), None, None, None, None, None, None, None, None)
+
+
+_SHIFT_CAP = 2.0
+"""The largest exponent x - shift that `_HiddenLossSeeded` takes: a position whose logits rise further above its
+shift (its log-prob estimate was > 2 nats too high) gets its log-sum-exp recomputed exactly."""
+
+_STOP_SUM = 7.38905609893065
+"""e^2: a position whose running sum S passes this in `_HiddenLossSeeded`'s pass (its estimate more than 2 nats too
+high) adds nothing more to the weight's gradient there; the correcting pass adds its exact terms."""
+
+_TRUSTED_LOG_S = 8.0
+"""`_HiddenLossSeeded` takes a position's log-sum-exp from its own sum S when |log S| is at most this (the estimate
+within 8 nats of the log-prob: log S carries rounding in proportion to its size); otherwise from a pass of its own."""
+
+
+def _target_logits(h: Tensor, weight: Tensor, bias: Tensor | None, y: Tensor, temperature: float) -> Tensor:
+    """Each position's target logit / temperature (m,), in the upcast dtype."""
+    dtype = _upcast(h.dtype)
+    x = (h.to(dtype) * weight[y].to(dtype)).sum(-1)
+    if bias is not None:
+        x = x + bias[y].to(dtype)
+    return x / temperature
+
+
+def _shifted_exp(x: Tensor, shift: Tensor, s: Tensor, s2: Tensor | None, top: Tensor, kernels) -> Tensor:
+    """x (m, b) <- exp(min(x - shift, _SHIFT_CAP)) in place (shift (m,)), adding its row sums to s, those of
+    exp(...) (x - shift) to s2 (when not None), and folding the rows' max(x - shift), before capping, into top."""
+    if kernels is not None:
+        kernels.shifted_exp(x, shift, _SHIFT_CAP, s, s2, top)
+        return x
+    d = x.sub_(shift.unsqueeze(1))
+    if d.shape[1]:
+        torch.maximum(top, d.amax(1), out=top)
+    e = torch.exp(d.clamp_(max=_SHIFT_CAP))
+    if s2 is not None:
+        s2 += torch.where(e > 0, e * d, 0.0).sum(-1)  # 0 at -inf logits, not 0 * -inf
+    s += e.sum(-1)
+    return x.copy_(e)
+
+
+class _HiddenLossSeeded(torch.autograd.Function):
+    """`hidden_loss` given estimates of the log-probs: one pass over vocabulary tiles of all positions, each tile's
+    logits shifted by the estimated log-sum-exp instead of held until the exact one is known. See `hidden_loss`."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, tokens, row_loss, estimate, temperature, block, with_entropy,
+                grad_in_place, tolerance, kernels):
+        rows, cols, size = hidden.shape
+        dtype = _upcast(hidden.dtype)
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        ctx.weight_in_place_guard = need_weight and grad_in_place
+        h, y = hidden.reshape(-1, size), tokens.reshape(-1)
+        m = h.shape[0]
+        grads = _HeadGrads(h, weight, None, (False, need_weight, False), grad_in_place)
+        bias_grad = torch.zeros_like(bias) if need_bias else None
+        est = estimate.reshape(-1).to(dtype)
+        # Shift each position's logits x by L = x_target - estimate: L is the log-sum-exp when the estimate is the
+        # log-prob, so q = exp(x - L) is the softmax; in general q = p S with S = sum q = exp(lse - L).
+        target = _target_logits(h, weight, bias, y, temperature)
+        shift = (target - est).contiguous()
+        _, g_hat = _loss_and_grad(row_loss, est.reshape(rows, cols), slice(0, rows))
+        # d loss / d logits = coef_hat q off the target column, were S = 1; 0 where the loss's gradient at the
+        # estimate is not finite (the correcting pass then adds the whole exact term)
+        coef_hat = torch.nan_to_num(-g_hat / temperature, nan=0.0, posinf=0.0, neginf=0.0)
+        adding = grads.weight is not None or bias_grad is not None
+        h_hat = h * coef_hat.unsqueeze(1).to(h.dtype) if grads.weight is not None else None
+        coef_add = coef_hat.clone()  # coef_hat, or 0 for a row from its stop on
+        vocab = weight.shape[0]
+        stop = torch.full((m,), vocab, dtype=torch.long, device=h.device)
+        s = torch.zeros(m, dtype=dtype, device=h.device)
+        s2 = torch.zeros_like(s) if with_entropy else None
+        top = torch.full_like(s, float("-inf"))
+        sum_qw = torch.zeros((m, size), dtype=dtype, device=h.device) if need_hidden else None  # sum_v q_v W_v
+        tile = torch.empty((m, min(block, vocab)), dtype=dtype, device=h.device)
+        for v0 in range(0, vocab, block):
+            q = _shifted_exp(_logits_into(tile, h, weight, bias, v0, temperature), shift, s, s2, top, kernels)
+            rows_v = slice(v0, v0 + q.shape[1])
+            if sum_qw is not None:
+                sum_qw.addmm_(q, weight[rows_v].to(dtype))
+            if adding:
+                # A row whose sum passes e^2 (its estimate > 2 nats too high: every q ~ p S is inflated) adds
+                # nothing from this tile on, so the correcting pass never cancels large terms.
+                over = (s > _STOP_SUM) & (stop == vocab)
+                if bool(over.any()):
+                    stop[over], coef_add[over] = v0, 0.0
+                    if h_hat is not None:
+                        h_hat[over] = 0.0
+            if h_hat is not None:
+                grads.add_tile(slice(None), h_hat, q.to(weight.dtype), rows_v, first_chunk=True)
+            if bias_grad is not None:
+                bias_grad[rows_v] += (q.T @ coef_add).to(bias.dtype)
+        log_s = torch.log(s)
+        lse, logp = shift + log_s, est - log_s  # logp = target - lse, without the rounding of lse
+        entropy = log_s - s2 / s if with_entropy else None
+        # Positions whose S is not to be trusted (a capped exponent, an estimate > 8 nats off, NaN): their exact
+        # log-sum-exp (and entropy) from a pass over their rows only.
+        bad = ~((top <= _SHIFT_CAP) & (log_s.abs() <= _TRUSTED_LOG_S))
+        if bool(bad.any()):
+            (idx,) = bad.nonzero(as_tuple=True)
+            lse[idx], _, bad_entropy = _head_forward(h[idx], weight, bias, y[idx], temperature, block,
+                                                     with_entropy, kernels)
+            logp[idx], log_s[idx] = target[idx] - lse[idx], lse[idx] - shift[idx]
+            if entropy is not None:
+                entropy[idx] = bad_entropy
+        loss, g = _loss_and_grad(row_loss, logp.reshape(rows, cols), slice(0, rows))
+        coef = g / temperature  # d loss / d logits = coef (onehot - p)
+        p_scale = torch.exp(-log_s)  # p = q / S where nothing was capped
+        # The weight's gradient so far is sum coef_hat q h over positions; exact is -sum coef p h. A second pass over
+        # the positions where the two differ by more than `tolerance` (relative to the largest coefficient), and
+        # over untrusted positions whose hidden gradient needs sum p W.
+        live = (coef != 0) | (coef_hat != 0)
+        fix = bad & live if (adding or need_hidden) else torch.zeros_like(bad)
+        if adding and m:
+            gap = (-coef * p_scale - coef_hat).abs()
+            fix |= live & ((stop < vocab) | (~bad & (gap > tolerance * float(coef.abs().max()))))
+        sum_pw = sum_qw * p_scale.unsqueeze(1) if need_hidden else None
+        if bool(fix.any()):
+            (idx,) = fix.nonzero(as_tuple=True)
+            idx_pw = _correct_seeded(h[idx], weight, bias, temperature, block, shift[idx], lse[idx], coef[idx],
+                                     coef_hat[idx], stop[idx], grads if need_weight else None, bias_grad,
+                                     need_hidden and bool(bad[idx].any()), kernels)
+            if idx_pw is not None:
+                sum_pw[idx] = idx_pw
+        grads.add_targets(slice(None), h, y, coef)
+        if bias_grad is not None:
+            bias_grad.index_add_(0, y, coef.to(bias.dtype))
+        grad_hidden = None
+        if need_hidden:  # coef (W_target - sum_v p_v W_v)
+            grad_hidden = (coef.unsqueeze(1) * (weight[y].to(dtype) - sum_pw)).to(hidden.dtype).reshape(hidden.shape)
+        ctx.grads = (grad_hidden, grads.result(hidden.shape)[1], bias_grad)
+        return loss, logp.reshape(rows, cols), None if entropy is None else entropy.reshape(rows, cols)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
+        return (*_saved_grads(ctx, grad_loss), None, None, None, None, None, None, None, None, None)
+
+
+def _correct_seeded(h, weight, bias, temperature, block, shift, lse, coef, coef_hat, stop, grads, bias_grad, want_pw,
+                    kernels):
+    """The second pass of `_HiddenLossSeeded` over the positions h (k, H) that need it: each tile's logits again,
+    p = exp(x - lse) and the first pass's q; adds (-coef p - coef_hat q)^T h to the weight gradient (when `grads`;
+    the q term only for vocabulary rows before each position's `stop`, as the first pass added it) and the column
+    sums to `bias_grad` (when not None), and returns sum_v p_v W_v (k, H) when `want_pw`."""
+    dtype = lse.dtype
+    sum_pw = torch.zeros(h.shape, dtype=dtype, device=h.device) if want_pw else None
+    tile = torch.empty((h.shape[0], min(block, weight.shape[0])), dtype=dtype, device=h.device)
+    unused, unused_top = torch.zeros_like(lse), torch.zeros_like(lse)
+    for v0 in range(0, weight.shape[0], block):
+        x = _logits_into(tile, h, weight, bias, v0, temperature)
+        rows_v = slice(v0, v0 + x.shape[1])
+        p = torch.exp(x - lse.unsqueeze(1))
+        if sum_pw is not None:
+            sum_pw.addmm_(p, weight[rows_v].to(dtype))
+        if grads is None and bias_grad is None:
+            continue
+        q = _shifted_exp(x, shift, unused, None, unused_top, kernels)  # the first pass's q
+        added = torch.where(stop > v0, coef_hat, 0.0)
+        grad_x = p.mul_(-coef.unsqueeze(1)).sub_(q.mul_(added.unsqueeze(1)))
+        if grads is not None:
+            grads.add_tile(slice(None), h, grad_x.to(weight.dtype), rows_v, first_chunk=False)
+        if bias_grad is not None:
+            bias_grad[rows_v] += grad_x.sum(0).to(bias_grad.dtype)
+    return sum_pw
 
 
 def _check_args(name: str, leading: torch.Size, tokens: Tensor | None, temperature: float, chunk_size) -> None:
@@ -568,6 +742,8 @@ def hidden_loss(
     vocab_block: int | None = None,
     weight_grad_in_place: bool = False,
     kernels=None,
+    logp_estimate: Tensor | None = None,
+    tolerance: float = 1e-5,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """A loss of the token log-probs and its gradient, in one pass over the LM head instead of two.
 
@@ -591,7 +767,23 @@ def hidden_loss(
         weight_grad_in_place: add the weight's gradient straight into `weight.grad` during forward (no (V, H)
             buffer); backward must then start from this loss with gradient 1 (a plain `loss.backward()`).
         kernels: as in `hidden_logprobs`; here its `tile_exp(x, row_max, s, s2)` turns a float32 buffer tile into
-            exp(x - row_max) in place and adds the row sums of e and e (x - row_max) to s and s2.
+            exp(x - row_max) in place and adds the row sums of e and e (x - row_max) to s and s2, and
+            `shifted_exp(x, shift, cap, s, s2, top)` does the same with exp(min(x - shift, cap)) and folds the
+            rows' max(x - shift) into top.
+        logp_estimate: (N, T) estimates of the log-probs, e.g. the sampler's own log-probs of the tokens when the
+            weights have not changed since sampling. Then there is no buffer: one pass over vocabulary tiles of all
+            positions shifts each position's logits by x_target - estimate (its log-sum-exp, were the estimate
+            exact) and forms q = exp(x - shift) = p S, their sums S, and from the same tiles sum q W (the hidden
+            states' gradient, exact once S is known) and the weight's gradient with d loss / d logp taken at the
+            estimate. The log-probs, entropies, loss and hidden gradient are exact. The weight's gradient is too,
+            except that each position's coefficient may be off by up to `tolerance` times the largest one. Where a
+            position's estimate is further off, a second pass over those positions only corrects the weight's
+            gradient (two head products for them); where it is more than 2 nats too high or 8 too low, their
+            log-sum-exp is first recomputed (one more). With good estimates the head is applied three times per
+            position, twice for a frozen head. `row_loss` is called twice, at the estimates and at the exact
+            log-probs.
+        tolerance: with logp_estimate, the relative error allowed in the weight gradient's per-position
+            coefficients before the correcting pass runs (0: always exact).
 
     Returns:
         (loss, logp, entropy): the scalar loss (differentiable w.r.t. hidden, weight and bias), the (N, T)
@@ -609,9 +801,21 @@ def hidden_loss(
     if not torch.is_grad_enabled():  # no gradient recorded: compute none (and leave weight.grad alone)
         hidden, weight = hidden.detach(), weight.detach()
         bias = None if bias is None else bias.detach()
+    if logp_estimate is not None:
+        if logp_estimate.shape != tokens.shape:
+            raise ValueError(f"hidden_loss: logp_estimate must have the tokens' shape {tuple(tokens.shape)}, got "
+                             f"{tuple(logp_estimate.shape)}")
+        if not tolerance >= 0:
+            raise ValueError(f"hidden_loss: tolerance must be >= 0, got {tolerance}")
+        block = vocab_block or _auto_block(max(1, tokens.numel()), hidden.device)
+        loss, logp, entropy = _HiddenLossSeeded.apply(hidden, weight, bias, tokens.long(), row_loss,
+                                                      logp_estimate.detach(), temperature, min(block, weight.shape[0]),
+                                                      with_entropy, weight_grad_in_place, tolerance, kernels)
+        return loss, logp.detach(), None if entropy is None else entropy.detach()
     positions = max(1, rows_per_chunk * tokens.shape[1])
     block = vocab_block or _auto_block(positions, hidden.device)
     loss, logp, entropy = _HiddenLoss.apply(hidden, weight, bias, tokens.long(), row_loss, temperature,
                                             rows_per_chunk, min(block, weight.shape[0]), with_entropy,
                                             weight_grad_in_place, kernels)
     return loss, logp.detach(), None if entropy is None else entropy.detach()
+

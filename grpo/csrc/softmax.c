@@ -5,9 +5,9 @@
  * lean_sample: one token per row by inverse CDF, the two-level search of grpo.generation.sample_rows
  *   (block sums of 1,024 entries, a float64 running sum over blocks, a float64 running sum inside the chosen
  *   block).
- * lean_tile_stats / lean_tile_grad / lean_tile_exp: the elementwise part of one (positions x vocabulary block)
- *   tile of grpo.core.logprobs' tiled LM head: the running log-sum-exp of the forward, d loss / d logits of the
- *   backward, and the exps of hidden_loss's one-pass buffer.
+ * lean_tile_stats / lean_tile_grad / lean_tile_exp / lean_tile_shifted_exp: the elementwise part of one
+ *   (positions x vocabulary block) tile of grpo.core.logprobs' tiled LM head: the running log-sum-exp of the
+ *   forward, d loss / d logits of the backward, the exps of hidden_loss's one-pass buffer and of its seeded pass.
  *
  * Single-threaded, no allocation. AVX-512 where the CPU has it, otherwise plain C; both give the torch
  * functions' results up to float32 rounding (tests/test_native.py).
@@ -130,6 +130,47 @@ void lean_tile_exp(int32_t m, int32_t b, int64_t ld, float *restrict x, const fl
         float *r = x + (size_t)i * ld, sum_ed;
         s[i] += exp_sums(r, b, row_max[i], r, &sum_ed);
         if (s2) s2[i] += sum_ed;
+    }
+}
+
+/* x <- exp(min(x - shift_i, cap)) in place for one (m, b) tile of hidden_loss's seeded pass, whose rows are shifted
+ * by an estimate of their log-sum-exp instead of their maximum (so x - shift is about <= 0), adding sum e to s and,
+ * when s2 is not NULL, sum e d to s2 with d = min(max(x - shift, -88), cap), and folding each row's largest
+ * x - shift_i before capping into top (NaN entries are passed over there; they reach s and s2). */
+void lean_tile_shifted_exp(int32_t m, int32_t b, int64_t ld, float *restrict x, const float *restrict shift,
+                           float cap, float *restrict s, float *restrict s2, float *restrict top) {
+    for (int i = 0; i < m; i++) {
+        float *restrict r = x + (size_t)i * ld, row_top, sum_e, sum_ed;
+#ifdef __AVX512F__
+        __m512 se = _mm512_setzero_ps(), sd = _mm512_setzero_ps(), hi = _mm512_set1_ps(-INFINITY);
+        const __m512 t = _mm512_set1_ps(shift[i]), floor = _mm512_set1_ps(-88.0f), c = _mm512_set1_ps(cap);
+        for (int64_t j = 0; j < b; j += 16) {
+            const __mmask16 k = lanes(b - j);
+            __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, r + j), t);
+            hi = _mm512_mask_max_ps(hi, k, d, hi);  /* max(d, hi) is hi where d is NaN */
+            d = _mm512_min_ps(c, _mm512_max_ps(floor, d));  /* both keep NaN (the second operand) */
+            const __m512 e = _mm512_maskz_mov_ps(k, exp16(d));
+            se = _mm512_add_ps(se, e);
+            sd = _mm512_fmadd_ps(e, d, sd);
+            _mm512_mask_storeu_ps(r + j, k, e);
+        }
+        row_top = _mm512_reduce_max_ps(hi), sum_e = _mm512_reduce_add_ps(se), sum_ed = _mm512_reduce_add_ps(sd);
+#else
+        row_top = -INFINITY, sum_e = 0.0f, sum_ed = 0.0f;
+        for (int64_t j = 0; j < b; j++) {
+            float d = r[j] - shift[i];
+            row_top = d > row_top ? d : row_top;  /* false for NaN */
+            d = floor88(d);
+            d = d > cap ? cap : d;
+            const float e = exp_nonpositive(d);
+            sum_e += e;
+            sum_ed += e * d;
+            r[j] = e;
+        }
+#endif
+        s[i] += sum_e;
+        if (s2) s2[i] += sum_ed;
+        top[i] = row_top > top[i] ? row_top : top[i];
     }
 }
 
