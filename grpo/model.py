@@ -330,10 +330,11 @@ def completion_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     """The loss `row_loss(logp rows, rows)` summed over the rows of this micro-batch, with its gradient formed in the
     same pass as the log-probs (`grpo.core.hidden_loss`: the LM head applied three times instead of four).
 
-    With `logp_estimate` (N, T) (the sampler's log-probs of these tokens, or for a frozen head any close estimate)
-    every row goes through one pass over the vocabulary with no buffer (hidden_loss's logp_estimate). Otherwise
-    rows are scored a few at a time into a buffer of their full logits, capped at _FUSED_ELEMENTS
-    (_FUSED_ELEMENTS_FROZEN_HEAD for a frozen head).
+    Rows are scored a few at a time into a buffer of their full logits, capped at _FUSED_ELEMENTS
+    (_FUSED_ELEMENTS_FROZEN_HEAD for a frozen head). When the buffer cannot hold every row at once and
+    `logp_estimate` (N, T) is given (the sampler's log-probs of these tokens, or for a frozen head any close
+    estimate), every row goes through one pass over the vocabulary with no buffer instead (hidden_loss's
+    logp_estimate).
 
     Returns (loss, logp (N, T) detached, entropy (N, T) detached or None), or None when this path does not apply:
     a head that is not a plain linear layer, or, without an estimate, one row's (T, V) logits larger than the cap.
@@ -343,6 +344,8 @@ def completion_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     head = plain_head(model)
     per_row = completion_len * (head.weight.shape[0] if head is not None else 0)
     cap = _FUSED_ELEMENTS if head is None or head.weight.requires_grad else _FUSED_ELEMENTS_FROZEN_HEAD
+    if input_ids.shape[0] * per_row <= cap:  # the buffer holds every row: one pass with no estimate (measured
+        logp_estimate = None  # faster on the benchmark's W1, whose 100-token head is cheap next to the loss)
     if head is None or per_row == 0 or (logp_estimate is None and per_row > cap):
         return None
     hidden = _completion_hidden(model, input_ids, attention_mask, completion_len)

@@ -78,6 +78,8 @@ def test_one_pass_loss_gradient_matches_the_two_pass_path(tiny_model_dir, tmp_pa
     import grpo.model as model_module
 
     seeded = []
+    if one_pass == "seeded":  # as with a real vocabulary: the buffer cannot hold a row, so no buffer path
+        monkeypatch.setattr(model_module, "_FUSED_ELEMENTS", 1)
     hidden_loss = model_module.hidden_loss
     monkeypatch.setattr(model_module, "hidden_loss", lambda *a, **kw: seeded.append(
         kw["logp_estimate"] is not None) or hidden_loss(*a, **kw))
@@ -91,8 +93,9 @@ def test_one_pass_loss_gradient_matches_the_two_pass_path(tiny_model_dir, tmp_pa
         t.fused_loss, t.sampling_estimates = fused, one_pass == "seeded"
         metrics = t.train()
         runs.append(({k: v.clone() for k, v in t.policy.state_dict().items()}, metrics))
-    # the first iteration's passes seeded (the trained head's second iteration takes the buffer), or none
-    assert seeded == ([True, True, False, False] * 3 if one_pass == "seeded" else [False] * 12)
+    # the first iteration's passes seeded (the trained head's second iteration has no estimate and takes the two
+    # passes), or every pass through the buffer
+    assert seeded == ([True, True] * 3 if one_pass == "seeded" else [False] * 12)
     diff = max((runs[0][0][k] - runs[1][0][k]).abs().max().item() for k in runs[0][0])
     assert diff < 1e-4, diff  # float rounding order only: lr 1e-2 moves weights ~1e-2 per step
     for key in ("policy/loss", "policy/kl_divergence", "policy/clip_frac", "policy/entropy", "train/grad_norm"):
@@ -202,6 +205,32 @@ def test_lora_trains_adapters_and_exports_merged(tiny_model_dir, tmp_path):
     final = tmp_path / "run" / "final"
     assert (final / "adapter" / "adapter_config.json").exists()
     AutoModelForCausalLM.from_pretrained(final)
+
+
+def test_lora_frozen_head_seeded_in_every_iteration_matches_the_two_pass_path(tiny_model_dir, tmp_path,
+                                                                              monkeypatch):
+    """A frozen head (LoRA) takes the seeded one-pass loss in both iterations (the sampler's log-probs, then the
+    first iteration's), with LoRA dropout on, and trains the adapters as the two-pass path does."""
+    import grpo.model as model_module
+
+    monkeypatch.setattr(model_module, "_FUSED_ELEMENTS_FROZEN_HEAD", 1)  # as with a real vocabulary: no buffer
+    seeded = []
+    hidden_loss = model_module.hidden_loss
+    monkeypatch.setattr(model_module, "hidden_loss", lambda *a, **kw: seeded.append(
+        kw["logp_estimate"] is not None) or hidden_loss(*a, **kw))
+    runs = []
+    for fused in (True, False):
+        cfg = base_config(tmp_path / str(fused), max_steps=2, use_peft=True, lora_r=4, lora_alpha=8, beta=0.04,
+                          lora_dropout=0.1, num_iterations=2, per_device_train_batch_size=16)
+        t = GRPOTrainer(model=tiny_model_dir, reward_funcs=[count_a], args=cfg, train_dataset=prompts())
+        assert t.frozen_head and t.sampling_estimates
+        t.fused_loss = fused
+        torch.manual_seed(0)  # the same dropout masks on both paths
+        t.train()
+        runs.append({k: v.clone() for k, v in t.policy.state_dict().items() if "lora" in k})
+    assert seeded == [True] * 8  # 2 steps x 2 iterations x 2 micro-batches
+    diff = max((runs[0][k] - runs[1][k]).abs().max().item() for k in runs[0])
+    assert diff < 1e-4, diff
 
 
 def test_resume_continues_to_the_same_weights(tiny_model_dir, tmp_path):
