@@ -3,8 +3,8 @@
     python bench/run.py --workload W1|W2|W3|mini [--steps N] [--warmup W] [--rounds R] [--sides grpo,trl]
 
 1. Writes the workload's randomly initialized model and tokenizer (bench/model_files.py) to a temporary directory.
-2. Measures fp32 matrix-multiply throughput with the benchmark's thread count, before and after the runs (the
-   faster of the two sets the floor).
+2. Measures fp32 matrix-multiply throughput with the benchmark's thread count before the first run and after
+   every run (the median reading sets the floor; the fastest gives *_floor_ratio_at_fastest).
 3. Runs the sides alternately, each in a fresh process (bench/child.py), R rounds in the order A B, B A, A B, ...
    so that drift of the machine falls on both sides alike; each run trains W warm-up steps and N measured ones.
 4. Prints the JSON record of bench/summary.py: medians over the R x N measured steps of each side.
@@ -18,6 +18,7 @@ import argparse
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -114,15 +115,21 @@ def benchmark(args, work: Path) -> dict:
     params = write_model_dir(workload, model_dir)
     print(f"[bench] {workload.name}: {params:,} parameters, model in {model_dir}", file=sys.stderr, flush=True)
     load = [os.getloadavg()[0]]
+    # The matmul throughput before and after every run: the machine's speed drifts by ~30% over minutes.
     throughput = [matmul_throughput(args.threads)]
     records: dict[str, list[dict]] = {side: [] for side in args.sides}
     for index, side in enumerate(order(args.sides, args.rounds)):
         records[side].append(run_side(side, args, model_dir, work, index))
-    throughput.append(matmul_throughput(args.threads))
+        throughput.append(matmul_throughput(args.threads))
     load.append(os.getloadavg()[0])
-    # The faster measurement sets the floor: a slow moment of the machine must not flatter the sides.
-    best = {key: max(t[key] for t in throughput) for key in throughput[0]}
-    out = summarize(workload, records, args.warmup, best)
+    # The floor takes the median reading, as the seconds per step are medians over the same runs; the fastest
+    # reading gives the floor ratios at the machine's best moment too (*_floor_ratio_at_fastest).
+    typical = {key: statistics.median(t[key] for t in throughput) for key in throughput[0]}
+    out = summarize(workload, records, args.warmup, typical)
+    fastest_floor_s = out["floor_gflop"] / max(t["gflops"] for t in throughput)
+    for side in SIDES:
+        step = out.get(f"{side}_s_per_step")
+        out[f"{side}_floor_ratio_at_fastest"] = step / fastest_floor_s if step is not None else None
     out.update(parameters=params, threads=args.threads, steps=args.steps, warmup=args.warmup, rounds=args.rounds,
                matmul_measured=throughput, load_average=load, versions=versions(args.sides),
                settings={side: {k: v for k, v in runs[0]["settings"].items() if k != "output_dir"}
