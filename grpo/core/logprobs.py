@@ -11,7 +11,9 @@ saving it. Peak extra memory is a few (chunk, V) float32 tensors.
   logits never exist at all, not even in the model's dtype (the idea behind Unsloth's and Liger's fused heads). It
   walks over the vocabulary too, in cache-sized tiles with a running log-sum-exp (as flash attention does).
 * `hidden_loss` goes one step further for a loss that is a sum over rows: it forms the loss's gradient in the same
-  pass as the log-probs, so the head is applied three times per position instead of four.
+  pass as the log-probs, so the head is applied three times per position instead of four: through a buffer of
+  whole rows' logits, or, given estimates of the log-probs (the sampler's own), with no buffer, each position's
+  logits shifted by its estimated log-sum-exp.
 
 Log-probs are computed and returned in float32 (float64 for float64 input): the ratio exp(logp - old_logp) is
 sensitive to bf16 rounding.
