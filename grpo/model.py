@@ -271,6 +271,8 @@ def _shared_prompt_hidden(model, input_ids: torch.Tensor, attention_mask: torch.
     decoder = model.get_decoder()
     head = decoder(input_ids=input_ids[first, :prompt_len], attention_mask=attention_mask[first, :prompt_len],
                    position_ids=positions[first, :prompt_len], use_cache=True, past_key_values=cache)
+    if not all(layer.is_initialized for layer in cache.layers):
+        return None  # the model declined the cache (gradient checkpointing in training mode, e.g. a LoRA reference)
     for layer in cache.layers:
         layer.keys, layer.values = layer.keys.index_select(0, copies), layer.values.index_select(0, copies)
     tail = decoder(input_ids=input_ids[:, prompt_len:-1], attention_mask=attention_mask[:, :-1],

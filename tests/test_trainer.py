@@ -233,6 +233,22 @@ def test_lora_frozen_head_seeded_in_every_iteration_matches_the_two_pass_path(ti
     assert diff < 1e-4, diff
 
 
+def test_lora_reference_with_gradient_checkpointing_scores_shared_prompts(tiny_model_dir, tmp_path, monkeypatch):
+    """The LoRA reference is the policy in training mode with adapters off; with gradient checkpointing it declines
+    the KV cache that encoding a group's shared prompt once relies on, so the reference pass takes the full forward."""
+    import grpo.model as model_module
+
+    shared = []
+    shared_hidden = model_module._shared_prompt_hidden
+    monkeypatch.setattr(model_module, "_shared_prompt_hidden",
+                        lambda *a: shared.append(shared_hidden(*a) is not None) or shared_hidden(*a))
+    cfg = base_config(tmp_path, max_steps=1, prompts_per_step=2, use_peft=True, lora_r=4, lora_alpha=8, beta=0.04,
+                      gradient_checkpointing=True)
+    t = GRPOTrainer(model=tiny_model_dir, reward_funcs=[count_a], args=cfg, train_dataset=prompts())
+    t.train()
+    assert shared and not any(shared)  # tried, declined, and the step ran
+
+
 def test_resume_continues_to_the_same_weights(tiny_model_dir, tmp_path):
     """Resume from the step-2 checkpoint and finish: the weights equal those of a run never interrupted."""
     straight = base_config(tmp_path / "a", max_steps=4)

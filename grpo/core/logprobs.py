@@ -553,9 +553,9 @@ class _HiddenLossSeeded(torch.autograd.Function):
         loss, g = _loss_and_grad(row_loss, logp.reshape(rows, cols), slice(0, rows))
         coef = g / temperature  # d loss / d logits = coef (onehot - p)
         p_scale = torch.exp(-log_s)  # p = q / S where nothing was capped
-        # The weight's gradient so far is sum coef_hat q h over positions; exact is -sum coef p h. A second pass over
-        # the positions where the two differ by more than `tolerance` (relative to the largest coefficient), and
-        # over untrusted positions whose hidden gradient needs sum p W.
+        # The weight's gradient so far is sum coef_hat q h over positions; exact is -sum coef p h. A second pass goes
+        # over the positions where the two may differ (below) and the untrusted ones whose hidden gradient needs
+        # sum p W.
         live = (coef != 0) | (coef_hat != 0)
         fix = bad & live if (adding or need_hidden) else torch.zeros_like(bad)
         if adding and m:
