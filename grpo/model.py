@@ -253,7 +253,7 @@ def _shared_prompt_hidden(model, input_ids: torch.Tensor, attention_mask: torch.
     from transformers.cache_utils import DynamicCache, DynamicLayer
 
     prompt_len = input_ids.shape[1] - completion_len
-    if prompt_len < 1 or completion_len < 1:
+    if prompt_len < 1 or completion_len < 2:  # (one completion token: the prompt's last position predicts it all)
         return None
     prompts = torch.cat([input_ids[:, :prompt_len], attention_mask[:, :prompt_len]], dim=1)
     distinct, copies = torch.unique(prompts, dim=0, return_inverse=True)

@@ -118,9 +118,11 @@ class GRPOTrainer:
         head = plain_head(self.policy)
         self.frozen_head = head is not None and not head.weight.requires_grad
         unfiltered = (cfg.top_k == 0 and cfg.top_p == 1.0 and cfg.min_p == 0.0 and cfg.repetition_penalty == 1.0)
+        # (A bfloat16 or float16 trained head rounds its logits too coarsely for the estimates to count as exact.)
         self.sampling_estimates = (self.fused_loss and unfiltered and isinstance(self.generator, TransformersGenerator)
-                                   and self.generator.model is self.policy
-                                   and (self.frozen_head or not dropout_active(self.policy)))
+                                   and self.generator.model is self.policy and head is not None
+                                   and (self.frozen_head or (not dropout_active(self.policy)
+                                                             and head.weight.dtype in (torch.float32, torch.float64))))
         self.health = HealthMonitor(accuracy=self.reward_names[0],
                                     format=next((n for n in self.reward_names if "format" in n), None))
         self.step = 0

@@ -292,6 +292,62 @@ def test_seeded_hidden_loss_tolerance_zero_is_exact_and_gradcheck():
         hidden_loss(hidden, weight, tokens, row_separable_loss(weights), logp_estimate=estimate[:1])
 
 
+@pytest.mark.parametrize("kernels", [None, "compiled"])
+def test_seeded_hidden_loss_survives_non_finite_and_far_off_estimates(kernels):
+    """NaN, +-inf and hugely low estimates, at positions the loss uses and at ones it ignores (padding), give finite,
+    exact gradients; so does an estimate far too high under a loss that couples a row's positions (a sequence-level
+    ratio), which inflates the others' first-pass terms."""
+    from grpo import native
+
+    if kernels == "compiled":
+        kernels = native.tile_kernels(torch.float32, torch.device("cpu"))
+        if kernels is None:
+            pytest.skip("no C compiler")
+    hidden, weight, bias, tokens = random_case(seed=33, rows=3, cols=4)
+    mask = torch.ones(tokens.shape)
+    mask[1, 3] = 0.0
+
+    def coupled(logp, rows):  # exp(mean over the row of logp - old) A, masked: a sequence-level ratio
+        ratio = torch.exp(((logp - logp.detach() - 3.0) * mask[rows]).sum(-1) / mask[rows].sum(-1))
+        return -(ratio * torch.tensor([1.0, -0.5, 0.25])[rows]).sum()
+
+    naive = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    logp = naive_logprobs(naive[0] @ naive[1].T + naive[2], tokens, 0.9)
+    expected = torch.autograd.grad(coupled(logp, slice(None)), naive)
+    for position, value in [((0, 1), float("nan")), ((1, 3), float("nan")), ((1, 3), float("-inf")),
+                            ((0, 1), float("inf")), ((1, 3), -100.0), ((2, 2), 30.0)]:
+        estimate = logp.detach().clone()
+        estimate[position] = value if value != 30.0 else estimate[position] + value
+        leaves = [t.detach().clone().requires_grad_() for t in naive]
+        loss, got_logp, _ = hidden_loss(leaves[0], leaves[1], tokens, coupled, 0.9, bias=leaves[2],
+                                        vocab_block=4, kernels=kernels, logp_estimate=estimate)
+        grads = torch.autograd.grad(loss, leaves)
+        torch.testing.assert_close(got_logp, logp.detach(), atol=1e-5, rtol=1e-5)
+        for got, want in zip(grads, expected):
+            torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max()), rtol=0)
+
+
+def test_seeded_bfloat16_head_scores_like_the_other_paths():
+    """A bfloat16 head's tiles are rounded to bfloat16 before scoring: the seeded pass takes each target logit from
+    its tile, as hidden_logprobs does, so the log-probs agree and good estimates need no second pass."""
+    import grpo.core.logprobs as logprobs_module
+
+    hidden, weight, _, tokens = random_case(seed=34, rows=4, cols=6, vocab=300, hidden_size=16)
+    hidden, weight = (3 * hidden).bfloat16(), weight.bfloat16()
+    weights = torch.linspace(-1, 1, tokens.numel()).reshape(tokens.shape)
+    tiled, _ = hidden_logprobs(hidden, weight, tokens, vocab_block=64)
+    passes = []
+    correct = logprobs_module._correct_seeded
+    logprobs_module._correct_seeded = lambda *a: passes.append(1) or correct(*a)
+    try:
+        _, logp, _ = hidden_loss(hidden.clone().requires_grad_(), weight.clone().requires_grad_(), tokens,
+                                 row_separable_loss(weights), vocab_block=64, logp_estimate=tiled)
+    finally:
+        logprobs_module._correct_seeded = correct
+    torch.testing.assert_close(logp, tiled, atol=1e-5, rtol=1e-5)
+    assert not passes
+
+
 def test_hidden_loss_in_place_weight_gradient_accumulates_into_grad():
     hidden, weight, _, tokens = random_case(seed=21, rows=3)
     weights = torch.linspace(-1, 1, tokens.numel()).reshape(tokens.shape)

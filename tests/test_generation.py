@@ -229,5 +229,9 @@ def test_a_shared_prompt_is_scored_once_with_the_same_logprobs(tiny_model_dir, m
         monkeypatch.setattr(model_module, "_shared_prompt_hidden", lambda *a: None)
         full = model_module.completion_logprobs(model, ids, attn, 7, 0.8)
         assert shared_hidden(model, ids[:2], attn[:2], 7) is None  # no prompt repeats: the full forward
+        # One completion token: nothing runs after the prompt, which the full forward does by itself.
+        assert shared_hidden(model, ids[:, :-6], attn[:, :-6], 1) is None
+        one = model_module.completion_logprobs(model, ids[:, :-6], attn[:, :-6], 1, 0.8)
+        torch.testing.assert_close(one, full[:, :1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(shared, full, atol=1e-5, rtol=1e-5)
 

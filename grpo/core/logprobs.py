@@ -501,15 +501,27 @@ class _HiddenLossSeeded(torch.autograd.Function):
         m = h.shape[0]
         grads = _HeadGrads(h, weight, None, (False, need_weight, False), grad_in_place)
         bias_grad = torch.zeros_like(bias) if need_bias else None
-        est = estimate.reshape(-1).to(dtype)
+        # A non-finite estimate becomes 0, too high for any token but the likeliest: handled as a far-off one.
+        est = torch.nan_to_num(estimate.reshape(-1).to(dtype), nan=0.0, posinf=0.0, neginf=0.0)
         # Shift each position's logits x by L = x_target - estimate: L is the log-sum-exp when the estimate is the
         # log-prob, so q = exp(x - L) is the softmax; in general q = p S with S = sum q = exp(lse - L).
         target = _target_logits(h, weight, bias, y, temperature)
         shift = (target - est).contiguous()
+        # The tiles of a bfloat16 or float16 head are rounded to it before scoring: there each target logit is
+        # taken from its tile, as the other paths do, rather than from the float32 product above.
+        tile_target = target.clone() if h.dtype not in (torch.float32, torch.float64) else None
         _, g_hat = _loss_and_grad(row_loss, est.reshape(rows, cols), slice(0, rows))
         # d loss / d logits = coef_hat q off the target column, were S = 1; 0 where the loss's gradient at the
-        # estimate is not finite (the correcting pass then adds the whole exact term)
-        coef_hat = torch.nan_to_num(-g_hat / temperature, nan=0.0, posinf=0.0, neginf=0.0)
+        # estimate is not finite (the correcting pass then adds the whole exact term), and at most 32x the median
+        # size, so that a loss coupling positions (a sequence-level ratio) through an estimate far off inflates no
+        # first-pass term the correcting pass would have to cancel at a loss of precision.
+        raw = -g_hat / temperature
+        coef_hat = torch.nan_to_num(raw, nan=0.0, posinf=0.0, neginf=0.0)
+        sizes = coef_hat[coef_hat != 0].abs()
+        if sizes.numel():
+            bound = 32.0 * float(sizes.median())
+            coef_hat.clamp_(-bound, bound)
+        changed = coef_hat != raw  # the correcting pass takes these positions whatever their estimates
         adding = grads.weight is not None or bias_grad is not None
         h_hat = h * coef_hat.unsqueeze(1).to(h.dtype) if grads.weight is not None else None
         coef_add = coef_hat.clone()  # coef_hat, or 0 for a row from its stop on
@@ -521,7 +533,12 @@ class _HiddenLossSeeded(torch.autograd.Function):
         sum_qw = torch.zeros((m, size), dtype=dtype, device=h.device) if need_hidden else None  # sum_v q_v W_v
         tile = torch.empty((m, min(block, vocab)), dtype=dtype, device=h.device)
         for v0 in range(0, vocab, block):
-            q = _shifted_exp(_logits_into(tile, h, weight, bias, v0, temperature), shift, s, s2, top, kernels)
+            x = _logits_into(tile, h, weight, bias, v0, temperature)
+            if tile_target is not None:
+                local = y - v0
+                hit = (local >= 0) & (local < x.shape[1])
+                tile_target[hit] = x[hit, local[hit]]
+            q = _shifted_exp(x, shift, s, s2, top, kernels)
             rows_v = slice(v0, v0 + q.shape[1])
             if sum_qw is not None:
                 sum_qw.addmm_(q, weight[rows_v].to(dtype))
@@ -539,6 +556,9 @@ class _HiddenLossSeeded(torch.autograd.Function):
                 bias_grad[rows_v] += (q.T @ coef_add).to(bias.dtype)
         log_s = torch.log(s)
         lse, logp = shift + log_s, est - log_s  # logp = target - lse, without the rounding of lse
+        if tile_target is not None:
+            logp = tile_target - lse
+            target = tile_target
         entropy = log_s - s2 / s if with_entropy else None
         # Positions whose S is not to be trusted (a capped exponent, an estimate > 8 nats off, NaN): their exact
         # log-sum-exp (and entropy) from a pass over their rows only.
@@ -552,7 +572,7 @@ class _HiddenLossSeeded(torch.autograd.Function):
                 entropy[idx] = bad_entropy
         loss, g = _loss_and_grad(row_loss, logp.reshape(rows, cols), slice(0, rows))
         coef = g / temperature  # d loss / d logits = coef (onehot - p)
-        p_scale = torch.exp(-log_s)  # p = q / S where nothing was capped
+        p_scale = torch.where(bad, 0.0, torch.exp(-log_s))  # p = q / S where S is trusted (others: see below)
         # The weight's gradient so far is sum coef_hat q h over positions; exact is -sum coef p h. A second pass goes
         # over the positions where the two may differ (below) and the untrusted ones whose hidden gradient needs
         # sum p W.
@@ -564,7 +584,7 @@ class _HiddenLossSeeded(torch.autograd.Function):
             # couple positions (a row's mean, a sequence-level ratio), so do any whose coefficient moved by more
             # than _COUPLED_TOLERANCE of the largest.
             off = ~((est - logp).abs() <= tolerance)
-            fix |= live & ((stop < vocab) | off)
+            fix |= live & ((stop < vocab) | off | changed)
             if bool(off.any()):
                 gap = (-coef * p_scale - coef_hat).abs()
                 fix |= live & (gap > _COUPLED_TOLERANCE * float(coef.abs().max()))
@@ -794,9 +814,9 @@ def hidden_loss(
             ~1e-6 (the sampler's measured 1e-6 to 2e-6 from the update's on the benchmark's models). Positions
             whose estimates are further off, and those whose loss gradient they moved, get a second pass over
             just them that corrects the weight's gradient (two head products for them); where an estimate is more
-            than 2 nats too high or 8 off, their log-sum-exp is first recomputed (one more). With good estimates
-            the head is applied three times per position, twice for a frozen head. `row_loss` is called twice, at
-            the estimates and at the exact log-probs.
+            than 2 nats too high or 8 off (a non-finite one counts as such), their log-sum-exp is first recomputed
+            (one more). With good estimates the head is applied three times per position, twice for a frozen head.
+            `row_loss` is called twice, at the estimates and at the exact log-probs.
         tolerance: with logp_estimate, how far (nats) an estimate may be from the log-prob and count as exact
             (0: every position whose estimate differs at all is corrected).
 
