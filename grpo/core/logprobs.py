@@ -501,8 +501,9 @@ class _HiddenLossSeeded(torch.autograd.Function):
         m = h.shape[0]
         grads = _HeadGrads(h, weight, None, (False, need_weight, False), grad_in_place)
         bias_grad = torch.zeros_like(bias) if need_bias else None
-        # A non-finite estimate becomes 0, too high for any token but the likeliest: handled as a far-off one.
-        est = torch.nan_to_num(estimate.reshape(-1).to(dtype), nan=0.0, posinf=0.0, neginf=0.0)
+        # A non-finite estimate becomes 0, too high for any token but the likeliest: handled as a far-off one; so
+        # does a positive one, which no log-prob is.
+        est = torch.nan_to_num(estimate.reshape(-1).to(dtype), nan=0.0, posinf=0.0, neginf=0.0).clamp_(max=0.0)
         # Shift each position's logits x by L = x_target - estimate: L is the log-sum-exp when the estimate is the
         # log-prob, so q = exp(x - L) is the softmax; in general q = p S with S = sum q = exp(lse - L).
         target = _target_logits(h, weight, bias, y, temperature)
@@ -512,15 +513,9 @@ class _HiddenLossSeeded(torch.autograd.Function):
         tile_target = target.clone() if h.dtype not in (torch.float32, torch.float64) else None
         _, g_hat = _loss_and_grad(row_loss, est.reshape(rows, cols), slice(0, rows))
         # d loss / d logits = coef_hat q off the target column, were S = 1; 0 where the loss's gradient at the
-        # estimate is not finite (the correcting pass then adds the whole exact term), and at most 32x the median
-        # size, so that a loss coupling positions (a sequence-level ratio) through an estimate far off inflates no
-        # first-pass term the correcting pass would have to cancel at a loss of precision.
+        # estimate is not finite (the correcting pass then adds the whole exact term).
         raw = -g_hat / temperature
         coef_hat = torch.nan_to_num(raw, nan=0.0, posinf=0.0, neginf=0.0)
-        sizes = coef_hat[coef_hat != 0].abs()
-        if sizes.numel():
-            bound = 32.0 * float(sizes.median())
-            coef_hat.clamp_(-bound, bound)
         changed = coef_hat != raw  # the correcting pass takes these positions whatever their estimates
         adding = grads.weight is not None or bias_grad is not None
         h_hat = h * coef_hat.unsqueeze(1).to(h.dtype) if grads.weight is not None else None
@@ -816,7 +811,10 @@ def hidden_loss(
             just them that corrects the weight's gradient (two head products for them); where an estimate is more
             than 2 nats too high or 8 off (a non-finite one counts as such), their log-sum-exp is first recomputed
             (one more). With good estimates the head is applied three times per position, twice for a frozen head.
-            `row_loss` is called twice, at the estimates and at the exact log-probs.
+            `row_loss` is called twice, at the estimates and at the exact log-probs. With a loss that couples
+            positions through the log-probs themselves (a sequence-level ratio whose old log-probs are not the
+            estimates), an estimate tens of nats off moves the first-pass terms of the positions coupled to it,
+            and their correction then loses precision in proportion: pass estimates that are close.
         tolerance: with logp_estimate, how far (nats) an estimate may be from the log-prob and count as exact
             (0: every position whose estimate differs at all is corrected).
 
