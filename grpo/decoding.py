@@ -72,9 +72,23 @@ def preallocated_cache(model, capacity: int):
     return cache
 
 
+def distinct_rows(rows: list[list[int]]) -> tuple[list[int], list[int]]:
+    """(first, copies): the index of each distinct row's first occurrence, and for every row the position in
+    `first` of the row equal to it."""
+    seen: dict[tuple[int, ...], int] = {}
+    first, copies = [], []
+    for i, row in enumerate(rows):
+        key = tuple(row)
+        if key not in seen:
+            seen[key] = len(first)
+            first.append(i)
+        copies.append(seen[key])
+    return first, copies
+
+
 def expand_cache(cache, copies: torch.Tensor) -> None:
     """Make a prefilled `preallocated_cache` of R rows one of len(copies) rows, row i a copy of row copies[i]: the
-    prompts of a group are encoded once and copied to its G completions."""
+    prompts of a group are encoded once and copied to its G completions (sampling's prefill, the reference pass)."""
     for layer in cache.layers:
         layer.key_buffer = layer.key_buffer.index_select(0, copies)
         layer.value_buffer = layer.value_buffer.index_select(0, copies)

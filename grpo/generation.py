@@ -17,7 +17,7 @@ from typing import Callable, Protocol
 import torch
 
 from grpo import native
-from grpo.decoding import LeanDecoder, expand_cache, packed_head, preallocated_cache
+from grpo.decoding import LeanDecoder, distinct_rows, expand_cache, packed_head, preallocated_cache
 from grpo.model import _positions, plain_head
 
 
@@ -138,20 +138,6 @@ def _last_positive(x: torch.Tensor) -> torch.Tensor:
     return x.shape[-1] - 1 - (x > 0).flip(-1).int().argmax(-1)
 
 
-def _distinct_rows(rows: list[list[int]]) -> tuple[list[int], list[int]]:
-    """(first, copies): the index of each distinct row's first occurrence, and for every row the position in
-    `first` of the row equal to it."""
-    seen: dict[tuple[int, ...], int] = {}
-    first, copies = [], []
-    for i, row in enumerate(rows):
-        key = tuple(row)
-        if key not in seen:
-            seen[key] = len(first)
-            first.append(i)
-        copies.append(seen[key])
-    return first, copies
-
-
 def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(N, L) ids and attention mask, rows aligned to the right edge."""
     width = max(len(r) for r in rows)
@@ -233,7 +219,7 @@ class TransformersGenerator:
         eos = torch.tensor(self.eos_ids, device=device)
         width = ids.shape[1]
         cache = preallocated_cache(self.model, width + p.max_new_tokens)
-        first, copies = _distinct_rows(prompt_ids)
+        first, copies = distinct_rows(prompt_ids)
         if cache is not None and len(first) < n:  # a group's G rows share a prompt: encode each prompt once
             pick = torch.tensor(first, device=device)
             out = self.model(input_ids=ids[pick], attention_mask=mask[pick], position_ids=positions[pick],

@@ -19,6 +19,7 @@ import torch
 from grpo import native
 from grpo.config import ConfigError, GRPOConfig
 from grpo.core import hidden_logprobs, hidden_loss, token_entropy, token_logprobs
+from grpo.decoding import distinct_rows, expand_cache, preallocated_cache
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
@@ -79,7 +80,8 @@ def prepare_model(model, cfg: GRPOConfig, peft_config=None, reference_dir: Path 
         model = get_peft_model(model, peft_config)
     if cfg.gradient_checkpointing:
         kwargs = cfg.gradient_checkpointing_kwargs or {"use_reentrant": False}
-        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.23; the old name goes in v6
+        # transformers >= 5.23 names it activation_checkpointing_enable; the old name goes in v6
+        enable = getattr(model, "activation_checkpointing_enable", None)
         if enable is not None:
             enable(activation_checkpointing_kwargs=kwargs)
         else:
@@ -250,31 +252,21 @@ def _shared_prompt_hidden(model, input_ids: torch.Tensor, attention_mask: torch.
     prompt runs through the decoder once into a cache, the cache is copied to the rows that share it, and the
     completions run on top of it. The same hidden states up to rounding, for 1/G of the prompts' work. None when no
     prompt repeats or the model's cache is not made of plain full-attention layers."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer
-
     prompt_len = input_ids.shape[1] - completion_len
     if prompt_len < 1 or completion_len < 2:  # (one completion token: the prompt's last position predicts it all)
         return None
-    prompts = torch.cat([input_ids[:, :prompt_len], attention_mask[:, :prompt_len]], dim=1)
-    distinct, copies = torch.unique(prompts, dim=0, return_inverse=True)
-    if distinct.shape[0] == input_ids.shape[0]:
+    first, copies = distinct_rows(torch.cat([input_ids[:, :prompt_len], attention_mask[:, :prompt_len]], 1).tolist())
+    cache = preallocated_cache(model, input_ids.shape[1] - 1) if len(first) < input_ids.shape[0] else None
+    if cache is None:
         return None
-    try:
-        cache = DynamicCache(config=model.config)
-    except Exception:  # a config transformers cannot read layer types from
-        return None
-    if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
-        return None
-    first = torch.empty(distinct.shape[0], dtype=torch.long, device=input_ids.device)
-    first[copies] = torch.arange(input_ids.shape[0], device=input_ids.device)  # a row holding each prompt
+    first, copies = (torch.tensor(v, device=input_ids.device) for v in (first, copies))
     positions = _positions(attention_mask)
     decoder = model.get_decoder()
     head = decoder(input_ids=input_ids[first, :prompt_len], attention_mask=attention_mask[first, :prompt_len],
                    position_ids=positions[first, :prompt_len], use_cache=True, past_key_values=cache)
     if not all(layer.is_initialized for layer in cache.layers):
         return None  # the model declined the cache (gradient checkpointing in training mode, e.g. a LoRA reference)
-    for layer in cache.layers:
-        layer.keys, layer.values = layer.keys.index_select(0, copies), layer.values.index_select(0, copies)
+    expand_cache(cache, copies)
     tail = decoder(input_ids=input_ids[:, prompt_len:-1], attention_mask=attention_mask[:, :-1],
                    position_ids=positions[:, prompt_len:-1], use_cache=True, past_key_values=cache)
     return torch.cat([head.last_hidden_state[copies, -1:], tail.last_hidden_state], dim=1).contiguous()

@@ -204,15 +204,16 @@ class CompiledStep:
         self.keep = [cos[0].contiguous(), sin[0].contiguous()]  # tensors made here that the C side points into
         layers = (Layer * len(inner.layers))()  # kept (self.layers): self.model points into it
         for i, (layer, kv) in enumerate(zip(inner.layers, cache.layers)):
-            qkv, o, gate_up, down = layer_products(layer)
+            products = layer_products(layer)
             tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            for pairs in (qkv, o, gate_up, down):
+            for pairs in products:
                 tensors += [self._pack(pairs), stacked_bias(pairs)]
             tensors += [kv.key_buffer, kv.value_buffer]
             layers[i] = Layer(*(self._pointer(t) for t in tensors))
-        qkv, _, _, down = layer_products(inner.layers[0])  # every layer has the same sizes
-        hidden, q_heads = inner.norm.weight.shape[0], qkv[0][0].shape[0] // d
-        kv_heads, inter = qkv[1][0].shape[0] // d, down[0][0].shape[1]
+            if i == 0:  # every layer has the same sizes
+                (q_weight, _), (k_weight, _), _ = products[0]
+                inter = products[3][0][0].shape[1]
+        hidden, q_heads, kv_heads = inner.norm.weight.shape[0], q_weight.shape[0] // d, k_weight.shape[0] // d
         scratch = lib.lean_scratch_floats(rows, hidden, q_heads * d, kv_heads * d, inter, capacity)
         self.scratch = torch.empty(scratch, dtype=torch.float32)
         self.vocab = inner.embed_tokens.weight.shape[0]

@@ -130,7 +130,7 @@ def test_a_shared_prompt_is_encoded_once_with_the_same_completions(tiny_model_di
     a = tok("abc", add_special_tokens=False)["input_ids"]
     b = tok("a much longer prompt", add_special_tokens=False)["input_ids"]
     prompts, seeds = [a, a, b, a, b], [1, 2, 3, 4, 5]
-    assert generation._distinct_rows(prompts) == ([0, 2], [0, 0, 1, 0, 1])
+    assert generation.distinct_rows(prompts) == ([0, 2], [0, 0, 1, 0, 1])
     prefills, forward = [], model.forward
 
     def counted(*args, **kwargs):
@@ -140,7 +140,7 @@ def test_a_shared_prompt_is_encoded_once_with_the_same_completions(tiny_model_di
     monkeypatch.setattr(model, "forward", counted)
     shared = gen.generate(prompts, SamplingParams(12), seeds)
     assert prefills[0][0] == 2  # two distinct prompts encoded, not five rows
-    monkeypatch.setattr(generation, "_distinct_rows", lambda rows: (list(range(len(rows))), list(range(len(rows)))))
+    monkeypatch.setattr(generation, "distinct_rows", lambda rows: (list(range(len(rows))), list(range(len(rows)))))
     each = gen.generate(prompts, SamplingParams(12), seeds)
     assert shared.ids == each.ids and shared.truncated == each.truncated
     for x, y in zip(shared.logprobs, each.logprobs):

@@ -21,6 +21,7 @@ sensitive to bf16 rounding.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import torch
@@ -448,7 +449,7 @@ _SHIFT_CAP = 2.0
 """The largest exponent x - shift that `_HiddenLossSeeded` takes: a position whose logits rise further above its
 shift (its log-prob estimate was > 2 nats too high) gets its log-sum-exp recomputed exactly."""
 
-_STOP_SUM = 7.38905609893065
+_STOP_SUM = math.exp(_SHIFT_CAP)
 """e^2: a position whose running sum S passes this in `_HiddenLossSeeded`'s pass (its estimate more than 2 nats too
 high) adds nothing more to the weight's gradient there; the correcting pass adds its exact terms."""
 

@@ -5,8 +5,8 @@
  * Per layer: RMSNorm, the stacked q/k/v product (+ bias), rotary embedding of q and k, k and v written into the
  * preallocated KV cache, attention over the cached positions (a key mask for left padding), the output product
  * added to the residual, RMSNorm, the stacked gate/up product, SiLU(gate) * up, the down product added to the
- * residual; at the end the final RMSNorm. The weights are decoding._Fused's (in, out) matrices, packed by
- * lean_pack_rows.
+ * residual; at the end the final RMSNorm. The weights are the layer's (out, in) matrices (decoding.layer_products),
+ * q/k/v and gate/up side by side, packed by lean_pack_rows.
  *
  * lean_head is the output layer's product for sampling, (rows, H) x (V, H)^T, streaming the packed weight once per
  * 16 rows.

@@ -2,7 +2,8 @@
  * inline anywhere and, where the CPU has AVX-512, a 16-lane one. Both compute 2^n * p(r) with |r| <= ln2/2 and
  * p a degree-7 Taylor polynomial (relative error < 2e-7), and return 0 below -87 (where float32 exp underflows),
  * so -inf (a filtered logit) gives 0, and NaN stays NaN. Meant for arguments <= 0 (after subtracting a maximum);
- * positive ones are exact up to 88 (hidden_loss's seeded pass gives them up to its cap). exp_sums, the softmax pass built on them, is shared too. */
+ * positive ones are exact up to 88 (hidden_loss's seeded pass gives them up to its cap). exp_sums, the softmax
+ * pass built on them, is shared too. */
 #ifndef GRPO_VECMATH_H
 #define GRPO_VECMATH_H
 
