@@ -289,18 +289,20 @@ def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
     return norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)).to(x.dtype)
 
 
-def packed_head(weight: torch.Tensor, bias: torch.Tensor | None, rows: int):
+def packed_head(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, space: torch.Tensor | None = None):
     """A function h (rows, H) -> logits (rows, V) equal to F.linear(h, weight, bias) up to rounding, with the
     weight repacked once for this batch size (CPU, float32). With one intra-op thread the compiled head
     (grpo/csrc/lean_step.c) streams the weight once per 16 rows: the benchmark's (16, 256) x (256, 151k) product
     takes 9-16 ms (the speed of streaming 155 MB from memory, which moves with the machine) instead of ~25 ms for
     oneDNN's packed product, which is used otherwise (~31 ms for F.linear);
-    either repacking costs ~90-100 ms, worth it over 64 sampled tokens. The weight changes at every optimizer step, so
-    pack once per rollout. Falls back to F.linear."""
+    either repacking costs less than 64 sampled tokens save. The weight changes at every optimizer step, so pack once
+    per rollout. The compiled head packs into `space` when given (see native.CompiledHead): ~30 ms for the 155 MB
+    head into memory already touched (the trainer hands over its last head gradient's), against 70-90 ms into a fresh
+    allocation, most of it page faults. Falls back to F.linear."""
     cpu32 = weight.device.type == "cpu" and weight.dtype == torch.float32
     lib = native.library() if cpu32 and torch.get_num_threads() == 1 else None
     if lib is not None:
-        return native.CompiledHead(lib, weight, bias, rows)
+        return native.CompiledHead(lib, weight, bias, rows, space)
     reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
     if not cpu32 or reorder is None or not torch.backends.mkldnn.is_available():
         return lambda h: F.linear(h, weight, bias)

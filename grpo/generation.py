@@ -184,9 +184,18 @@ class TransformersGenerator:
 
     def __init__(self, model, pad_id: int, eos_ids: list[int], batch_size: int | None = None):
         self.model, self.pad_id, self.eos_ids, self.batch_size = model, pad_id, list(eos_ids), batch_size
+        # Memory handed over for the next generate() call to pack the LM head into (decoding.packed_head's space):
+        # the trainer's last head gradient, no longer needed. Released when that call returns.
+        self.head_space: torch.Tensor | None = None
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seeds: list[int]) -> Completions:
+        try:
+            return self._generate(prompt_ids, params, seeds)
+        finally:
+            self.head_space = None
+
+    def _generate(self, prompt_ids: list[list[int]], params: SamplingParams, seeds: list[int]) -> Completions:
         size = self.batch_size or len(prompt_ids)
         ids: list[list[int]] = []
         truncated: list[bool] = []
@@ -235,7 +244,8 @@ class TransformersGenerator:
         head = plain_head(self.model)
         lean = cache is not None and head is not None and LeanDecoder.supports(self.model)
         if lean:  # the one-token steps without transformers' general forward (grpo/decoding.py)
-            decoder, project = LeanDecoder(self.model), packed_head(head.weight, head.bias, n)
+            decoder = LeanDecoder(self.model)
+            project = packed_head(head.weight, head.bias, n, self.head_space)
             step = decoder.compiled(cache, n) or decoder.hidden  # the C step where it applies
             key_mask = None if bool(mask.all()) else torch.cat(
                 [mask.bool(), torch.ones((n, p.max_new_tokens), dtype=torch.bool, device=device)], dim=1)

@@ -320,7 +320,7 @@ against 3; no weight gradient), 0.67 s of W3's 2-iteration update, and no (V, H)
 
 def completion_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
                     temperature: float, row_loss, with_entropy: bool = False,
-                    logp_estimate: torch.Tensor | None = None):
+                    logp_estimate: torch.Tensor | None = None, weight_grad_storage: torch.Tensor | None = None):
     """The loss `row_loss(logp rows, rows)` summed over the rows of this micro-batch, with its gradient formed in the
     same pass as the log-probs (`grpo.core.hidden_loss`: the LM head applied three times instead of four).
 
@@ -329,6 +329,9 @@ def completion_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     `logp_estimate` (N, T) is given (the sampler's log-probs of these tokens, or for a frozen head any close
     estimate), every row goes through one pass over the vocabulary with no buffer instead (hidden_loss's
     logp_estimate).
+
+    `weight_grad_storage`: memory of the head weight's shape for its gradient when `.grad` is None (hidden_loss's
+    weight_grad_storage), or None.
 
     Returns (loss, logp (N, T) detached, entropy (N, T) detached or None), or None when this path does not apply:
     a head that is not a plain linear layer, or, without an estimate, one row's (T, V) logits larger than the cap.
@@ -346,7 +349,8 @@ def completion_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     return hidden_loss(hidden, head.weight, input_ids[:, -completion_len:], row_loss, temperature, bias=head.bias,
                        with_entropy=with_entropy, rows_per_chunk=max(1, cap // per_row),
                        weight_grad_in_place=head.weight.is_leaf,
-                       kernels=native.tile_kernels(hidden.dtype, hidden.device), logp_estimate=logp_estimate)
+                       kernels=native.tile_kernels(hidden.dtype, hidden.device), logp_estimate=logp_estimate,
+                       weight_grad_storage=weight_grad_storage if head.weight.is_leaf else None)
 
 
 def dropout_active(model) -> bool:

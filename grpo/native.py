@@ -279,13 +279,23 @@ class CompiledStep:
 
 
 class CompiledHead:
-    """The output layer's product by lean_head, the weight packed once; each call overwrites the logits of the
-    previous one (sampling consumes them before the next step)."""
+    """The output layer's product by lean_head, the weight packed once (into `space`, a float32 CPU tensor with at
+    least `packed_floats(lib, weight)` elements, when given); each call overwrites the logits of the previous one
+    (sampling consumes them before the next step)."""
 
-    def __init__(self, lib, weight: torch.Tensor, bias: torch.Tensor | None, rows: int):
+    def __init__(self, lib, weight: torch.Tensor, bias: torch.Tensor | None, rows: int,
+                 space: torch.Tensor | None = None):
         vocab, hidden = weight.shape
         self.lib, self.hidden, self.bias = lib, hidden, None if bias is None else bias.detach().contiguous()
-        self.packed = torch.empty(lib.lean_head_packed_floats(hidden, vocab), dtype=torch.float32)
+        floats = packed_floats(lib, weight)
+        if space is None:
+            self.packed = torch.empty(floats, dtype=torch.float32)
+        elif space.dtype != torch.float32 or space.device.type != "cpu" or not space.is_contiguous() \
+                or space.numel() < floats:
+            raise ValueError(f"compiled LM head: the space to pack into must be a contiguous float32 CPU tensor of at "
+                             f"least {floats} elements, got {space.dtype} {tuple(space.shape)} on {space.device}")
+        else:
+            self.packed = space.reshape(-1)[:floats]
         source = weight.detach().contiguous()  # bound to a name: alive until lean_pack_head returns
         lib.lean_pack_head(hidden, vocab, source.data_ptr(), self.packed.data_ptr())
         self.out = torch.empty(rows, vocab)
@@ -300,6 +310,11 @@ class CompiledHead:
         self.lib.lean_head(rows, hidden, out.shape[1], h.data_ptr(), self.packed.data_ptr(),
                            None if self.bias is None else self.bias.data_ptr(), out.data_ptr())
         return out
+
+
+def packed_floats(lib, weight: torch.Tensor) -> int:
+    """Elements of the packed copy of a (V, H) output layer that CompiledHead makes (V rounded up to 16, times H)."""
+    return int(lib.lean_head_packed_floats(weight.shape[1], weight.shape[0]))
 
 
 def sample(lib, logits: torch.Tensor, uniforms: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:

@@ -365,6 +365,30 @@ def test_hidden_loss_in_place_weight_gradient_accumulates_into_grad():
         (2.0 * loss).backward()
 
 
+@pytest.mark.parametrize("seeded", [False, True])
+def test_hidden_loss_weight_gradient_made_in_given_storage(seeded):
+    """weight_grad_storage becomes weight.grad when that is None, whatever it held (NaN here), with the gradient
+    made without it; a later pass adds to it; a storage of the wrong shape or without in-place is refused."""
+    hidden, weight, _, tokens = random_case(seed=26, rows=3)
+    weights = torch.linspace(-1, 1, tokens.numel()).reshape(tokens.shape)
+    estimate = hidden_logprobs(hidden, weight, tokens)[0] if seeded else None
+    params = [torch.nn.Parameter(weight.clone()) for _ in range(2)]
+    storage = torch.full_like(weight, float("nan"))
+    for _ in range(2):  # the second pass accumulates into the storage, as into any .grad
+        for param, given in zip(params, (storage, None)):
+            loss, _, _ = hidden_loss(hidden, param, tokens, row_separable_loss(weights), vocab_block=4,
+                                     weight_grad_in_place=True, logp_estimate=estimate, weight_grad_storage=given)
+            loss.backward()
+        assert params[0].grad.data_ptr() == storage.data_ptr()
+        assert torch.equal(params[0].grad, params[1].grad)
+    with pytest.raises(ValueError, match=r"hidden_loss: weight_grad_storage must be a contiguous tensor of the "
+                                         r"weight's shape \(11, 6\)"):
+        hidden_loss(hidden, params[0], tokens, row_separable_loss(weights), weight_grad_in_place=True,
+                    weight_grad_storage=storage[:5])
+    with pytest.raises(ValueError, match=r"weight_grad_in_place=False"):
+        hidden_loss(hidden, params[0], tokens, row_separable_loss(weights), weight_grad_storage=storage)
+
+
 def test_hidden_loss_float64_gradcheck_and_frozen_head():
     hidden, weight, bias, tokens = random_case(seed=22, rows=2, cols=3, vocab=5, hidden_size=3, dtype=torch.float64)
     weights = torch.linspace(-1, 1, tokens.numel(), dtype=torch.float64).reshape(tokens.shape)

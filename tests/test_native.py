@@ -177,6 +177,23 @@ def test_compiled_head_equals_linear(rows, with_bias, monkeypatch):
     torch.testing.assert_close(head(h[:3]), F.linear(h[:3], weight, bias), atol=1e-5, rtol=1e-5)  # other rows
 
 
+@needs_compiler
+def test_compiled_head_packs_into_the_space_it_is_given(monkeypatch):
+    """With a space, the packed weight lives in it (whatever it held) and the products are the same as without;
+    a space too small is refused, naming its need."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    torch.manual_seed(0)
+    weight, h, bias = torch.randn(37, 24), torch.randn(5, 24), torch.randn(37)
+    floats = native.packed_floats(native.library(), weight)
+    assert floats == 48 * 24  # 37 entries rounded up to 3 panels of 16
+    space = torch.full((floats + 7,), float("nan"))
+    head = packed_head(weight, bias, 5, space)
+    assert head.packed.data_ptr() == space.data_ptr()
+    assert torch.equal(head(h), CompiledHead(native.library(), weight, bias, 5)(h))
+    with pytest.raises(ValueError, match=f"at least {floats} elements"):
+        packed_head(weight, bias, 5, space[:floats - 1])
+
+
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
 def test_portable_build_without_avx512_gives_the_same_products(tmp_path, monkeypatch):
     # The plain C paths (what a CPU without AVX-512 compiles) against the product they replace.
@@ -188,6 +205,10 @@ def test_portable_build_without_avx512_gives_the_same_products(tmp_path, monkeyp
     weight, h, bias = torch.randn(37, 24), torch.randn(20, 24), torch.randn(37)
     head = CompiledHead(lib, weight, bias, 20)
     torch.testing.assert_close(head(h), F.linear(h, weight, bias), atol=1e-5, rtol=1e-5)
+    # The packing transposed 16 x 16 blocks in registers (AVX-512) places every entry where the plain loop does.
+    for width in (24, 48):
+        wide = torch.randn(37, width)
+        assert torch.equal(CompiledHead(native.library(), wide, None, 4).packed, CompiledHead(lib, wide, None, 4).packed)
     test_compiled_step_matches_the_torch_step("llama", {}, 9, lib=lib)
     check_sampler(lib)
     for vocab_block in (3, 11):
@@ -276,7 +297,7 @@ def test_compiled_head_from_a_non_contiguous_weight_and_inside_generation(monkey
     ids, params = [[5, 6, 7], [1, 2, 3, 4, 5], [9, 8, 7, 6]], SamplingParams(12, temperature=1.0)
     fast = TransformersGenerator(model, pad_id=0, eos_ids=[60]).generate(ids, params, seeds=[1, 2, 3])
     assert heads and all(isinstance(head, CompiledHead) for head in heads)
-    monkeypatch.setattr(generation, "packed_head", lambda w, b, rows: (lambda x: F.linear(x, w, b)))
+    monkeypatch.setattr(generation, "packed_head", lambda w, b, rows, space: (lambda x: F.linear(x, w, b)))
     monkeypatch.setattr(LeanDecoder, "compiled", lambda self, c, n: None)
     plain = TransformersGenerator(model, pad_id=0, eos_ids=[60]).generate(ids, params, seeds=[1, 2, 3])
     assert fast.ids == plain.ids

@@ -102,6 +102,44 @@ def test_one_pass_loss_gradient_matches_the_two_pass_path(tiny_model_dir, tmp_pa
         assert runs[0][1][key] == pytest.approx(runs[1][1][key], rel=1e-4, abs=1e-6), key
 
 
+def test_head_gradient_memory_is_lent_to_the_next_rollouts_packed_head(tiny_model_dir, tmp_path, monkeypatch):
+    """On one thread with the compiled head, the memory of the head's gradient is handed to the next rollout, which
+    packs the head into it and lets it go; training gives the same weights, bit for bit, as without it
+    (2 micro-batches, KL term, buffer and seeded passes)."""
+    import grpo.model as model_module
+    from grpo import native
+    from grpo.model import plain_head
+
+    if native.library() is None:
+        pytest.skip("no C compiler: no compiled head to pack")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    packed, grads = [], []
+    init = native.CompiledHead.__init__
+    monkeypatch.setattr(native.CompiledHead, "__init__",
+                        lambda self, *a, **kw: init(self, *a, **kw) or packed.append(self.packed.data_ptr()))
+    runs = []
+    for lend in (True, False):
+        cfg = base_config(tmp_path / str(lend), max_steps=3, beta=0.04, per_device_train_batch_size=16)
+        t = GRPOTrainer(model=tiny_model_dir, reward_funcs=[count_a], args=cfg, train_dataset=prompts())
+        assert t.lend_head_grad
+        t.lend_head_grad = lend
+        step = t._optimizer_step
+        t._optimizer_step = lambda batch: grads.append(plain_head(t.policy).weight.grad.data_ptr()) or step(batch)
+        for i in range(3):  # the first step through the row buffer, the others seeded
+            monkeypatch.setattr(model_module, "_FUSED_ELEMENTS", 10**9 if i == 0 else 1)
+            t.train_step()
+            t.step += 1
+            assert (t.generator.head_space is not None) == lend  # lent by the optimizer step
+            if lend:
+                assert t.generator.head_space.data_ptr() == grads[-1]
+        runs.append({k: v.clone() for k, v in t.policy.state_dict().items()})
+        if lend:  # the first rollout packs into fresh memory, the next two into the gradient of the step before
+            assert len(packed) == 3 and packed[1:] == grads[:2]
+            t.generator.generate([[1, 2]], t.params, [0])
+            assert t.generator.head_space is None  # released when the rollout is done
+    assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
+
+
 def test_reference_on_disk_trains_like_the_reference_in_memory(tiny_model_dir, tmp_path):
     """reference_weights=disk gives the same KL, loss and weights as a reference held in memory, holds no reference
     weights between passes, and deletes its file when the trainer goes."""

@@ -234,10 +234,48 @@ void lean_step(const Model *m, const int64_t *tokens, const int64_t *positions, 
 
 int64_t lean_head_packed_floats(int32_t K, int32_t V) { return (int64_t)K * ((V + HB - 1) / HB) * HB; }
 
+#ifdef __AVX512F__
+/* r[0..15] (16 rows of 16 floats) transposed in registers: r[c] becomes column c. */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+        const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int i = 0; i < 2; i++)
+        for (int c = 0; c < 4; c++) {
+            t[8 * i + c] = _mm512_shuffle_f32x4(r[8 * i + c], r[8 * i + 4 + c], 0x88);
+            t[8 * i + 4 + c] = _mm512_shuffle_f32x4(r[8 * i + c], r[8 * i + 4 + c], 0xDD);
+        }
+    for (int c = 0; c < 8; c++) {
+        r[c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0x88);
+        r[8 + c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0xDD);
+    }
+}
+#endif
+
 void lean_pack_head(int32_t K, int32_t V, const float *restrict W, float *restrict packed) {
     for (int v0 = 0; v0 < V; v0 += HB) {
         float *restrict panel = packed + (size_t)v0 * K;
-        for (int k = 0; k < K; k++)
+        int k0 = 0;
+#ifdef __AVX512F__
+        if (v0 + HB <= V)  /* a full panel: 16 x 16 blocks transposed in registers */
+            for (; k0 + 16 <= K; k0 += 16) {
+                __m512 r[16];
+                for (int j = 0; j < HB; j++) r[j] = _mm512_loadu_ps(W + (size_t)(v0 + j) * K + k0);
+                transpose16(r);
+                for (int c = 0; c < 16; c++) _mm512_storeu_ps(panel + (size_t)(k0 + c) * HB, r[c]);
+            }
+#endif
+        for (int k = k0; k < K; k++)
             for (int j = 0; j < HB; j++) panel[(size_t)k * HB + j] = v0 + j < V ? W[(size_t)(v0 + j) * K + k] : 0.0f;
     }
 }
