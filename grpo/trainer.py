@@ -418,9 +418,13 @@ class GRPOTrainer:
                 estimate = batch.sampling_logp[sl, :width]
             elif self.frozen_head and given_old is not None and batch.sampling_logp is not None:
                 estimate = given_old
+            storage = self._head_grad_storage()
             fused = completion_loss(self.model, ids, attn, width, cfg.temperature,
                                     lambda lp, rows: loss_of(lp, rows).loss, with_entropy=with_entropy,
-                                    logp_estimate=estimate, weight_grad_storage=self._head_grad_storage())
+                                    logp_estimate=estimate, weight_grad_storage=storage)
+            grad = plain_head(self.policy).weight.grad
+            if storage is not None and (grad is None or grad.data_ptr() != storage.data_ptr()):
+                self._head_grad_space = None  # not taken (the two-pass path makes its own): not held either
         if fused is not None:
             loss, logp, entropy = fused
         else:
@@ -440,8 +444,12 @@ class GRPOTrainer:
         weight = plain_head(self.policy).weight
         if not self.lend_head_grad or weight.grad is not None:
             return None
-        self._head_grad_space = torch.empty(max(weight.numel(), native.packed_floats(native.library(), weight)))
-        return self._head_grad_space[:weight.numel()].view_as(weight)
+        # A later iteration over the same rollout takes back what the last optimizer step lent (not yet packed into).
+        space, self.generator.head_space = self.generator.head_space, None
+        if space is None:
+            space = torch.empty(max(weight.numel(), native.packed_floats(native.library(), weight)))
+        self._head_grad_space = space
+        return space[:weight.numel()].view_as(weight)
 
     def _optimizer_step(self, batch: RolloutBatch) -> float:
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -450,6 +458,7 @@ class GRPOTrainer:
         if not math.isfinite(grad_norm):
             # Skip: AdamW would write NaN into every weight (measured in TRL 1.16, reliability.md 3.2).
             self.optimizer.zero_grad(set_to_none=True)
+            self._head_grad_space = None
             self.nonfinite_total += 1
             self.nonfinite_in_a_row += 1
             saved = self._save_nonfinite_inputs(batch)

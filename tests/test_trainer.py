@@ -102,10 +102,12 @@ def test_one_pass_loss_gradient_matches_the_two_pass_path(tiny_model_dir, tmp_pa
         assert runs[0][1][key] == pytest.approx(runs[1][1][key], rel=1e-4, abs=1e-6), key
 
 
-def test_head_gradient_memory_is_lent_to_the_next_rollouts_packed_head(tiny_model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("iterations", [1, 2])
+def test_head_gradient_memory_is_lent_to_the_next_rollouts_packed_head(tiny_model_dir, tmp_path, monkeypatch,
+                                                                       iterations):
     """On one thread with the compiled head, the memory of the head's gradient is handed to the next rollout, which
-    packs the head into it and lets it go; training gives the same weights, bit for bit, as without it
-    (2 micro-batches, KL term, buffer and seeded passes)."""
+    packs the head into it and lets it go (or to the next iteration's gradient, which takes it back); training gives
+    the same weights, bit for bit, as without it (2 micro-batches, KL term; buffer, seeded and two-pass updates)."""
     import grpo.model as model_module
     from grpo import native
     from grpo.model import plain_head
@@ -113,30 +115,43 @@ def test_head_gradient_memory_is_lent_to_the_next_rollouts_packed_head(tiny_mode
     if native.library() is None:
         pytest.skip("no C compiler: no compiled head to pack")
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    packed, grads = [], []
+    packed, grads, lent = [], [], []
     init = native.CompiledHead.__init__
     monkeypatch.setattr(native.CompiledHead, "__init__",
                         lambda self, *a, **kw: init(self, *a, **kw) or packed.append(self.packed.data_ptr()))
     runs = []
     for lend in (True, False):
-        cfg = base_config(tmp_path / str(lend), max_steps=3, beta=0.04, per_device_train_batch_size=16)
+        cfg = base_config(tmp_path / str(lend), max_steps=3, beta=0.04, per_device_train_batch_size=16,
+                          num_iterations=iterations)
         t = GRPOTrainer(model=tiny_model_dir, reward_funcs=[count_a], args=cfg, train_dataset=prompts())
         assert t.lend_head_grad
         t.lend_head_grad = lend
         step = t._optimizer_step
-        t._optimizer_step = lambda batch: grads.append(plain_head(t.policy).weight.grad.data_ptr()) or step(batch)
-        for i in range(3):  # the first step through the row buffer, the others seeded
+
+        def optimizer_step(batch, t=t, step=step):
+            grads.append(plain_head(t.policy).weight.grad.data_ptr())
+            norm = step(batch)
+            lent.append(None if t.generator.head_space is None else t.generator.head_space.data_ptr())
+            return norm
+
+        t._optimizer_step = optimizer_step
+        for i in range(3):  # the first step through the row buffer; then seeded (a second iteration: two passes)
             monkeypatch.setattr(model_module, "_FUSED_ELEMENTS", 10**9 if i == 0 else 1)
             t.train_step()
             t.step += 1
-            assert (t.generator.head_space is not None) == lend  # lent by the optimizer step
-            if lend:
-                assert t.generator.head_space.data_ptr() == grads[-1]
         runs.append({k: v.clone() for k, v in t.policy.state_dict().items()})
-        if lend:  # the first rollout packs into fresh memory, the next two into the gradient of the step before
-            assert len(packed) == 3 and packed[1:] == grads[:2]
+        if not lend:
+            assert lent == [None] * len(lent)
+        elif iterations == 1:  # each rollout after the first packs into the gradient of the step before
+            assert lent == grads and len(packed) == 3 and packed[1:] == grads[:2]
+        else:  # the second iteration takes back the first one's; a two-pass iteration makes its own, lends none
+            assert grads[1] == grads[0] == lent[0] == lent[1] == packed[1]
+            assert lent[2] == grads[2] and lent[3] is None and lent[5] is None
+        if lend:
+            t.generator.head_space = torch.zeros(native.packed_floats(native.library(), plain_head(t.policy).weight))
             t.generator.generate([[1, 2]], t.params, [0])
             assert t.generator.head_space is None  # released when the rollout is done
+            packed.clear(), grads.clear(), lent.clear()
     assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
 
 
