@@ -1,7 +1,8 @@
-"""The compiled decode step and sampling LM head (grpo/csrc/lean_step.c) and softmax passes (grpo/csrc/softmax.c):
-built on first use with the system C compiler, loaded with ctypes, and wrapped as `CompiledStep` (used by
-`decoding.LeanDecoder.compiled`), `CompiledHead` (used by `decoding.packed_head`) and `sample` (used by
-`generation.sample_rows`).
+"""The compiled decode step and sampling LM head (grpo/csrc/lean_step.c), softmax passes (grpo/csrc/softmax.c) and
+training's fused layer operators (grpo/csrc/layer_ops.c): built on first use with the system C compiler, loaded with
+ctypes, and wrapped as `CompiledStep` (used by `decoding.LeanDecoder.compiled`), `CompiledHead` (used by
+`decoding.packed_head`), `sample` (used by `generation.sample_rows`), `TileKernels` (used by grpo.core's tiled LM
+head) and grpo/fused.py's autograd functions.
 
 `library()` returns the loaded library, or None when there is no C compiler, the build fails, or GRPO_NATIVE=0
 is set; callers then keep the torch step. The shared object is cached per source, compiler flags and CPU under
@@ -28,7 +29,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "lean_step.c", CSRC / "softmax.c"]
+SOURCES = [CSRC / "lean_step.c", CSRC / "softmax.c", CSRC / "layer_ops.c"]
 HEADERS = [CSRC / "vecmath.h"]
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared"]
 
@@ -135,6 +136,10 @@ _SIGNATURES = {  # name: (argument types, result type), as in lean_step.c and so
     "lean_tile_shifted_exp": ([_I32, _I32, _I64, _PTR, _PTR, _F32, _PTR, _PTR, _PTR], None),
     "lean_tile_grad": ([_I32, _I32, _I64, _PTR, _F32, _PTR, _PTR, _PTR, _PTR], None),
     "lean_tile_exp": ([_I32, _I32, _I64, _PTR, _PTR, _PTR, _PTR], None),
+    "lean_swiglu": ([_I64, _PTR, _PTR, _PTR], None),
+    "lean_swiglu_grad": ([_I64, _PTR, _PTR, _PTR, _PTR, _PTR], None),
+    "lean_rms_norm": ([_I64, _I32, _PTR, _PTR, _F32, _PTR, _PTR], None),
+    "lean_rms_norm_grad": ([_I64, _I32, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR], None),
 }
 
 

@@ -27,6 +27,7 @@ import torch
 from grpo import checkpoint as ckpt
 from grpo import native
 from grpo.config import ConfigError, GRPOConfig
+from grpo.fused import fuse_decoder_ops
 from grpo.core import group_advantages, mix_advantages, policy_loss, process_advantages
 from grpo.data import PromptSampler, build_prompt_set
 from grpo.health import HealthMonitor
@@ -104,6 +105,10 @@ class GRPOTrainer:
         self.policy = self.accel.unwrap_model(self.model)
         if self.model is self.policy:  # one process, not wrapped by DDP, FSDP or DeepSpeed
             sparse_tied_embedding_grad(self.policy)
+            if self.accel.device.type == "cpu":  # the MLP activations and RMSNorms as compiled passes (grpo/fused.py)
+                fuse_decoder_ops(self.policy)
+                if self.reference is not None:
+                    fuse_decoder_ops(getattr(self.reference, "module", self.reference))  # (a DiskReference's module)
         # hidden_loss adds the head's weight gradient during forward, so backward must not rescale the loss.
         self.fused_loss = (self.model is self.policy and self.accel.scaler is None
                            and self.accel.gradient_accumulation_steps == 1)

@@ -155,6 +155,30 @@ def test_head_gradient_memory_is_lent_to_the_next_rollouts_packed_head(tiny_mode
     assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
 
 
+def test_fused_decoder_ops_train_like_the_modules(tiny_model_dir, tmp_path, monkeypatch):
+    """On the CPU the policy's and the reference's MLP activations and RMSNorms run as compiled passes
+    (grpo/fused.py); training gives the weights and metrics of transformers' own modules up to rounding."""
+    import grpo.trainer as trainer_module
+    from grpo import native
+
+    if native.library() is None:
+        pytest.skip("no C compiler: nothing is fused")
+    runs = []
+    for fuse in (True, False):
+        if not fuse:
+            monkeypatch.setattr(trainer_module, "fuse_decoder_ops", lambda model: 0)
+        cfg = base_config(tmp_path / str(fuse), max_steps=3, beta=0.04, per_device_train_batch_size=16)
+        t = GRPOTrainer(model=tiny_model_dir, reward_funcs=[count_a], args=cfg, train_dataset=prompts())
+        for model in (t.policy, t.reference.module):
+            assert ("_grpo_unfused_forward" in vars(model.get_decoder().norm)) == fuse
+        metrics = t.train()
+        runs.append(({k: v.clone() for k, v in t.policy.state_dict().items()}, metrics))
+    diff = max((runs[0][0][k] - runs[1][0][k]).abs().max().item() for k in runs[0][0])
+    assert diff < 1e-4, diff  # float rounding order only: lr 1e-2 moves weights ~1e-2 per step
+    for key in ("policy/loss", "policy/kl_divergence", "policy/entropy", "train/grad_norm"):
+        assert runs[0][1][key] == pytest.approx(runs[1][1][key], rel=1e-4, abs=1e-6), key
+
+
 def test_reference_on_disk_trains_like_the_reference_in_memory(tiny_model_dir, tmp_path):
     """reference_weights=disk gives the same KL, loss and weights as a reference held in memory, holds no reference
     weights between passes, and deletes its file when the trainer goes."""
