@@ -20,6 +20,7 @@ import platform
 import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 from functools import lru_cache
 from pathlib import Path
@@ -119,6 +120,31 @@ def library():
         log.warning("grpo.native: could not build the compiled decode step (%s); sampling uses the torch step", err)
         return None
     return _declare(lib)
+
+
+_MALLOC_MMAP_THRESHOLD, _MALLOC_TRIM_THRESHOLD = -3, -1  # glibc's mallopt parameters (malloc.h)
+_KEEP_BELOW_BYTES, _KEEP_FREE_BYTES = 32 * 2**20, 128 * 2**20
+
+
+@lru_cache(maxsize=1)
+def keep_freed_memory() -> bool:
+    """Have glibc's malloc serve blocks under 32 MiB from its heap and keep up to 128 MiB of freed heap for reuse,
+    instead of mapping each large block fresh and returning it when freed (its default adapts towards that, but
+    trims the heap whenever its top is free). A training step frees and reallocates the same activations every
+    micro-batch; on fresh memory each 4 KiB page costs a fault on first touch: the benchmark's W1 update took 12-20k
+    faults (50-80 MB) and 0.43-0.45 s per step without this, none and 0.33-0.40 s with it, for ~20 MB more peak
+    memory (three steps each, back to back). Larger blocks
+    (a 151k vocabulary's 155 MB head gradient) are still mapped and returned. Process-wide; True where applied
+    (glibc on Linux)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_MALLOC_MMAP_THRESHOLD, _KEEP_BELOW_BYTES) and mallopt(_MALLOC_TRIM_THRESHOLD, _KEEP_FREE_BYTES))
 
 
 _I32, _I64, _PTR, _F32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float

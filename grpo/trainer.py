@@ -107,6 +107,7 @@ class GRPOTrainer:
             sparse_tied_embedding_grad(self.policy)
             if self.accel.device.type == "cpu":  # the MLP activations and RMSNorms as compiled passes (grpo/fused.py)
                 fuse_decoder_ops(self.policy)
+                native.keep_freed_memory()  # activations reused without page faults, micro-batch after micro-batch
                 if self.reference is not None:
                     fuse_decoder_ops(getattr(self.reference, "module", self.reference))  # (a DiskReference's module)
         # hidden_loss adds the head's weight gradient during forward, so backward must not rescale the loss.
