@@ -428,9 +428,10 @@ class GRPOTrainer:
             fused = completion_loss(self.model, ids, attn, width, cfg.temperature,
                                     lambda lp, rows: loss_of(lp, rows).loss, with_entropy=with_entropy,
                                     logp_estimate=estimate, weight_grad_storage=storage)
-            grad = plain_head(self.policy).weight.grad
-            if storage is not None and (grad is None or grad.data_ptr() != storage.data_ptr()):
-                self._head_grad_space = None  # not taken (the two-pass path makes its own): not held either
+            if storage is not None:
+                grad = plain_head(self.policy).weight.grad
+                if grad is None or grad.data_ptr() != storage.data_ptr():
+                    self._head_grad_space = None  # not taken (the two-pass path makes its own): not held either
         if fused is not None:
             loss, logp, entropy = fused
         else:
@@ -447,8 +448,10 @@ class GRPOTrainer:
     def _head_grad_storage(self) -> torch.Tensor | None:
         """Memory for the head's gradient when it is about to be made (`lend_head_grad` and no .grad yet): the
         head's shape, at the start of a flat buffer large enough for the packed copy it is lent to next."""
+        if not self.lend_head_grad:  # (which implies a plain linear head)
+            return None
         weight = plain_head(self.policy).weight
-        if not self.lend_head_grad or weight.grad is not None:
+        if weight.grad is not None:
             return None
         # A later iteration over the same rollout takes back what the last optimizer step lent (not yet packed into).
         space, self.generator.head_space = self.generator.head_space, None

@@ -179,6 +179,25 @@ def test_fused_decoder_ops_train_like_the_modules(tiny_model_dir, tmp_path, monk
         assert runs[0][1][key] == pytest.approx(runs[1][1][key], rel=1e-4, abs=1e-6), key
 
 
+def test_a_head_that_is_not_a_plain_linear_layer_trains_through_the_full_forward(tiny_model_dir, tmp_path):
+    """A config that scales the logits after the head (logit_scale) takes the model's own forward for the update:
+    no tiled head, no head-gradient memory to lend, one step trains."""
+    import json
+    import shutil
+
+    from grpo.model import plain_head
+
+    model_dir = tmp_path / "scaled"
+    shutil.copytree(tiny_model_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "logit_scale": 0.5}))
+    t = GRPOTrainer(model=str(model_dir), reward_funcs=[count_a], args=base_config(tmp_path, max_steps=1, beta=0.04),
+                    train_dataset=prompts())
+    assert plain_head(t.policy) is None and t.fused_loss and not t.lend_head_grad
+    metrics = t.train_step()
+    assert torch.isfinite(torch.tensor(metrics["policy/loss"]))
+
+
 def test_reference_on_disk_trains_like_the_reference_in_memory(tiny_model_dir, tmp_path):
     """reference_weights=disk gives the same KL, loss and weights as a reference held in memory, holds no reference
     weights between passes, and deletes its file when the trainer goes."""
