@@ -133,9 +133,8 @@ def keep_freed_memory() -> bool:
     trims the heap whenever its top is free). A training step frees and reallocates the same activations every
     micro-batch; on fresh memory each 4 KiB page costs a fault on first touch: the benchmark's W1 update took 12-20k
     faults (50-80 MB) and 0.43-0.45 s per step without this, none and 0.33-0.40 s with it, for ~20 MB more peak
-    memory (three steps each, back to back). Larger blocks
-    (a 151k vocabulary's 155 MB head gradient) are still mapped and returned. Process-wide; True where applied
-    (glibc on Linux)."""
+    memory (three steps each, back to back). Larger blocks (a 151k vocabulary's 155 MB head gradient) are still
+    mapped and returned. Process-wide; True where applied (glibc on Linux)."""
     if not sys.platform.startswith("linux"):
         return False
     try:

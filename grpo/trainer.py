@@ -27,9 +27,9 @@ import torch
 from grpo import checkpoint as ckpt
 from grpo import native
 from grpo.config import ConfigError, GRPOConfig
-from grpo.fused import fuse_decoder_ops
 from grpo.core import group_advantages, mix_advantages, policy_loss, process_advantages
 from grpo.data import PromptSampler, build_prompt_set
+from grpo.fused import fuse_decoder_ops
 from grpo.health import HealthMonitor
 from grpo.generation import SamplingParams, TransformersGenerator, row_seed
 from grpo.model import (completion_logprobs, completion_loss, dropout_active, load_model, load_tokenizer,

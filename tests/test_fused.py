@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from grpo import native
 from grpo.fused import _RMSNorm, _SwiGLU, fuse_decoder_ops
 from test_native import needs_compiler, tiny
 
@@ -94,20 +93,3 @@ def test_fuse_leaves_other_models_alone():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     assert fuse_decoder_ops(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=30))) == 0
-
-
-def test_portable_build_fused_ops(tmp_path, monkeypatch):
-    """The plain C paths (a CPU without AVX-512) against float64 torch."""
-    import shutil
-
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        pytest.skip("no C compiler")
-    target = tmp_path / "portable.so"
-    native._build([compiler], target, [*native.FLAGS, "-mno-avx512f"] if native._x86() else native.FLAGS)
-    import ctypes
-
-    lib = native._declare(ctypes.CDLL(str(target)))
-    monkeypatch.setattr(native, "library", lambda: lib)
-    check_swiglu()
-    check_rms_norm()

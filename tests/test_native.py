@@ -211,6 +211,12 @@ def test_portable_build_without_avx512_gives_the_same_products(tmp_path, monkeyp
     for width in (24, 48):
         wide = torch.randn(37, width)
         assert torch.equal(CompiledHead(native.library(), wide, None, 4).packed, CompiledHead(lib, wide, None, 4).packed)
+    from test_fused import check_rms_norm, check_swiglu  # training's fused passes, through grpo.fused
+
+    with monkeypatch.context() as patch:
+        patch.setattr(native, "library", lambda: lib)
+        check_swiglu()
+        check_rms_norm()
     test_compiled_step_matches_the_torch_step("llama", {}, 9, lib=lib)
     check_sampler(lib)
     for vocab_block in (3, 11):

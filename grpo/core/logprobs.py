@@ -165,6 +165,15 @@ def _head_block(h: Tensor, weight: Tensor, bias: Tensor | None, v0: int, width: 
     return x.div_(temperature) if temperature != 1.0 else x
 
 
+def _tile_targets(x: Tensor, y: Tensor, v0: int, target: Tensor | None) -> Tensor:
+    """`target` with x[i, y[i] - v0] in the rows whose token is in this tile (x: vocabulary rows v0 .. v0+width of
+    every position); None starts a fresh one. A gather, with no host synchronization."""
+    width = x.shape[1]
+    local = y - v0
+    picked = x.gather(1, local.clamp(0, width - 1).unsqueeze(1)).squeeze(1)
+    return picked if target is None else torch.where((local >= 0) & (local < width), picked, target)
+
+
 def _head_forward(h: Tensor, weight: Tensor, bias: Tensor | None, y: Tensor, temperature: float, block: int,
                   with_entropy: bool, kernels=None) -> tuple[Tensor, Tensor, Tensor | None]:
     """(lse, logp, entropy or None), each (m,), for positions h (m, H) and targets y (m,), one vocabulary block of
@@ -187,11 +196,7 @@ def _head_forward(h: Tensor, weight: Tensor, bias: Tensor | None, y: Tensor, tem
     else:
         for v0 in range(0, vocab, block):
             x = _head_block(h, weight, bias, v0, block, temperature)  # (m, b)
-            width = x.shape[1]
-            local = y - v0
-            hit = (local >= 0) & (local < width)
-            picked = x.gather(1, local.clamp(0, width - 1).unsqueeze(1)).squeeze(1)
-            target = picked if target is None else torch.where(hit, picked, target)
+            target = _tile_targets(x, y, v0, target)
             block_max = x.amax(-1)
             new_max = block_max if running_max is None else torch.maximum(running_max, block_max)
             # A row whose logits so far are all -inf (a filtered vocabulary) adds nothing: subtract 0, not -inf.
@@ -532,9 +537,7 @@ class _HiddenLossSeeded(torch.autograd.Function):
         for v0 in range(0, vocab, block):
             x = _logits_into(tile, h, weight, bias, v0, temperature)
             if tile_target is not None:
-                local = y - v0
-                hit = (local >= 0) & (local < x.shape[1])
-                tile_target[hit] = x[hit, local[hit]]
+                tile_target = _tile_targets(x, y, v0, tile_target)
             q = _shifted_exp(x, shift, s, s2, top, kernels)
             rows_v = slice(v0, v0 + q.shape[1])
             if sum_qw is not None:
