@@ -195,18 +195,20 @@ def _running(pid: int) -> bool:
     return True
 
 
-def sparse_tied_embedding_grad(model) -> bool:
+def sparse_tied_embedding_grad(model, sparse: bool = True) -> bool:
     """When the input embedding and the LM head share one trainable weight (tied embeddings), make the embedding's
     own gradient sparse: the rows of the tokens in the batch instead of a dense (V, H) buffer. The LM head's dense
     gradient reaches the shared weight first in backward and the sparse rows are added into it in place, so the
     weight's `.grad` stays dense (as AdamW needs) and no second (V, H) tensor is made per micro-batch (155 MB for
     a 151k x 256 vocabulary). Only for an unwrapped model in one process: DDP treats sparse embeddings specially.
-    Returns whether it applied."""
+    `sparse=False` undoes it; the trainer does when training ends, so the model goes back as it was loaded (a loss
+    of the user's that does not pass through the head, on hidden states say, would otherwise leave a sparse
+    gradient, which AdamW refuses). Returns whether it applied."""
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if (type(emb) is torch.nn.Embedding and head is not None and getattr(head, "weight", None) is emb.weight
             and emb.weight.requires_grad):
-        emb.sparse = True
+        emb.sparse = sparse
         return True
     return False
 

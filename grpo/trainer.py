@@ -103,8 +103,9 @@ class GRPOTrainer:
         if self.reference is not None:
             self.reference.to(self.accel.device)
         self.policy = self.accel.unwrap_model(self.model)
+        self.sparse_embedding = False
         if self.model is self.policy:  # one process, not wrapped by DDP, FSDP or DeepSpeed
-            sparse_tied_embedding_grad(self.policy)
+            self.sparse_embedding = sparse_tied_embedding_grad(self.policy)
             if self.accel.device.type == "cpu":  # the MLP activations and RMSNorms as compiled passes (grpo/fused.py)
                 fuse_decoder_ops(self.policy)
                 native.keep_freed_memory()  # activations reused without page faults, micro-batch after micro-batch
@@ -170,6 +171,8 @@ class GRPOTrainer:
         logger = RunLogger(out, report, cfg.to_dict(), resume_step=self.step) if main else NullLogger()
         display = LiveDisplay(self.total_steps) if main else NullDisplay()
         last: dict[str, float] = {}
+        if self.sparse_embedding:  # (again, when train() is called a second time)
+            sparse_tied_embedding_grad(self.policy)
         try:
             if self.step == 0 and self.eval_set is not None and cfg.eval_steps > 0:
                 logger.log(0, self.evaluate())
@@ -194,6 +197,8 @@ class GRPOTrainer:
         finally:
             display.close()
             logger.close()
+            if self.sparse_embedding:  # the model goes back as it was loaded
+                sparse_tied_embedding_grad(self.policy, sparse=False)
         self.save_model(out / "final")
         if main:
             try:
@@ -463,9 +468,14 @@ class GRPOTrainer:
     def _optimizer_step(self, batch: RolloutBatch) -> float:
         params = [p for p in self.model.parameters() if p.requires_grad]
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        if self.accel.distributed_type == "DEEPSPEED":  # (it clips in its own step, as its config says)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        else:  # accelerate's, which unscales a float16 loss scaler's gradients first
+            grad_norm = float(self.accel.clip_grad_norm_(params, max_norm))
         if not math.isfinite(grad_norm):
             # Skip: AdamW would write NaN into every weight (measured in TRL 1.16, reliability.md 3.2).
+            if self.accel.scaler is not None:  # its step skips the update too, and lowers the loss scale
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self._head_grad_space = None
             self.nonfinite_total += 1

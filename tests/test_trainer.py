@@ -4,6 +4,7 @@ recipes run. Nothing is downloaded."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -360,3 +361,58 @@ def test_resume_continues_to_the_same_weights(tiny_model_dir, tmp_path):
     assert resumed.step == 4
     got = resumed.policy.state_dict()
     assert max((got[k] - want[k]).abs().max().item() for k in want) == 0.0
+
+
+def test_tied_embedding_gradient_is_sparse_only_while_training(tiny_model_dir, tmp_path):
+    """The loop makes the tied input embedding's gradient sparse (no second (V, H) buffer per micro-batch) and hands
+    the model back as it was loaded: afterwards a loss on the hidden states alone gets a dense gradient, which
+    AdamW takes (it refuses a sparse one)."""
+    t = GRPOTrainer(model=tiny_model_dir, reward_funcs=[count_a], args=base_config(tmp_path, max_steps=1),
+                    train_dataset=prompts())
+    emb = t.policy.get_input_embeddings()
+    assert t.sparse_embedding and emb.sparse
+    t.train()
+    assert not emb.sparse
+    t.policy.zero_grad(set_to_none=True)
+    t.policy.model(input_ids=torch.tensor([[3, 4, 5]])).last_hidden_state.sum().backward()
+    assert not emb.weight.grad.is_sparse
+    torch.optim.AdamW(t.policy.parameters()).step()
+
+
+def test_a_float16_loss_scale_is_undone_before_clipping(tiny_model_dir, tmp_path, monkeypatch):
+    """Under a float16 loss scaler (accelerate's, on a GPU) the gradient norm is taken and clipped unscaled, so the
+    logged norm and the update are the unscaled run's; an overflow skips the step and halves the scale, so it does
+    not recur at every step. On the CPU accelerate makes no scaler: one is put where accelerate keeps it."""
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+    from torch.amp import GradScaler
+
+    def trainer(name, scale=None):
+        cfg = base_config(tmp_path / name, max_steps=2, max_grad_norm=1e-3)
+        t = GRPOTrainer(model=tiny_model_dir, reward_funcs=[count_a], args=cfg, train_dataset=prompts())
+        t.fused_loss = t.sampling_estimates = t.lend_head_grad = False  # as they are with a scaler
+        if scale is not None:
+            t.accel.scaler = GradScaler("cpu", init_scale=scale)
+            t.accel.native_amp = True
+            t.optimizer = AcceleratedOptimizer(t.optimizer.optimizer, device_placement=False, scaler=t.accel.scaler)
+            t.accel._optimizers = [t.optimizer]
+        return t
+
+    monkeypatch.setattr(Accelerator, "mixed_precision", property(lambda self: "fp16"))
+
+    plain, scaled = trainer("plain"), trainer("scaled", scale=2.0**10)
+    norms = [plain.train_step()["train/grad_norm"], scaled.train_step()["train/grad_norm"]]
+    assert norms[0] > 1e-3 and norms[1] == pytest.approx(norms[0], rel=1e-4), norms  # (clipped: above max_norm)
+    for k, v in plain.policy.state_dict().items():
+        torch.testing.assert_close(scaled.policy.state_dict()[k], v, rtol=1e-4, atol=1e-6)
+
+    overflow = trainer("overflow", scale=2.0**10)
+    before = {k: v.clone() for k, v in overflow.policy.state_dict().items()}
+    hook = overflow.policy.model.norm.weight.register_hook(lambda g: g * math.inf)  # as a float16 overflow would
+    metrics = overflow.train_step()
+    hook.remove()
+    assert not math.isfinite(metrics["train/grad_norm"]) and overflow.nonfinite_in_a_row == 1
+    assert overflow.accel.scaler.get_scale() == 2.0**9  # lowered by the scaler's own step, which updated nothing
+    assert all(torch.equal(v, before[k]) for k, v in overflow.policy.state_dict().items())
+    overflow.step += 1
+    assert math.isfinite(overflow.train_step()["train/grad_norm"]) and overflow.nonfinite_in_a_row == 0
