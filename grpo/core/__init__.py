@@ -25,7 +25,8 @@ and a weighted mix of outcome and process advantages (`mix_advantages`).
 """
 
 from grpo.core.advantages import ADVANTAGE_SCALES, group_advantages, mix_advantages, process_advantages
-from grpo.core.logprobs import hidden_logprobs, hidden_loss, token_entropy, token_logprobs
+from grpo.core.head_loss import hidden_loss
+from grpo.core.logprobs import hidden_logprobs, token_entropy, token_logprobs
 from grpo.core.loss import AGGREGATIONS, KL_ESTIMATORS, RATIO_LEVELS, LossOutput, kl_penalty, policy_loss
 
 __all__ = [
