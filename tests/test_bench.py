@@ -127,7 +127,7 @@ def test_miniature_benchmark_end_to_end(tmp_path):
         import trl  # noqa: F401
 
         sides = "grpo,trl"
-    except ImportError:  # CI installs only the project; the grpo side still runs
+    except ImportError:  # the README's test command installs the project alone (.ci/run adds TRL)
         sides = "grpo"
     cmd = [sys.executable, str(ROOT / "bench" / "run.py"), "--workload", "mini", "--steps", "1", "--warmup", "1",
            "--rounds", "1", "--sides", sides, "--work-dir", str(tmp_path)]
