@@ -149,7 +149,8 @@ def versions(sides: list[str]) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None, out=None) -> dict:
+    """Run the benchmark; print its JSON line to `out` (default stdout) and return it."""
     args = parse_args(argv)
     if args.work_dir is not None:
         args.work_dir.mkdir(parents=True, exist_ok=True)
@@ -157,9 +158,14 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         with tempfile.TemporaryDirectory(prefix="grpo-bench-") as tmp:
             result = benchmark(args, Path(tmp))
-    print(json.dumps(result), flush=True)
+    print(json.dumps(result), file=out or sys.stdout, flush=True)
     return result
 
 
 if __name__ == "__main__":
-    main()
+    # The JSON line is the only thing on stdout: everything else printed in this process, libraries' own logs
+    # included (DeepSpeed, where installed, logs to stdout when transformers imports it), goes to stderr.
+    json_line = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    main(out=json_line)

@@ -65,6 +65,13 @@ class GRPOTrainer:
 
         self.cfg = cfg = args or GRPOConfig()
         self.accel = Accelerator(cpu=not torch.cuda.is_available())
+        self.deepspeed = self.accel.distributed_type == "DEEPSPEED"
+        if self.deepspeed and self.accel.state.deepspeed_plugin.zero_stage == 3:
+            # ZeRO-3 shards every weight (transformers loads them sharded); sampling, the reference and saving here
+            # read whole weights. Measured: sampling read the sharded head and the reference's embedding.
+            raise ConfigError("DeepSpeed ZeRO-3 is not supported (sampling, the reference model and saving read "
+                              "whole weights): use ZeRO-2 (recipes/accelerate/zero2.yaml), which shards the "
+                              "optimizer state and gradients, or FSDP (recipes/accelerate/fsdp.yaml).")
         self.world, self.rank = self.accel.num_processes, self.accel.process_index
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
@@ -99,6 +106,12 @@ class GRPOTrainer:
         # The schedule counts optimizer updates: num_iterations of them per step.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, make_schedule(cfg, self.total_steps * cfg.num_iterations))
+        if self.deepspeed:  # "auto" values accelerate would read from a prepared dataloader (this loop has none)
+            ds_config = self.accel.state.deepspeed_plugin.deepspeed_config
+            for key, value in (("train_micro_batch_size_per_gpu", cfg.per_device_train_batch_size),
+                               ("gradient_clipping", cfg.max_grad_norm if cfg.max_grad_norm > 0 else 0.0)):
+                if ds_config.get(key) in (None, "auto"):
+                    ds_config[key] = value
         self.model, self.optimizer = self.accel.prepare(model, self.optimizer)
         if self.reference is not None:
             self.reference.to(self.accel.device)
@@ -384,6 +397,8 @@ class GRPOTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             for k, sl in enumerate(chunks):
                 sync = k == len(chunks) - 1
+                if self.deepspeed:  # its engine steps in backward unless told that more micro-batches follow
+                    self.accel.gradient_state._set_sync_gradients(sync)
                 ctx = self.accel.no_sync(self.model) if not sync else contextlib.nullcontext()
                 with ctx:
                     metrics, w = self._micro_step(batch, sl, normalizer, with_entropy=it == 0, old_parts=old_parts)
@@ -468,11 +483,11 @@ class GRPOTrainer:
     def _optimizer_step(self, batch: RolloutBatch) -> float:
         params = [p for p in self.model.parameters() if p.requires_grad]
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
-        if self.accel.distributed_type == "DEEPSPEED":  # (it clips in its own step, as its config says)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        else:  # accelerate's, which unscales a float16 loss scaler's gradients first
-            grad_norm = float(self.accel.clip_grad_norm_(params, max_norm))
-        if not math.isfinite(grad_norm):
+        # accelerate's: a float16 loss scaler's gradients unscaled first; under DeepSpeed the norm its engine took
+        # when it stepped, in the last micro-batch's backward, clipping by its config's gradient_clipping
+        norm = self.accel.clip_grad_norm_(params, max_norm)
+        grad_norm = float("nan") if norm is None else float(norm)  # (None: a DeepSpeed engine that kept no norm)
+        if norm is not None and not math.isfinite(grad_norm):
             # Skip: AdamW would write NaN into every weight (measured in TRL 1.16, reliability.md 3.2).
             if self.accel.scaler is not None:  # its step skips the update too, and lowers the loss scale
                 self.optimizer.step()
@@ -481,7 +496,9 @@ class GRPOTrainer:
             self.nonfinite_total += 1
             self.nonfinite_in_a_row += 1
             saved = self._save_nonfinite_inputs(batch)
-            print(f"warning: step {self.step + 1}: non-finite gradient norm ({grad_norm}); optimizer step skipped, "
+            taken = ("DeepSpeed's engine had stepped already (it skips float16 overflows itself)" if self.deepspeed
+                     else "optimizer step skipped")
+            print(f"warning: step {self.step + 1}: non-finite gradient norm ({grad_norm}); {taken}, "
                   f"inputs saved to {saved}.")
             if self.nonfinite_in_a_row >= self.cfg.max_nonfinite_steps:
                 raise TrainingStopped(
