@@ -71,7 +71,7 @@ class GRPOTrainer:
             # read whole weights. Measured: sampling read the sharded head and the reference's embedding.
             raise ConfigError("DeepSpeed ZeRO-3 is not supported (sampling, the reference model and saving read "
                               "whole weights): use ZeRO-2 (recipes/accelerate/zero2.yaml), which shards the "
-                              "optimizer state and gradients, or FSDP (recipes/accelerate/fsdp.yaml).")
+                              "optimizer state and gradients, or DDP (recipes/accelerate/ddp.yaml).")
         self.world, self.rank = self.accel.num_processes, self.accel.process_index
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
