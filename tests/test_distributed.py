@@ -34,17 +34,24 @@ log_completions_steps: 0
 """
 
 
-def run(args, out, env):
+def job(tmp_path, model_dir) -> dict:
+    """Write the recipe and its data into tmp_path; returns the environment the runs take."""
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"q{i}\n"}) + "\n" for i in range(16)))
+    (tmp_path / "recipe.yaml").write_text(RECIPE.format(model=model_dir, data=data))
+    return {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1"}
+
+
+def run(args, out, env, succeed=True) -> subprocess.CompletedProcess:
     result = subprocess.run([sys.executable, *args, "train", str(out.parent / "recipe.yaml"), f"output_dir={out}"],
                             env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    if succeed:
+        assert result.returncode == 0, result.stderr[-3000:]
+    return result
 
 
 def test_two_processes_match_one(tmp_path, tiny_model_dir):
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"q{i}\n"}) + "\n" for i in range(16)))
-    (tmp_path / "recipe.yaml").write_text(RECIPE.format(model=tiny_model_dir, data=data))
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1"}
+    env = job(tmp_path, tiny_model_dir)
     run(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517", "-m", "grpo.cli"],
         tmp_path / "two", env)
     run(["-m", "grpo.cli"], tmp_path / "one", env)
@@ -74,20 +81,21 @@ main_process_port: {port}
 """
 
 
-@pytest.mark.parametrize("stage", [2])
-def test_deepspeed_matches_one_process(tmp_path, tiny_model_dir, stage):
-    """Under DeepSpeed ZeRO (accelerate's config, DeepSpeed's CPU backend) the run reaches the plain run's weights:
+def deepspeed(tmp_path, stage: int) -> list[str]:
+    """The arguments that launch `grpo train` under DeepSpeed ZeRO-`stage`, one process (tests/deepspeed_driver.py)."""
+    (tmp_path / "ds.yaml").write_text(DEEPSPEED.format(stage=stage, port=29531 + stage))
+    return ["-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "ds.yaml"),
+            str(Path(__file__).parent / "deepspeed_driver.py")]
+
+
+def test_deepspeed_matches_one_process(tmp_path, tiny_model_dir):
+    """Under DeepSpeed ZeRO-2 (accelerate's config, DeepSpeed's CPU backend) the run reaches the plain run's weights:
     the 4 micro-batches of a step are one optimizer step (DeepSpeed's engine steps in backward unless told more
     micro-batches follow), its 'auto' micro-batch size and gradient clipping come from the recipe, and the logged
     gradient norm is the one the engine took, not 0."""
     pytest.importorskip("deepspeed")
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"q{i}\n"}) + "\n" for i in range(16)))
-    (tmp_path / "recipe.yaml").write_text(RECIPE.format(model=tiny_model_dir, data=data))
-    (tmp_path / "ds.yaml").write_text(DEEPSPEED.format(stage=stage, port=29531 + stage))
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1"}
-    run(["-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "ds.yaml"),
-         str(Path(__file__).parent / "deepspeed_driver.py")], tmp_path / "ds", env)
+    env = job(tmp_path, tiny_model_dir)
+    run(deepspeed(tmp_path, stage=2), tmp_path / "ds", env)
     run(["-m", "grpo.cli"], tmp_path / "one", env)
     one = load_file(str(tmp_path / "one" / "final" / "model.safetensors"))
     ds = load_file(str(tmp_path / "ds" / "final" / "model.safetensors"))
@@ -102,14 +110,7 @@ def test_deepspeed_matches_one_process(tmp_path, tiny_model_dir, stage):
 
 def test_deepspeed_zero3_is_refused_with_what_to_use(tmp_path, tiny_model_dir):
     pytest.importorskip("deepspeed")
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"q{i}\n"}) + "\n" for i in range(16)))
-    (tmp_path / "recipe.yaml").write_text(RECIPE.format(model=tiny_model_dir, data=data))
-    (tmp_path / "ds.yaml").write_text(DEEPSPEED.format(stage=3, port=29541))
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                             str(tmp_path / "ds.yaml"), str(Path(__file__).parent / "deepspeed_driver.py"), "train",
-                             str(tmp_path / "recipe.yaml"), f"output_dir={tmp_path / 'out'}"],
-                            env=env, capture_output=True, text=True, timeout=600)
+    env = job(tmp_path, tiny_model_dir)
+    result = run(deepspeed(tmp_path, stage=3), tmp_path / "out", env, succeed=False)
     assert result.returncode != 0
     assert "DeepSpeed ZeRO-3 is not supported" in result.stderr and "zero2.yaml" in result.stderr
