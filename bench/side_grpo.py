@@ -34,14 +34,16 @@ def train(w: Workload, model_dir: str, steps: int, run_dir: str, overrides: dict
     from datasets import Dataset
 
     from grpo import GRPOConfig, GRPOTrainer
+    from grpo.engines.cpu import native
 
+    native.keep_freed_memory()  # as the `grpo` command does in its own process
     cfg = {**settings(w, steps, run_dir), **overrides}
     trainer = GRPOTrainer(model=model_dir, reward_funcs=[reward_vowels], args=GRPOConfig(**cfg),
                           train_dataset=Dataset.from_dict({"prompt": prompts(w)}))
     # The same three cuts as on TRL's side: sampling, the reward functions, the no-grad log-prob passes.
     trainer.generator.generate = timed(clock, "generation", trainer.generator.generate,
                                        count=lambda out: sum(len(ids) for ids in out.ids))
-    trainer.rewards = timed(clock, "scoring", trainer.rewards)
+    trainer.rollouts.rewards = timed(clock, "scoring", trainer.rollouts.rewards)
     trainer._score_logprobs = timed(clock, "logprobs", trainer._score_logprobs)
     train_step = trainer.train_step
 

@@ -15,7 +15,7 @@ def __getattr__(name: str):
 
         return GRPOConfig
     if name == "GRPOTrainer":
-        from grpo.trainer import GRPOTrainer
+        from grpo.training.trainer import GRPOTrainer
 
         return GRPOTrainer
     raise AttributeError(f"module 'grpo' has no attribute {name!r}")

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args)
         if args.command == "eval":
             return _eval(args)
-        from grpo.plot import plot_run
+        from grpo.training.plot import plot_run
 
         print(plot_run(args.run_dir))
         return 0
@@ -110,27 +110,39 @@ def _train(args) -> int:
     if args.resume:
         overrides.append("resume=true")
     cfg = GRPOConfig.load(recipe or DEFAULT_RECIPE, overrides)
-    from grpo.trainer import GRPOTrainer, TrainingStopped
+    from grpo.training.trainer import GRPOTrainer, TrainingStopped
 
+    if not torch_has_gpu():
+        # This command owns its process: tune glibc's malloc for the CPU engine's training steps (process-wide, so
+        # the library leaves it to its caller: grpo.engines.cpu.native.keep_freed_memory).
+        from grpo.engines.cpu import native
+
+        native.keep_freed_memory()
     trainer = GRPOTrainer(args=cfg)
     try:
         trainer.train()
     except TrainingStopped as err:
         print(f"grpo: stopped: {err}", file=sys.stderr)
         return 1
-    print(f"done: {cfg.output_dir}/final (metrics: {cfg.output_dir}/metrics.jsonl, plot: {cfg.output_dir}/plot.png)")
     return 0
+
+
+def torch_has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _eval(args) -> int:
     import torch
 
     from grpo.config import ConfigError, GRPOConfig
-    from grpo.data import build_prompt_set, load_dataset_any
+    from grpo.engines.base import SamplingParams
+    from grpo.engines.select import choose_engine, make_sampler
     from grpo.evaluate import evaluate_prompts
-    from grpo.generation import SamplingParams, TransformersGenerator
-    from grpo.model import load_tokenizer
     from grpo.rewards import RewardRunner, resolve_reward
+    from grpo.training.data import build_prompt_set, load_dataset_any
+    from grpo.training.model import load_tokenizer
 
     model_path = Path(args.model)
     if (model_path / "final" / "config.json").exists():
@@ -164,7 +176,7 @@ def _eval(args) -> int:
     model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
     prompts = build_prompt_set(dataset, tokenizer, cfg, prefill, "--dataset")
     torch.manual_seed(args.seed)
-    gen = TransformersGenerator(model, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+    gen = make_sampler(choose_engine("auto", model, torch.device("cpu"), 1, "NO"), model, tokenizer)
     params = SamplingParams(args.max_completion_length, args.temperature)
     result = evaluate_prompts(gen, tokenizer, prompts, runner, [n for n, _ in funcs], params,
                               seed=args.seed, k=args.k)

@@ -139,7 +139,9 @@ class GRPOConfig:
     top_k: int = _f(0, "Top-k sampling (0: off).")
     min_p: float = _f(0.0, "Min-p sampling (0: off).")
     repetition_penalty: float = _f(1.0, "Repetition penalty in sampling (1: off).")
-    generation_backend: str = _f("transformers", "Rollout engine.", ("transformers", "vllm"))
+    engine: str = _f("auto", "Rollout and update engine: cpu (compiled paths for a float32 model in one process on "
+                     "the CPU), transformers (any model and device), or auto: cpu where it applies, transformers "
+                     "otherwise. The run prints which it took and why.", ("auto", "transformers", "cpu"))
 
     # ---- optimization ------------------------------------------------------------------------------------------
     learning_rate: float = _f(1e-6, "Peak AdamW learning rate.")
@@ -167,7 +169,7 @@ class GRPOConfig:
     reference_weights: str = _f("auto", "Where the reference model's weights stay between reference passes (beta > 0, "
                                 "full fine-tuning): memory, or disk (a file in output_dir that each pass maps back "
                                 "in, so the process holds them only during that pass; ~10 ms per step for a 170 MB "
-                                "reference). auto: disk on a CPU in one process, memory otherwise.",
+                                "reference). auto: disk with the cpu engine, memory otherwise.",
                                 ("auto", "memory", "disk"))
     kl_estimator: str = _f("k3", "KL estimator (Schulman): k1, k2 or k3 (the paper's).", ("k1", "k2", "k3"))
     epsilon: float = _f(0.2, "Clip range: ratio clipped to [1-epsilon, 1+epsilon_high].")

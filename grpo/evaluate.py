@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-from grpo.data import PromptSet
-from grpo.generation import SamplingParams
+from grpo.training.data import PromptSet
+from grpo.engines.base import SamplingParams
 from grpo.rewards.math_accuracy import extract_answer
-from grpo.rollout import as_completion, strip_eos
+from grpo.training.rollout import as_completion, strip_eos
 
 
 def evaluate_prompts(generator, tokenizer, prompts: PromptSet, rewards, reward_names: list[str],

@@ -14,8 +14,8 @@ import sys
 
 from datasets import Dataset
 
-import grpo.checkpoint as ckpt
-import grpo.trainer as trainer_module
+import grpo.training.checkpoint as ckpt
+import grpo.training.trainer as trainer_module
 from grpo import GRPOConfig, GRPOTrainer
 from rewards_for_tests import count_a
 

@@ -297,7 +297,7 @@ def test_seeded_hidden_loss_survives_non_finite_and_far_off_estimates(kernels):
     """NaN, +-inf and hugely low estimates, at positions the loss uses and at ones it ignores (padding), give finite,
     exact gradients; so does an estimate far too high under a loss that couples a row's positions (a sequence-level
     ratio), which inflates the others' first-pass terms."""
-    from grpo import native
+    from grpo.engines.cpu import native
 
     if kernels == "compiled":
         kernels = native.tile_kernels(torch.float32, torch.device("cpu"))

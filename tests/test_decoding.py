@@ -7,10 +7,13 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-import grpo.decoding as decoding
-import grpo.generation as generation
-from grpo.decoding import LeanDecoder, packed_head, preallocated_cache
-from grpo.generation import SamplingParams, TransformersGenerator
+import grpo.engines.cpu.decoding as decoding
+import grpo.engines.cpu.sampler as generation
+import grpo.engines.sampling as sampling
+from grpo.engines.base import SamplingParams
+from grpo.engines.cpu.decoding import LeanDecoder, packed_head
+from grpo.engines.cpu.sampler import CPUSampler as TransformersGenerator
+from grpo.engines.kv_cache import preallocated_cache
 
 
 def tiny(kind: str):
@@ -64,7 +67,7 @@ def test_generation_is_the_same_with_and_without_the_lean_path(kind, monkeypatch
     params = SamplingParams(12, temperature=1.0)
     fast = TransformersGenerator(model, pad_id=0, eos_ids=[49]).generate(ids, params, seeds=[1, 2, 3])
     monkeypatch.setattr(generation.LeanDecoder, "supports", staticmethod(lambda m: False))
-    monkeypatch.setattr(generation, "preallocated_cache", lambda m, c: None)
+    monkeypatch.setattr(sampling, "preallocated_cache", lambda m, c: None)
     slow = TransformersGenerator(model, pad_id=0, eos_ids=[49]).generate(ids, params, seeds=[1, 2, 3])
     assert fast.ids == slow.ids
     for a, b in zip(fast.logprobs, slow.logprobs):
@@ -113,7 +116,7 @@ def test_norm_and_rotary_are_bit_identical_to_transformers():
     compute (same operations in the same order), so the lean and stock steps differ only in matmul rounding."""
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_pos_emb
 
-    from grpo.decoding import _rms_norm, _rotate
+    from grpo.engines.cpu.decoding import _rms_norm, _rotate
 
     torch.manual_seed(0)
     norm = Qwen2RMSNorm(64, eps=1e-6)

@@ -8,9 +8,9 @@ from datasets import Dataset
 
 from grpo.cli import main
 from grpo.config import GRPOConfig
-from grpo.data import build_prompt_set
+from grpo.training.data import build_prompt_set
 from grpo.evaluate import evaluate_prompts, extract_answer
-from grpo.generation import SamplingParams, ScriptedGenerator
+from grpo.engines.base import SamplingParams, ScriptedGenerator
 from grpo.rewards import RewardRunner, resolve_reward
 
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 from datasets import Dataset
 
-import grpo.trainer as trainer_module
+import grpo.training.trainer as trainer_module
 from grpo import GRPOConfig, GRPOTrainer
-from grpo.checkpoint import latest_checkpoint
+from grpo.training.checkpoint import latest_checkpoint
 from grpo.rewards import RewardError
-from grpo.trainer import TrainingStopped
+from grpo.training.trainer import TrainingStopped
 from rewards_for_tests import count_a
 
 

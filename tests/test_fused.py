@@ -1,4 +1,4 @@
-"""grpo.fused: the compiled SwiGLU and RMSNorm passes against float64 torch, and a decoder switched to them against
+"""engines/cpu/fused.py: the compiled SwiGLU and RMSNorm passes against float64 torch, and a decoder switched to them against
 the same decoder as transformers runs it (outputs and every parameter's gradient)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from grpo.fused import _RMSNorm, _SwiGLU, fuse_decoder_ops
+from grpo.engines.cpu.fused import _RMSNorm, _SwiGLU, fuse_decoder_ops
 from test_native import needs_compiler, tiny
 
 

@@ -8,14 +8,16 @@ import math
 import pytest
 import torch
 
-from grpo import native
-from grpo.generation import (SamplingParams, TransformersGenerator, left_pad, process_logits, sample_rows,
+from grpo.engines.cpu import native
+from grpo.engines.cpu.sampler import CPUSampler as TransformersGenerator
+from grpo.engines.cpu.sampler import sample_rows
+from grpo.engines.sampling import (SamplingParams, left_pad, process_logits,
                              uniform_streams)
 
 
 @pytest.fixture(params=["compiled", "torch"])
 def sampler(request, monkeypatch):
-    """Runs a sampling test on the compiled sampler (grpo/csrc/softmax.c) and on the torch one."""
+    """Runs a sampling test on the compiled sampler (grpo/engines/cpu/csrc/softmax.c) and on the torch one."""
     if request.param == "torch":
         monkeypatch.setattr(native, "library", lambda: None)
     elif native.library() is None:
@@ -120,12 +122,13 @@ def test_a_shared_prompt_is_encoded_once_with_the_same_completions(tiny_model_di
     and log-probs are those of encoding every row, with the lean step and with transformers' own forward."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import grpo.generation as generation
+    import grpo.engines.cpu.sampler as cpu_sampler
+    import grpo.engines.sampling as generation
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     if not lean:
-        monkeypatch.setattr(generation.LeanDecoder, "supports", staticmethod(lambda m: False))
+        monkeypatch.setattr(cpu_sampler.LeanDecoder, "supports", staticmethod(lambda m: False))
     gen = TransformersGenerator(model, tok.pad_token_id, [tok.eos_token_id])
     a = tok("abc", add_special_tokens=False)["input_ids"]
     b = tok("a much longer prompt", add_special_tokens=False)["input_ids"]
@@ -152,7 +155,7 @@ def test_sampling_logprobs_match_a_full_forward(tiny_model_dir):
     filters), recomputed in one pass over prompt + completion as the trainer does."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from grpo.model import completion_logprobs
+    from grpo.engines.policy import completion_logprobs
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
@@ -170,7 +173,7 @@ def test_chunked_head_path_equals_the_logits_path(tiny_model_dir, monkeypatch):
     gradients: it is a memory optimization, not a different loss."""
     from transformers import AutoModelForCausalLM
 
-    import grpo.model as model_module
+    import grpo.engines.policy as model_module
 
     torch.manual_seed(0)
     ids = torch.randint(3, 200, (4, 20))
@@ -209,7 +212,7 @@ def test_a_shared_prompt_is_scored_once_with_the_same_logprobs(tiny_model_dir, m
     are those of the full forward, with left-padded prompts of two lengths and right-padded completions."""
     from transformers import AutoModelForCausalLM
 
-    import grpo.model as model_module
+    import grpo.engines.policy as model_module
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     torch.manual_seed(0)

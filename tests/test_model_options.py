@@ -61,7 +61,8 @@ def test_one_pass_loss_buffer_cap_is_larger_for_a_frozen_head(tiny_model_dir, mo
     the plain path's either way."""
     from transformers import AutoModelForCausalLM
 
-    import grpo.model as gm
+    import grpo.engines.cpu.backend as gm
+    import grpo.engines.policy as policy
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     vocab = model.get_output_embeddings().weight.shape[0]
@@ -77,6 +78,6 @@ def test_one_pass_loss_buffer_cap_is_larger_for_a_frozen_head(tiny_model_dir, mo
     assert gm.completion_loss(model, ids, mask, T, 1.0, row_loss) is None
     model.get_output_embeddings().weight.requires_grad_(False)
     loss, logp, _ = gm.completion_loss(model, ids, mask, T, 1.0, row_loss)
-    want = gm.completion_logprobs(model, ids, mask, T, 1.0)
+    want = policy.completion_logprobs(model, ids, mask, T, 1.0)
     torch.testing.assert_close(logp, want.detach())
     torch.testing.assert_close(loss.detach(), -want.sum().detach())

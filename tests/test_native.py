@@ -1,4 +1,4 @@
-"""The compiled decode step (grpo/csrc/lean_step.c) gives what the torch lean step gives, and falls back cleanly."""
+"""The compiled decode step (engines/cpu/csrc/lean_step.c) gives what the torch lean step gives, and falls back cleanly."""
 
 from __future__ import annotations
 
@@ -15,12 +15,14 @@ import torch.nn.functional as F
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM)
 
-import grpo.generation as generation
-from grpo import native
+import grpo.engines.cpu.sampler as generation
+from grpo.engines.cpu import native
 from grpo.core import hidden_logprobs, hidden_loss
-from grpo.decoding import LeanDecoder, packed_head, preallocated_cache
-from grpo.native import CompiledHead, CompiledStep
-from grpo.generation import SamplingParams, TransformersGenerator
+from grpo.engines.cpu.decoding import LeanDecoder, packed_head
+from grpo.engines.kv_cache import preallocated_cache
+from grpo.engines.cpu.native import CompiledHead, CompiledStep
+from grpo.engines.base import SamplingParams
+from grpo.engines.cpu.sampler import CPUSampler as TransformersGenerator
 import tests.test_core_logprobs as core_tests
 
 # With a compiler on the machine the build must succeed (a failure fails these tests instead of skipping them).
@@ -130,7 +132,7 @@ def test_compiled_step_is_not_used_where_it_does_not_apply(monkeypatch):
     big = tiny("qwen2").double()
     big_cache, _ = prefilled(big, ids, mask, 2)
     assert LeanDecoder(big).compiled(big_cache, 1) is None  # float64
-    monkeypatch.setattr("grpo.native._ANY_THREADS_BYTES", 0)  # "large" layers: one thread only
+    monkeypatch.setattr("grpo.engines.cpu.native._ANY_THREADS_BYTES", 0)  # "large" layers: one thread only
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
@@ -211,7 +213,7 @@ def test_portable_build_without_avx512_gives_the_same_products(tmp_path, monkeyp
     for width in (24, 48):
         wide = torch.randn(37, width)
         assert torch.equal(CompiledHead(native.library(), wide, None, 4).packed, CompiledHead(lib, wide, None, 4).packed)
-    from test_fused import check_rms_norm, check_swiglu  # training's fused passes, through grpo.fused
+    from test_fused import check_rms_norm, check_swiglu  # training's fused passes, through grpo.engines.cpu.fused
 
     with monkeypatch.context() as patch:
         patch.setattr(native, "library", lambda: lib)
@@ -475,7 +477,7 @@ def test_compiled_logit_tiles_check_their_inputs():
 
 _HEAP_OR_MAPPED = """
 import ctypes, sys, torch
-from grpo import native
+from grpo.engines.cpu import native
 applied = native.keep_freed_memory() if sys.argv[1] == "keep" else False
 sbrk = ctypes.CDLL(None).sbrk
 sbrk.argtypes, sbrk.restype = [ctypes.c_long], ctypes.c_void_p

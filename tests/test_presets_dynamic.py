@@ -10,7 +10,7 @@ from datasets import Dataset
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.config import ConfigError
-from grpo.generation import ScriptedGenerator
+from grpo.engines.base import ScriptedGenerator
 
 
 @pytest.mark.parametrize("preset, expected", [

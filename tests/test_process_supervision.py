@@ -9,7 +9,7 @@ import torch
 from datasets import Dataset
 
 from grpo import GRPOConfig, GRPOTrainer
-from grpo.generation import ScriptedGenerator
+from grpo.engines.base import ScriptedGenerator
 
 GOOD = "2 * 3 = 6\n6 + 1 = 7\n</think>\n<answer>7</answer>"
 FIRST_WRONG = "2 * 3 = 5\n5 + 1 = 6\n</think>\n<answer>6</answer>"

@@ -76,7 +76,7 @@ def test_one_pass_loss_gradient_matches_the_two_pass_path(tiny_model_dir, tmp_pa
     """hidden_loss (the loss's gradient formed in the log-prob pass), seeded by the sampler's log-probs in the first
     iteration or through its row buffer, trains to the same weights and metrics as hidden_logprobs + backward, with
     the KL term, 2 iterations and 2 micro-batches of ragged completions."""
-    import grpo.model as model_module
+    import grpo.engines.cpu.backend as model_module
 
     seeded = []
     if one_pass == "seeded":  # as with a real vocabulary: the buffer cannot hold a row, so no buffer path
@@ -90,8 +90,8 @@ def test_one_pass_loss_gradient_matches_the_two_pass_path(tiny_model_dir, tmp_pa
                           per_device_train_batch_size=16, importance_sampling_level=ratio_level,
                           loss_aggregation="sequence_mean")
         t = GRPOTrainer(model=tiny_model_dir, reward_funcs=[count_a], args=cfg, train_dataset=prompts())
-        assert t.fused_loss and t.sampling_estimates
-        t.fused_loss, t.sampling_estimates = fused, one_pass == "seeded"
+        assert t.backend.fused_loss and t.backend.sampling_estimates
+        t.backend.fused_loss, t.backend.sampling_estimates = fused, one_pass == "seeded"
         metrics = t.train()
         runs.append(({k: v.clone() for k, v in t.policy.state_dict().items()}, metrics))
     # the first iteration's passes seeded (the trained head's second iteration has no estimate and takes the two
@@ -109,9 +109,9 @@ def test_head_gradient_memory_is_lent_to_the_next_rollouts_packed_head(tiny_mode
     """On one thread with the compiled head, the memory of the head's gradient is handed to the next rollout, which
     packs the head into it and lets it go (or to the next iteration's gradient, which takes it back); training gives
     the same weights, bit for bit, as without it (2 micro-batches, KL term; buffer, seeded and two-pass updates)."""
-    import grpo.model as model_module
-    from grpo import native
-    from grpo.model import plain_head
+    import grpo.engines.cpu.backend as model_module
+    from grpo.engines.cpu import native
+    from grpo.engines.policy import plain_head
 
     if native.library() is None:
         pytest.skip("no C compiler: no compiled head to pack")
@@ -125,8 +125,8 @@ def test_head_gradient_memory_is_lent_to_the_next_rollouts_packed_head(tiny_mode
         cfg = base_config(tmp_path / str(lend), max_steps=3, beta=0.04, per_device_train_batch_size=16,
                           num_iterations=iterations)
         t = GRPOTrainer(model=tiny_model_dir, reward_funcs=[count_a], args=cfg, train_dataset=prompts())
-        assert t.lend_head_grad
-        t.lend_head_grad = lend
+        assert t.backend.lend_head_grad
+        t.backend.lend_head_grad = lend
         step = t._optimizer_step
 
         def optimizer_step(batch, t=t, step=step):
@@ -158,9 +158,9 @@ def test_head_gradient_memory_is_lent_to_the_next_rollouts_packed_head(tiny_mode
 
 def test_fused_decoder_ops_train_like_the_modules(tiny_model_dir, tmp_path, monkeypatch):
     """On the CPU the policy's and the reference's MLP activations and RMSNorms run as compiled passes
-    (grpo/fused.py); training gives the weights and metrics of transformers' own modules up to rounding."""
-    import grpo.trainer as trainer_module
-    from grpo import native
+    (grpo/engines/cpu/fused.py); training gives the weights and metrics of transformers' own modules up to rounding."""
+    import grpo.engines.cpu.backend as trainer_module
+    from grpo.engines.cpu import native
 
     if native.library() is None:
         pytest.skip("no C compiler: nothing is fused")
@@ -186,7 +186,7 @@ def test_a_head_that_is_not_a_plain_linear_layer_trains_through_the_full_forward
     import json
     import shutil
 
-    from grpo.model import plain_head
+    from grpo.engines.policy import plain_head
 
     model_dir = tmp_path / "scaled"
     shutil.copytree(tiny_model_dir, model_dir)
@@ -194,7 +194,7 @@ def test_a_head_that_is_not_a_plain_linear_layer_trains_through_the_full_forward
     (model_dir / "config.json").write_text(json.dumps({**config, "logit_scale": 0.5}))
     t = GRPOTrainer(model=str(model_dir), reward_funcs=[count_a], args=base_config(tmp_path, max_steps=1, beta=0.04),
                     train_dataset=prompts())
-    assert plain_head(t.policy) is None and t.fused_loss and not t.lend_head_grad
+    assert plain_head(t.policy) is None and t.backend.fused_loss and not t.backend.lend_head_grad
     metrics = t.train_step()
     assert torch.isfinite(torch.tensor(metrics["policy/loss"]))
 
@@ -204,7 +204,7 @@ def test_reference_on_disk_trains_like_the_reference_in_memory(tiny_model_dir, t
     weights between passes, and deletes its file when the trainer goes."""
     import gc
 
-    from grpo.model import DiskReference
+    from grpo.engines.cpu.reference import DiskReference
 
     runs = []
     for where in ("memory", "disk"):
@@ -231,7 +231,7 @@ def test_reference_on_disk_trains_like_the_reference_in_memory(tiny_model_dir, t
 def test_disk_reference_scores_like_the_model_and_keeps_tied_weights(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from grpo.model import DiskReference
+    from grpo.engines.cpu.reference import DiskReference
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     ids = torch.tensor([[5, 9, 40, 41, 7]])
@@ -251,7 +251,7 @@ def test_disk_reference_scores_like_the_model_and_keeps_tied_weights(tiny_model_
 def test_disk_references_in_one_directory_keep_their_own_files(tmp_path):
     """Two trainers on one output_dir: each reference scores with its own weights, closing one leaves the other
     intact, and a file left by a process that no longer runs is deleted when the next reference is made."""
-    from grpo.model import DiskReference
+    from grpo.engines.cpu.reference import DiskReference
 
     a, b = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
     ref_a, ref_b = DiskReference(a, tmp_path), DiskReference(b, tmp_path)
@@ -268,7 +268,7 @@ def test_disk_references_in_one_directory_keep_their_own_files(tmp_path):
 def test_disk_reference_saves_parameters_that_share_memory(tmp_path):
     """Parameters that are one tensor under two objects, or overlapping parts of one storage (which safetensors
     refuses to write as they are), are written and restored."""
-    from grpo.model import DiskReference
+    from grpo.engines.cpu.reference import DiskReference
 
     model = torch.nn.Module()
     flat = torch.arange(12.0)
@@ -308,7 +308,7 @@ def test_lora_frozen_head_seeded_in_every_iteration_matches_the_two_pass_path(ti
                                                                               monkeypatch):
     """A frozen head (LoRA) takes the seeded one-pass loss in both iterations (the sampler's log-probs, then the
     first iteration's), with LoRA dropout on, and trains the adapters as the two-pass path does."""
-    import grpo.model as model_module
+    import grpo.engines.cpu.backend as model_module
 
     monkeypatch.setattr(model_module, "_FUSED_ELEMENTS_FROZEN_HEAD", 1)  # as with a real vocabulary: no buffer
     seeded = []
@@ -320,8 +320,8 @@ def test_lora_frozen_head_seeded_in_every_iteration_matches_the_two_pass_path(ti
         cfg = base_config(tmp_path / str(fused), max_steps=2, use_peft=True, lora_r=4, lora_alpha=8, beta=0.04,
                           lora_dropout=0.1, num_iterations=2, per_device_train_batch_size=16)
         t = GRPOTrainer(model=tiny_model_dir, reward_funcs=[count_a], args=cfg, train_dataset=prompts())
-        assert t.frozen_head and t.sampling_estimates
-        t.fused_loss = fused
+        assert t.backend.frozen_head and t.backend.sampling_estimates
+        t.backend.fused_loss = fused
         torch.manual_seed(0)  # the same dropout masks on both paths
         t.train()
         runs.append({k: v.clone() for k, v in t.policy.state_dict().items() if "lora" in k})
@@ -333,7 +333,7 @@ def test_lora_frozen_head_seeded_in_every_iteration_matches_the_two_pass_path(ti
 def test_lora_reference_with_gradient_checkpointing_scores_shared_prompts(tiny_model_dir, tmp_path, monkeypatch):
     """The LoRA reference is the policy in training mode with adapters off; with gradient checkpointing it declines
     the KV cache that encoding a group's shared prompt once relies on, so the reference pass takes the full forward."""
-    import grpo.model as model_module
+    import grpo.engines.policy as model_module
 
     shared = []
     shared_hidden = model_module._shared_prompt_hidden
@@ -370,7 +370,7 @@ def test_tied_embedding_gradient_is_sparse_only_while_training(tiny_model_dir, t
     t = GRPOTrainer(model=tiny_model_dir, reward_funcs=[count_a], args=base_config(tmp_path, max_steps=1),
                     train_dataset=prompts())
     emb = t.policy.get_input_embeddings()
-    assert t.sparse_embedding and emb.sparse
+    assert t.backend.sparse_embedding and emb.sparse
     t.train()
     assert not emb.sparse
     t.policy.zero_grad(set_to_none=True)
@@ -390,7 +390,8 @@ def test_a_float16_loss_scale_is_undone_before_clipping(tiny_model_dir, tmp_path
     def trainer(name, scale=None):
         cfg = base_config(tmp_path / name, max_steps=2, max_grad_norm=1e-3)
         t = GRPOTrainer(model=tiny_model_dir, reward_funcs=[count_a], args=cfg, train_dataset=prompts())
-        t.fused_loss = t.sampling_estimates = t.lend_head_grad = False  # as they are with a scaler
+        # as they are with a scaler
+        t.backend.fused_loss = t.backend.sampling_estimates = t.backend.lend_head_grad = False
         if scale is not None:
             t.accel.scaler = GradScaler("cpu", init_scale=scale)
             t.accel.native_amp = True

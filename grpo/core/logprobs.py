@@ -376,7 +376,12 @@ def _check_args(name: str, leading: torch.Size, tokens: Tensor | None, temperatu
 
 def _check_token_range(name: str, tokens: Tensor, vocab: int) -> None:
     """Raise ValueError naming `name` if a token id is outside [0, vocab) (e.g. -100 padding): the tiled head would
-    otherwise read a wrong logit instead of failing."""
+    otherwise read a wrong logit instead of failing. On an accelerator the check runs on the device (a device-side
+    assertion), so the host does not wait for it."""
+    if tokens.device.type != "cpu":
+        if tokens.numel():
+            torch._assert_async(((tokens >= 0) & (tokens < vocab)).all(), f"{name}: token ids must be in [0, {vocab})")
+        return
     if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
         raise ValueError(f"{name}: token ids must be in [0, {vocab}), got min {int(tokens.min())} and max "
                          f"{int(tokens.max())}; replace padding ids (e.g. -100) by a real id and mask them out")
@@ -462,7 +467,7 @@ def hidden_logprobs(
             results up to rounding: `tile_stats(x, inv_t, y, v0, target, run_max, s, s2)` folds an unscaled
             (m, b) logit tile of vocabulary rows v0 .. v0+b into the running statistics of `_head_forward` (in
             place), and `tile_grad(x, inv_t, lse, g, g_entropy, entropy)` turns it into d loss / d logits without
-            the target's +g (in place; returns it). grpo.native.TileKernels is one (compiled C).
+            the target's +g (in place; returns it). grpo.engines.cpu.native.TileKernels is one (compiled C).
 
     Returns:
         (logp, entropy): (N, T) float32 log-probs (float64 for float64 input) and entropies of the same dtype, or

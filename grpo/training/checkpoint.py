@@ -4,7 +4,7 @@ A checkpoint is written into `checkpoint-<step>.tmp` and renamed to `checkpoint-
 `manifest.json` last, is written and flushed. Resume takes the newest directory that has a manifest; a leftover
 `.tmp` is ignored and removed. Checkpoints hold: trainable weights (safetensors), optimizer and scheduler state,
 the step counter, the prompt sampler's position, and every random state (Python, NumPy, torch; sampling seeds are
-derived from the step, see `grpo.generation.row_seed`). Steps end at rollout boundaries, so no rollout buffer is
+derived from the step, see `grpo.engines.sampling.row_seed`). Steps end at rollout boundaries, so no rollout buffer is
 ever in flight when a checkpoint is written.
 """
 
@@ -107,3 +107,12 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
 def _prune(output_dir: Path, keep: int) -> None:
     for _, path in complete_checkpoints(output_dir)[:-keep]:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def save_nonfinite_inputs(output_dir: str | Path, step: int, rank: int, batch) -> Path:
+    """A step's tensors and sample texts (a `RolloutBatch`), so a NaN can be reproduced and inspected offline."""
+    path = Path(output_dir) / "nonfinite" / f"step_{step:06d}_rank{rank}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fields = ("input_ids", "attention_mask", "completion_mask", "advantages", "old_logp", "ref_logp")
+    torch.save({**{f: getattr(batch, f) for f in fields}, "samples": batch.samples}, path)
+    return path

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from grpo.config import ConfigError, GRPOConfig
-from grpo.data import load_dataset_any
+from grpo.training.data import load_dataset_any
 
 
 def seed_everything(seed: int) -> None:
@@ -162,3 +162,25 @@ def make_optimizer(model, cfg: GRPOConfig) -> torch.optim.AdamW:
     fusable = bool(params) and all(type(p.data) is torch.Tensor and p.is_floating_point()
                                    and p.device.type in ("cpu", "cuda") for p in params)
     return torch.optim.AdamW(params, fused=True if fusable else None, **kwargs)
+
+
+def check_accelerator(accelerator) -> None:
+    """Refuse what this trainer cannot run, before any model loads."""
+    if accelerator.distributed_type == "DEEPSPEED" and accelerator.state.deepspeed_plugin.zero_stage == 3:
+        # ZeRO-3 shards every weight (transformers loads them sharded); sampling, the reference and saving here
+        # read whole weights. Measured: sampling read the sharded head and the reference's embedding.
+        raise ConfigError("DeepSpeed ZeRO-3 is not supported (sampling, the reference model and saving read "
+                          "whole weights): use ZeRO-2 (recipes/accelerate/zero2.yaml), which shards the "
+                          "optimizer state and gradients, or DDP (recipes/accelerate/ddp.yaml).")
+
+
+def fill_deepspeed_auto(accelerator, cfg: GRPOConfig) -> None:
+    """The DeepSpeed config's "auto" values that accelerate would read from a prepared dataloader (this loop has
+    none): the micro-batch size and the gradient clipping."""
+    if accelerator.distributed_type != "DEEPSPEED":
+        return
+    ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
+    for key, value in (("train_micro_batch_size_per_gpu", cfg.per_device_train_batch_size),
+                       ("gradient_clipping", cfg.max_grad_norm if cfg.max_grad_norm > 0 else 0.0)):
+        if ds_config.get(key) in (None, "auto"):
+            ds_config[key] = value

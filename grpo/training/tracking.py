@@ -239,7 +239,7 @@ class RunLogger:
         self._wandb = self._open_wandb(config, run_name, resume_step is not None) if "wandb" in names else None
 
     def _open_tensorboard(self, config: dict | None, purge_step: int) -> Any:
-        # Imported here so that `import grpo.tracking` stays light when TensorBoard is not asked for.
+        # Imported here so that `import grpo.training.tracking` stays light when TensorBoard is not asked for.
         from torch.utils.tensorboard import SummaryWriter
 
         writer = SummaryWriter(str(self.output_dir / TENSORBOARD_DIR), purge_step=purge_step)

@@ -1,53 +1,17 @@
-"""Rollout generation behind one narrow interface: prompt token ids and sampling settings in, completions out.
+"""The rollout engine that samples with the policy itself through a KV cache, on any device: `TransformersSampler`.
 
-`TransformersGenerator` samples with the policy itself through a KV cache, in a loop short enough to read: one
-forward over the (left-padded) prompts, then one token per forward. Each row draws from its own random generator,
-seeded by the caller (from the run seed, the step and the row's global index), so a completion does not depend on
-which other rows share its batch or process: 1 and N processes sample the same completions, and a resumed run
-needs no generator state.
-`ScriptedGenerator` returns completions from a function, so the trainer can be tested without sampling.
-A vLLM backend implements the same two methods and is imported only when chosen.
+One forward over the (left-padded) prompts, each distinct prompt encoded once, then one token per forward into a
+preallocated cache. Tokens are drawn by inverse CDF from uniforms drawn up front from each row's seeded CPU generator
+(`uniform_streams`), so the random streams do not depend on the device. The CPU engine's `CPUSampler` replaces the
+one-token step and the draw with compiled ones (`_decode_step`, `_draw`); the rest is this loop.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Protocol
-
 import torch
 
-from grpo import native
-from grpo.decoding import LeanDecoder, distinct_rows, expand_cache, packed_head, preallocated_cache
-from grpo.model import _positions, plain_head
-
-
-@dataclass
-class SamplingParams:
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-
-
-@dataclass
-class Completions:
-    """Generated token ids, one list per prompt row; EOS is kept when the row stopped on it."""
-
-    ids: list[list[int]]
-    truncated: list[bool]  # True when the row hit max_new_tokens without EOS
-    logprobs: list[list[float]] | None = None  # per token, under the distribution actually sampled from
-
-
-class Generator(Protocol):
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seeds: list[int]) -> Completions: ...
-
-
-def row_seed(seed: int, step: int, row: int) -> int:
-    """The sampling seed of one completion: a function of the run seed, the step and the row's global index."""
-    return (seed * 1_000_003 + step * 65_537 + row) % (2**63 - 1)
-
+from grpo.engines.base import Completions, SamplingParams
+from grpo.engines.kv_cache import distinct_rows, expand_cache, positions, preallocated_cache
 
 def uniform_streams(rngs: list[torch.Generator], length: int) -> torch.Tensor:
     """(N, length) uniforms, row i from generator i: every random number a rollout needs, drawn up front."""
@@ -70,15 +34,10 @@ def sample_rows(logits: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Ten
     finds the block, and a float64 cumulative sum inside that one block finds the token (float64 across the
     vocabulary: the last blocks of a 150k vocabulary keep their mass).
 
-    On the CPU the compiled sampler (grpo/csrc/softmax.c) runs the same search in two passes per row; its exps and
-    sums round differently from torch's, so a uniform within ~1e-6 of a boundary can pick the neighbouring token.
+    On an accelerator a row with no mass is not checked here (that would synchronise with the host at every
+    token): its log-prob comes out non-finite, which `TransformersSampler` checks once per rollout. The CPU engine's
+    compiled sampler (`grpo.engines.cpu.sampler.sample_rows`) runs the same search.
     """
-    lib = native.library() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
-    if lib is not None:
-        bad, tokens, logprobs = native.sample(lib, logits, uniforms)
-        if bad >= 0:
-            _raise_no_mass(bad)
-        return tokens, logprobs
     rows, vocab = logits.shape
     shifted = logits.sub_(logits.amax(-1, keepdim=True))  # (N, V), in place: max 0 per row
     weights = torch.exp(shifted)  # (N, V) float32, unnormalized; 0 where filtered
@@ -115,7 +74,7 @@ def _sample_one_block(shifted: torch.Tensor, weights: torch.Tensor, uniforms: to
     target = uniforms.to(torch.float64) * total
     tokens = (weights.double().cumsum(-1) <= target[:, None]).sum(-1)
     past = tokens >= vocab  # rounding left the target at the row's total: its last token with mass
-    if bool(past.any()):
+    if past.device.type != "cpu" or bool(past.any()):
         tokens = torch.where(past, _last_positive(weights), tokens)
     logprobs = shifted.gather(1, tokens[:, None])[:, 0] - torch.log(total).float()
     return tokens, logprobs
@@ -123,6 +82,8 @@ def _sample_one_block(shifted: torch.Tensor, weights: torch.Tensor, uniforms: to
 
 def _check_mass(total: torch.Tensor) -> None:
     """Each row's (N,) total unnormalized probability must be finite and positive."""
+    if total.device.type != "cpu":
+        return  # (see sample_rows)
     bad = ~(torch.isfinite(total) & (total > 0))
     if bool(bad.any()):
         _raise_no_mass(int(bad.nonzero()[0]))
@@ -176,47 +137,46 @@ def process_logits(logits: torch.Tensor, seen: torch.Tensor | None, p: SamplingP
     return logits
 
 
-class TransformersGenerator:
-    """Sample from a `transformers` causal LM with its KV cache.
+
+
+class TransformersSampler:
+    """Sample from a `transformers` causal LM with its KV cache, on the model's device.
 
     `batch_size` bounds the rows sampled together (memory); `eos_ids` are the token ids that end a completion.
+    Values stay on the device until the rollout ends: the host learns when every row has stopped once every
+    `_DONE_CHECK` tokens on an accelerator (every token on the CPU, where asking costs nothing).
     """
 
     def __init__(self, model, pad_id: int, eos_ids: list[int], batch_size: int | None = None):
         self.model, self.pad_id, self.eos_ids, self.batch_size = model, pad_id, list(eos_ids), batch_size
-        # Memory handed over for the next generate() call to pack the LM head into (decoding.packed_head's space):
-        # the trainer's last head gradient, no longer needed. Released when that call returns.
-        self.head_space: torch.Tensor | None = None
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seeds: list[int]) -> Completions:
-        try:
-            return self._generate(prompt_ids, params, seeds)
-        finally:
-            self.head_space = None
-
-    def _generate(self, prompt_ids: list[list[int]], params: SamplingParams, seeds: list[int]) -> Completions:
         size = self.batch_size or len(prompt_ids)
         ids: list[list[int]] = []
         truncated: list[bool] = []
         logprobs: list[list[float]] = []
-        for start in range(0, len(prompt_ids), size):
-            rngs = [torch.Generator().manual_seed(s) for s in seeds[start:start + size]]
-            part = self._generate_batch(prompt_ids[start:start + size], params, rngs)
-            ids += part.ids
-            truncated += part.truncated
-            logprobs += part.logprobs
-        return Completions(ids, truncated, logprobs)
-
-    def _generate_batch(self, prompt_ids: list[list[int]], p: SamplingParams,
-                        rngs: list[torch.Generator]) -> Completions:
         was_training = self.model.training
         self.model.eval()
         try:
-            return self._sample_batch(prompt_ids, p, rngs)
+            for start in range(0, len(prompt_ids), size):
+                rngs = [torch.Generator().manual_seed(s) for s in seeds[start:start + size]]
+                part = self._sample_batch(prompt_ids[start:start + size], params, rngs)
+                ids += part.ids
+                truncated += part.truncated
+                logprobs += part.logprobs
         finally:
             if was_training:
                 self.model.train()
+        return Completions(ids, truncated, logprobs)
+
+    def _decode_step(self, cache, rows: int, mask: torch.Tensor, p: SamplingParams):
+        """A function (tokens (N, 1), positions (N, 1), t) -> next logits (N, V) that replaces the model's own
+        one-token forward, or None to use it. The CPU engine's sampler returns its lean or compiled step."""
+        return None
+
+    def _draw(self, logits: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return sample_rows(logits, uniforms)
 
     def _sample_batch(self, prompt_ids: list[list[int]], p: SamplingParams,
                       rngs: list[torch.Generator]) -> Completions:
@@ -224,82 +184,65 @@ class TransformersGenerator:
         ids, mask = left_pad(prompt_ids, self.pad_id)
         ids, mask = ids.to(device), mask.to(device)
         n = ids.shape[0]
-        positions = _positions(mask)
+        pos = positions(mask)
         eos = torch.tensor(self.eos_ids, device=device)
-        width = ids.shape[1]
-        cache = preallocated_cache(self.model, width + p.max_new_tokens)
+        cache = preallocated_cache(self.model, ids.shape[1] + p.max_new_tokens)
         first, copies = distinct_rows(prompt_ids)
         if cache is not None and len(first) < n:  # a group's G rows share a prompt: encode each prompt once
             pick = torch.tensor(first, device=device)
-            out = self.model(input_ids=ids[pick], attention_mask=mask[pick], position_ids=positions[pick],
+            out = self.model(input_ids=ids[pick], attention_mask=mask[pick], position_ids=pos[pick],
                              use_cache=True, past_key_values=cache, logits_to_keep=1)
             copies = torch.tensor(copies, device=device)
             expand_cache(cache, copies)
             logits = out.logits[:, -1, :].index_select(0, copies)
         else:
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                              past_key_values=cache, logits_to_keep=1)
             logits = out.logits[:, -1, :]
         vocab = logits.shape[-1]
-        head = plain_head(self.model)
-        lean = cache is not None and head is not None and LeanDecoder.supports(self.model)
-        if lean:  # the one-token steps without transformers' general forward (grpo/decoding.py)
-            decoder = LeanDecoder(self.model)
-            project = packed_head(head.weight, head.bias, n, self.head_space)
-            step = decoder.compiled(cache, n) or decoder.hidden  # the C step where it applies
-            key_mask = None if bool(mask.all()) else torch.cat(
-                [mask.bool(), torch.ones((n, p.max_new_tokens), dtype=torch.bool, device=device)], dim=1)
+        step = self._decode_step(cache, n, mask, p) if cache is not None else None
         seen = None
         if p.repetition_penalty != 1.0:
             seen = torch.zeros((n, vocab), dtype=torch.bool, device=device)
             real = mask.bool()  # padding is not "seen" (pad may equal a real token, e.g. EOS)
             seen[torch.arange(n, device=device)[:, None].expand_as(ids)[real], ids.clamp(max=vocab - 1)[real]] = True
         new_tokens = torch.full((n, p.max_new_tokens), self.pad_id, dtype=torch.long, device=device)
-        new_logprobs = torch.zeros((n, p.max_new_tokens), dtype=torch.float32)
+        new_logprobs = torch.zeros((n, p.max_new_tokens), dtype=torch.float32, device=device)
         done = torch.zeros(n, dtype=torch.bool, device=device)
         length = torch.zeros(n, dtype=torch.long, device=device)
-        pos = positions[:, -1:]
-        uniforms = uniform_streams(rngs, p.max_new_tokens)
+        pos = pos[:, -1:]
+        # The uniforms come from CPU generators, so the random streams do not depend on the device.
+        uniforms = uniform_streams(rngs, p.max_new_tokens).to(device)
+        check_every = 1 if device.type == "cpu" else _DONE_CHECK
         for t in range(p.max_new_tokens):
             logits = process_logits(logits.float(), seen, p)
-            # The uniforms come from CPU generators, so the random streams do not depend on the device.
-            token, logprob = sample_rows(logits, uniforms[:, t].to(device))
-            new_logprobs[:, t] = logprob.cpu()
+            token, logprob = self._draw(logits, uniforms[:, t])
+            new_logprobs[:, t] = logprob
             token = torch.where(done, torch.full_like(token, self.pad_id), token)
             new_tokens[:, t] = token
             length += (~done).long()
             done = done | torch.isin(token, eos)
             if seen is not None:
                 seen[torch.arange(n, device=device), token] = True
-            if bool(done.all()) or t == p.max_new_tokens - 1:
+            if t == p.max_new_tokens - 1 or ((t + 1) % check_every == 0 and bool(done.all())):
                 break
             pos = pos + 1
-            if lean:
-                visible = None if key_mask is None else key_mask[:, :width + t + 1]
-                logits = project(step(token[:, None], pos, cache, visible))
+            if step is not None:
+                logits = step(token[:, None], pos, t)
             else:
                 mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=device)], dim=1)
                 out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=pos,
                                  past_key_values=out.past_key_values, use_cache=True)
                 logits = out.logits[:, -1, :]
-        rows, lps = new_tokens.cpu().tolist(), new_logprobs.tolist()
-        lengths = length.cpu().tolist()
-        ended = done.cpu().tolist()
+        # One synchronisation for the whole rollout: everything comes to the host here.
+        rows, lps, length, ended = new_tokens.cpu(), new_logprobs.cpu(), length.cpu(), done.cpu().tolist()
+        bad = ~torch.isfinite(lps) & (torch.arange(lps.shape[1]) < length[:, None])  # (see sample_rows)
+        if bool(bad.any()):
+            _raise_no_mass(int(bad.any(1).nonzero()[0]))
+        rows, lps, lengths = rows.tolist(), lps.tolist(), length.tolist()
         return Completions([r[:k] for r, k in zip(rows, lengths)], [not e for e in ended],
                            [lp[:k] for lp, k in zip(lps, lengths)])
 
 
-class ScriptedGenerator:
-    """Completions from a function `complete(prompt_ids, rng) -> list[int]`, for tests and dry runs.
-
-    The function sees the prompt ids and the row's own seeded generator; a row that ends with an id in `eos_ids`
-    counts as finished, anything else as truncated.
-    """
-
-    def __init__(self, complete: Callable[[list[int], torch.Generator], list[int]], eos_ids: list[int]):
-        self.complete, self.eos_ids = complete, set(eos_ids)
-
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seeds: list[int]) -> Completions:
-        ids = [list(self.complete(p, torch.Generator().manual_seed(s)))[:params.max_new_tokens]
-               for p, s in zip(prompt_ids, seeds)]
-        return Completions(ids, [not (r and r[-1] in self.eos_ids) for r in ids])
+_DONE_CHECK = 16
+"""On an accelerator, tokens between two checks of whether every row has stopped (each check waits for the device)."""

@@ -1,22 +1,19 @@
-"""The one-token steps of sampling, without the per-call overhead of a general `transformers` forward.
+"""The CPU engine's one-token steps of sampling, without the per-call overhead of a general `transformers` forward.
 
 Sampling a completion of T tokens is T forward passes of one token per row. For small models on CPUs the cost of
-such a pass is mostly not arithmetic: transformers' `DynamicLayer` copies the whole KV cache at every token
-(`torch.cat`), and a general forward builds masks and dispatches through many layers of Python for each layer.
-Two things here remove that, each checked token for token against the stock forward in tests/test_decoding.py:
+such a pass is mostly not arithmetic: a general forward builds masks and dispatches through many layers of Python
+for each layer. Checked token for token against the stock forward in tests/test_decoding.py:
 
-* `preallocated_cache`: a `transformers` cache whose layers write each step into buffers sized for the whole
-  rollout and expose a view of the filled prefix (no copying of the cache).
 * `LeanDecoder`: the decode step of Llama-style decoders (Llama, Qwen2, Mistral without sliding windows) written out
-  directly: per layer RMSNorm, q/k/v projections, rotary embedding, attention over the cache, output projection,
-  RMSNorm and MLP. Linear projections run from stacked (in, out) copies of their weights (a LoRA-wrapped one's
-  with its adapters folded in: base + B A x scaling, as TRL does before handing weights to vLLM), with RMSNorm and
-  the rotary embedding written out in the operation order of these models' transformers code (so bit-identical to
-  it); projections that do not fold into one matrix (DoRA, adapter biases) run as the model's own modules. The
-  prompt is still encoded by the model's own forward (into the preallocated cache), so padding and long prompts
-  keep transformers' handling.
-* `LeanDecoder.compiled`: the same step as one C call per token (grpo/native.py, grpo/csrc/lean_step.c), where
-  it applies.
+  directly over a `grpo.engines.kv_cache.preallocated_cache`: per layer RMSNorm, q/k/v projections, rotary
+  embedding, attention over the cache, output projection, RMSNorm and MLP. Linear projections run from stacked
+  (in, out) copies of their weights (a LoRA-wrapped one's with its adapters folded in: base + B A x scaling, as TRL
+  does before handing weights to vLLM), with RMSNorm and the rotary embedding written out in the operation order of
+  these models' transformers code (so bit-identical to it); projections that do not fold into one matrix (DoRA,
+  adapter biases) run as the model's own modules. The prompt is still encoded by the model's own forward, so
+  padding and long prompts keep transformers' handling.
+* `LeanDecoder.compiled`: the same step as one C call per token (native.py, csrc/lean_step.c), where it applies.
+* `packed_head`: the sampling LM head, packed once per rollout.
 
 `LeanDecoder.supports(model)` decides; other models keep the stock forward.
 """
@@ -29,7 +26,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from grpo import native
+from grpo.engines.cpu import native
+from grpo.engines.cpu.layers import layer_products, plain_layer, plain_linears, stacked_bias
 
 LEAN_MODEL_TYPES = ("llama", "qwen2", "mistral")
 """Model types whose decoder layers are exactly: pre-norm attention with rotary q/k, pre-norm gated MLP."""
@@ -37,63 +35,6 @@ LEAN_MODEL_TYPES = ("llama", "qwen2", "mistral")
 _FUSE_BYTES = 256 * 2**20
 """Decoder layers larger than this (bytes) are not copied into (in, out) matrices (see _Fused): the copies are made
 once per rollout and would double the layers' memory."""
-
-
-def preallocated_cache(model, capacity: int):
-    """A cache for `model` whose layers hold `capacity` positions (prompt + completion), or None when the model's
-    cache is not made of plain full-attention layers (sliding windows, linear attention, ...), which keep
-    transformers' own cache."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer
-
-    class PreallocatedLayer(DynamicLayer):
-        def update(self, key_states, value_states, *args, **kwargs):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-                shape = (*key_states.shape[:2], capacity, key_states.shape[3])
-                self.key_buffer = key_states.new_empty(shape)
-                self.value_buffer = value_states.new_empty((*shape[:3], value_states.shape[3]))
-                self.length = 0
-            end = self.length + key_states.shape[-2]
-            if end > capacity:
-                raise RuntimeError(f"preallocated_cache: {end} positions exceed the capacity {capacity}")
-            self.key_buffer[:, :, self.length:end] = key_states
-            self.value_buffer[:, :, self.length:end] = value_states
-            self.length = end
-            self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
-            return self.keys, self.values
-
-    try:
-        cache = DynamicCache(config=model.config)
-    except Exception:  # a config transformers cannot read layer types from: keep its default cache
-        return None
-    if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
-        return None
-    cache.layers = [PreallocatedLayer() for _ in cache.layers]
-    return cache
-
-
-def distinct_rows(rows: list[list[int]]) -> tuple[list[int], list[int]]:
-    """(first, copies): the index of each distinct row's first occurrence, and for every row the position in
-    `first` of the row equal to it."""
-    seen: dict[tuple[int, ...], int] = {}
-    first, copies = [], []
-    for i, row in enumerate(rows):
-        key = tuple(row)
-        if key not in seen:
-            seen[key] = len(first)
-            first.append(i)
-        copies.append(seen[key])
-    return first, copies
-
-
-def expand_cache(cache, copies: torch.Tensor) -> None:
-    """Make a prefilled `preallocated_cache` of R rows one of len(copies) rows, row i a copy of row copies[i]: the
-    prompts of a group are encoded once and copied to its G completions (sampling's prefill, the reference pass)."""
-    for layer in cache.layers:
-        layer.key_buffer = layer.key_buffer.index_select(0, copies)
-        layer.value_buffer = layer.value_buffer.index_select(0, copies)
-        layer.keys = layer.key_buffer[:, :, :layer.length]
-        layer.values = layer.value_buffer[:, :, :layer.length]
 
 
 class LeanDecoder:
@@ -112,7 +53,7 @@ class LeanDecoder:
         # the copies are skipped for big models.
         self.layer_bytes = sum(p.numel() * p.element_size() for p in self.inner.layers.parameters())
         big = self.layer_bytes > _FUSE_BYTES
-        self.foldable = [not big and _plain_linears(layer) for layer in self.inner.layers]
+        self.foldable = [not big and plain_linears(layer) for layer in self.inner.layers]
         self._fused: list[_Fused | None] | None = None
 
     @property
@@ -139,7 +80,7 @@ class LeanDecoder:
         if not hasattr(module, "apply_rotary_pos_emb") or not all(
                 hasattr(inner, k) for k in ("embed_tokens", "rotary_emb", "layers", "norm")):
             return False
-        return hasattr(inner.norm, "variance_epsilon") and all(_plain_layer(layer) for layer in inner.layers)
+        return hasattr(inner.norm, "variance_epsilon") and all(plain_layer(layer) for layer in inner.layers)
 
     def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, cache, key_mask: torch.Tensor | None):
         """tokens, positions: (N, 1) int64. Returns (N, H)."""
@@ -175,7 +116,7 @@ class LeanDecoder:
         return _rms_norm(inner.norm, x)[:, -1]
 
     def compiled(self, cache, rows: int):
-        """The same step as `hidden`, compiled (grpo/csrc/lean_step.c), for this rollout's `rows` and the
+        """The same step as `hidden`, compiled (grpo/engines/cpu/csrc/lean_step.c), for this rollout's `rows` and the
         prefilled `preallocated_cache`; None where it does not apply (see native.CompiledStep.usable)."""
         lib = native.library() if native.CompiledStep.usable(self, cache, rows) else None
         return None if lib is None else native.CompiledStep(lib, self, cache, rows)
@@ -201,64 +142,6 @@ def _times(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -
     flat = x.reshape(x.shape[0], -1)
     out = torch.mm(flat, weight_t) if bias is None else torch.addmm(bias, flat, weight_t)
     return out.view(x.shape[0], 1, -1)
-
-
-def stacked_bias(pairs: list):
-    """The biases of a list of (weight, bias) pairs side by side (zeros for one without), or None if none has
-    one."""
-    if all(b is None for _, b in pairs):
-        return None
-    return torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in pairs]).detach()
-
-
-def _plain_layer(layer) -> bool:
-    """A decoder layer the lean step reproduces: full attention without q/k norms, a gated MLP, RMSNorms."""
-    attn, mlp = layer.self_attn, layer.mlp
-    return (not hasattr(attn, "q_norm") and getattr(attn, "sliding_window", None) is None
-            and all(hasattr(mlp, k) for k in ("gate_proj", "up_proj", "down_proj", "act_fn"))
-            and all(hasattr(norm, "variance_epsilon") for norm in (layer.input_layernorm,
-                                                                   layer.post_attention_layernorm)))
-
-
-def _effective_linear(m):
-    """(weight (out, in), bias) that module m multiplies its input by: a plain linear layer's own, or a LoRA-wrapped
-    linear layer's base weight plus its active adapters' B A x scaling (what its forward computes, up to rounding;
-    dropout is off in eval mode, where sampling runs). None for anything else, e.g. DoRA or other LoRA variants,
-    adapter biases, or other wrappers: those run as modules."""
-    if type(m) is torch.nn.Linear:
-        return m.weight, m.bias
-    base = getattr(m, "base_layer", None)
-    if type(base) is not torch.nn.Linear or not all(hasattr(m, k) for k in ("get_delta_weight", "lora_A", "merged")):
-        return None
-    if m.merged or m.disable_adapters:
-        return base.weight, base.bias  # merged: the adapters are in the base weight; disabled: not applied
-    if m.training:
-        return None  # adapter dropout would apply
-    weight = base.weight
-    for name in m.active_adapters:
-        if name not in m.lora_A:
-            continue
-        if (getattr(m, "lora_variant", {}).get(name) is not None or getattr(m, "use_dora", {}).get(name, False)
-                or getattr(m, "lora_bias", {}).get(name, False)):
-            return None
-        weight = weight + m.get_delta_weight(name)
-    return weight, base.bias
-
-
-def _plain_linears(layer) -> bool:
-    """Whether every projection multiplies by one weight matrix (plain, or LoRA that folds into one)."""
-    attn, mlp = layer.self_attn, layer.mlp
-    return all(_effective_linear(m) is not None for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
-                                                          mlp.gate_proj, mlp.up_proj, mlp.down_proj))
-
-
-@torch.no_grad()
-def layer_products(layer) -> tuple[list, list, list, list]:
-    """A foldable layer's four products as lists of (weight (out, in), bias) pairs whose outputs sit side by side:
-    q/k/v, o, gate/up, down."""
-    attn, mlp = layer.self_attn, layer.mlp
-    return ([_effective_linear(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj)], [_effective_linear(attn.o_proj)],
-            [_effective_linear(m) for m in (mlp.gate_proj, mlp.up_proj)], [_effective_linear(mlp.down_proj)])
 
 
 @torch.no_grad()
@@ -292,7 +175,7 @@ def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
 def packed_head(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, space: torch.Tensor | None = None):
     """A function h (rows, H) -> logits (rows, V) equal to F.linear(h, weight, bias) up to rounding, with the
     weight repacked once for this batch size (CPU, float32). With one intra-op thread the compiled head
-    (grpo/csrc/lean_step.c) streams the weight once per 16 rows: the benchmark's (16, 256) x (256, 151k) product
+    (csrc/lean_step.c) streams the weight once per 16 rows: the benchmark's (16, 256) x (256, 151k) product
     takes 9-16 ms (the speed of streaming 155 MB from memory, which moves with the machine) instead of ~25 ms for
     oneDNN's packed product, which is used otherwise (~31 ms for F.linear);
     either repacking costs less than 64 sampled tokens save. The weight changes at every optimizer step, so pack once

@@ -1,8 +1,8 @@
-"""The compiled decode step and sampling LM head (grpo/csrc/lean_step.c), softmax passes (grpo/csrc/softmax.c) and
-training's fused layer operators (grpo/csrc/layer_ops.c): built on first use with the system C compiler, loaded with
+"""The compiled decode step and sampling LM head (csrc/lean_step.c), softmax passes (csrc/softmax.c) and
+training's fused layer operators (csrc/layer_ops.c): built on first use with the system C compiler, loaded with
 ctypes, and wrapped as `CompiledStep` (used by `decoding.LeanDecoder.compiled`), `CompiledHead` (used by
 `decoding.packed_head`), `sample` (used by `generation.sample_rows`), `TileKernels` (used by grpo.core's tiled LM
-head) and grpo/fused.py's autograd functions.
+head) and grpo/engines/cpu/fused.py's autograd functions.
 
 `library()` returns the loaded library, or None when there is no C compiler, the build fails, or GRPO_NATIVE=0
 is set; callers then keep the torch step. The shared object is cached per source, compiler flags and CPU under
@@ -26,6 +26,8 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
+
+from grpo.engines.cpu.layers import layer_products, stacked_bias
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +105,7 @@ def library():
         return None
     found = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not found:
-        log.info("grpo.native: no C compiler found; sampling uses the torch step")
+        log.info("grpo.engines.cpu.native: no C compiler found; sampling uses the torch step")
         return None
     compiler = shlex.split(found)  # CC may carry a launcher or flags, e.g. "ccache gcc"
     try:
@@ -117,7 +119,8 @@ def library():
                 _build(compiler, target, [f for f in FLAGS if f != "-march=native"])
         lib = ctypes.CDLL(str(target))
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:
-        log.warning("grpo.native: could not build the compiled decode step (%s); sampling uses the torch step", err)
+        log.warning("grpo.engines.cpu.native: could not build the compiled decode step (%s); sampling uses the "
+                    "torch step", err)
         return None
     return _declare(lib)
 
@@ -225,8 +228,6 @@ class CompiledStep:
                    for layer in layers for b in (layer.key_buffer, layer.value_buffer))
 
     def __init__(self, lib, decoder, cache, rows: int):
-        from grpo.decoding import layer_products, stacked_bias  # decoding imports this module
-
         inner, self.lib, self.decoder, self.cache, self.rows = decoder.inner, lib, decoder, cache, rows
         attn, buffer = inner.layers[0].self_attn, cache.layers[0].key_buffer
         capacity, d = buffer.shape[2], attn.head_dim

@@ -20,8 +20,8 @@ from pathlib import Path
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from grpo.display import is_reward_function_key
-from grpo.tracking import METRICS_FILE, read_metrics
+from grpo.training.display import is_reward_function_key
+from grpo.training.tracking import METRICS_FILE, read_metrics
 
 PLOT_FILE = "plot.png"
 

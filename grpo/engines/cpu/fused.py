@@ -3,9 +3,10 @@
 A decoder layer's matrix products are a few large operators; what lies between them is many small ones, each
 reading and writing a whole activation: the gated MLP's silu(g) * u is 2 operators forward and 3 backward (and keeps
 silu(g) for backward besides g and u), each RMSNorm ~6 forward and ~10 backward. `fuse_decoder_ops(model)` runs
-both as one compiled pass forward and one backward (grpo/csrc/layer_ops.c, built with the decode step by
-grpo/native.py), for float32 CPU activations; anything else (a GPU, bfloat16, no C compiler) takes the module's own
-forward. The results equal transformers' up to float32 rounding (tests/test_fused.py).
+both as one compiled pass forward and one backward (csrc/layer_ops.c, built with the decode step by native.py),
+for float32 CPU activations; anything else (a GPU, bfloat16, no C compiler) takes the module's own forward, and
+`unfuse_decoder_ops` gives every module its own forward back. The results equal transformers' up to float32
+rounding (tests/test_fused.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import types
 
 import torch
 
-from grpo import native
+from grpo.engines.cpu import native
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -88,7 +89,7 @@ def fuse_decoder_ops(model) -> int:
     """Switch the gated MLPs and RMSNorms of a Llama-family model (`decoding.LeanDecoder.supports`, SiLU) to the
     fused operators, in place (their weights and what they compute stay; the saved model is unchanged). Returns how
     many modules were switched: 0 without a C compiler or for another architecture."""
-    from grpo.decoding import LeanDecoder
+    from grpo.engines.cpu.decoding import LeanDecoder
 
     config = getattr(model, "config", None)
     if (native.library() is None or not LeanDecoder.supports(model)
@@ -106,5 +107,16 @@ def fuse_decoder_ops(model) -> int:
         if "_grpo_unfused_forward" not in vars(layer.mlp):
             layer.mlp._grpo_unfused_forward = layer.mlp.forward
             layer.mlp.forward = types.MethodType(_mlp_forward, layer.mlp)
+            count += 1
+    return count
+
+
+def unfuse_decoder_ops(model) -> int:
+    """Undo `fuse_decoder_ops`: every switched module gets its own forward back. Returns how many were restored."""
+    count = 0
+    for module in model.modules():
+        forward = vars(module).pop("_grpo_unfused_forward", None)
+        if forward is not None:
+            vars(module).pop("forward", None)  # the instance's switched forward; the class's applies again
             count += 1
     return count

@@ -1,0 +1,73 @@
+"""The KV cache pieces shared by sampling and the reference pass, for any `transformers` causal LM on any device.
+
+* `preallocated_cache`: a `transformers` cache whose layers write each step into buffers sized for the whole
+  rollout and expose a view of the filled prefix (transformers' `DynamicLayer` copies the whole cache at every
+  token with `torch.cat`).
+* `distinct_rows` / `expand_cache`: a group's G rows share one prompt, which is encoded once and its cache copied.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of left-padded rows: 0 at each row's first real token."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def preallocated_cache(model, capacity: int):
+    """A cache for `model` whose layers hold `capacity` positions (prompt + completion), or None when the model's
+    cache is not made of plain full-attention layers (sliding windows, linear attention, ...), which keep
+    transformers' own cache."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    class PreallocatedLayer(DynamicLayer):
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+                shape = (*key_states.shape[:2], capacity, key_states.shape[3])
+                self.key_buffer = key_states.new_empty(shape)
+                self.value_buffer = value_states.new_empty((*shape[:3], value_states.shape[3]))
+                self.length = 0
+            end = self.length + key_states.shape[-2]
+            if end > capacity:
+                raise RuntimeError(f"preallocated_cache: {end} positions exceed the capacity {capacity}")
+            self.key_buffer[:, :, self.length:end] = key_states
+            self.value_buffer[:, :, self.length:end] = value_states
+            self.length = end
+            self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
+            return self.keys, self.values
+
+    try:
+        cache = DynamicCache(config=model.config)
+    except Exception:  # a config transformers cannot read layer types from: keep its default cache
+        return None
+    if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
+        return None
+    cache.layers = [PreallocatedLayer() for _ in cache.layers]
+    return cache
+
+
+def distinct_rows(rows: list[list[int]]) -> tuple[list[int], list[int]]:
+    """(first, copies): the index of each distinct row's first occurrence, and for every row the position in
+    `first` of the row equal to it."""
+    seen: dict[tuple[int, ...], int] = {}
+    first, copies = [], []
+    for i, row in enumerate(rows):
+        key = tuple(row)
+        if key not in seen:
+            seen[key] = len(first)
+            first.append(i)
+        copies.append(seen[key])
+    return first, copies
+
+
+def expand_cache(cache, copies: torch.Tensor) -> None:
+    """Make a prefilled `preallocated_cache` of R rows one of len(copies) rows, row i a copy of row copies[i]: the
+    prompts of a group are encoded once and copied to its G completions (sampling's prefill, the reference pass)."""
+    for layer in cache.layers:
+        layer.key_buffer = layer.key_buffer.index_select(0, copies)
+        layer.value_buffer = layer.value_buffer.index_select(0, copies)
+        layer.keys = layer.key_buffer[:, :, :layer.length]
+        layer.values = layer.value_buffer[:, :, :layer.length]

@@ -1,0 +1,197 @@
+"""The update side of an engine: the policy's log-probs and the loss's backward, through `transformers`' forward.
+
+`TransformersBackend` is the plain backend any model and device can take: the decoder's hidden states at the
+completion positions go through the LM head in cache-sized tiles (`grpo.core.hidden_logprobs`), so the (N, T, V)
+logits never exist, and the loss is backpropagated through them. The CPU engine's `CPUBackend` extends it with the
+one-pass loss gradient and other float32-CPU paths; the trainer calls the same four methods of either.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from grpo.core import LossOutput, hidden_logprobs, token_entropy, token_logprobs
+from grpo.engines.kv_cache import distinct_rows, expand_cache, positions as position_ids, preallocated_cache
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch of the update, on the model's device. Rows are prompts left-padded and completions
+    right-padded; the last `width` columns of `input_ids` (n, P+width) are the completion tokens."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    width: int
+    old_logp: torch.Tensor | None = None  # (n, width): the sampling policy's log-probs, once known
+    sampling_logp: torch.Tensor | None = None  # (n, width): the rollout engine's own log-probs, where it gave them
+
+
+LossFn = Callable[[torch.Tensor, slice, "torch.Tensor | None"], LossOutput]
+"""loss_fn(logp (rows, width), rows, entropy or None) -> LossOutput: the step's loss over those rows of the
+micro-batch (the trainer's `grpo.core.policy_loss` with the run's settings)."""
+
+
+class TransformersBackend:
+    """Log-probs and the loss's backward for `model` (as accelerate prepared it: DDP, FSDP, DeepSpeed or plain)."""
+
+    name = "transformers"
+    tile_kernels = None  # (dtype, device) -> compiled kernels for the head's tiles, or None: the CPU engine's
+
+    def __init__(self, model, accelerator):
+        self.model, self.accel = model, accelerator
+
+    def prepare(self) -> None:
+        """Ready the model for training (the plain backend changes nothing)."""
+
+    def release(self) -> None:
+        """Undo what `prepare` changed, so the model and the process are as they were."""
+
+    def logprobs(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int,
+                 temperature: float) -> torch.Tensor:
+        """(n, width) log-probs of the completion tokens under `model` (the policy or the reference)."""
+        return completion_logprobs(model, input_ids, attention_mask, width, temperature, tile_kernels=self.tile_kernels)
+
+    def loss_and_backward(self, micro: MicroBatch, temperature: float, loss_fn: LossFn,
+                          with_entropy: bool) -> tuple[torch.Tensor, LossOutput]:
+        """Backpropagate the micro-batch's loss; returns (its log-probs (n, width) detached, its LossOutput)."""
+        out = completion_logprobs(self.model, micro.input_ids, micro.attention_mask, micro.width, temperature,
+                                  with_entropy=with_entropy, tile_kernels=self.tile_kernels)
+        logp, entropy = out if with_entropy else (out, None)
+        result = loss_fn(logp, slice(None), entropy)
+        self.backward(result.loss)
+        return logp.detach(), result
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # DDP averages gradients over processes; the loss is already a share of the global sum, so undo the mean.
+        self.accel.backward(loss * self.accel.num_processes)
+
+    def after_optimizer_step(self, stepped: bool) -> None:
+        """Called after each optimizer step (`stepped` False: skipped for a non-finite gradient)."""
+
+
+def is_peft(model) -> bool:
+    return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
+
+
+@contextlib.contextmanager
+def reference_view(policy, reference):
+    """The network that scores the reference log-probs: the frozen copy (the CPU engine's `DiskReference` maps its
+    weights in for the block), or the policy with adapters off."""
+    if hasattr(reference, "loaded"):
+        with reference.loaded() as module:
+            yield module
+    elif reference is not None:
+        yield reference
+    elif is_peft(policy):
+        with policy.disable_adapter():
+            yield policy
+    else:
+        raise RuntimeError("reference_view: beta > 0 needs a reference model or a LoRA policy.")
+
+
+def _completion_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int):
+    """The decoder's final hidden states (N, T, H) at the positions that predict the last T tokens (P-1 .. P+T-2)."""
+    if not torch.is_grad_enabled():  # (with gradients, sharing measured no faster on the benchmark's W1)
+        shared = _shared_prompt_hidden(model, input_ids, attention_mask, completion_len)
+        if shared is not None:
+            return shared
+    # The last token predicts nothing: it is left out.
+    out = model.get_decoder()(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],
+                              position_ids=position_ids(attention_mask)[:, :-1], use_cache=False)
+    return out.last_hidden_state[:, -completion_len:, :].contiguous()
+
+
+def _shared_prompt_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int):
+    """`_completion_hidden` without gradients when rows share a prompt (a group's G completions): each distinct
+    prompt runs through the decoder once into a cache, the cache is copied to the rows that share it, and the
+    completions run on top of it. The same hidden states up to rounding, for 1/G of the prompts' work. None when no
+    prompt repeats or the model's cache is not made of plain full-attention layers."""
+    prompt_len = input_ids.shape[1] - completion_len
+    if prompt_len < 1 or completion_len < 2:  # (one completion token: the prompt's last position predicts it all)
+        return None
+    first, copies = distinct_rows(torch.cat([input_ids[:, :prompt_len], attention_mask[:, :prompt_len]], 1).tolist())
+    cache = preallocated_cache(model, input_ids.shape[1] - 1) if len(first) < input_ids.shape[0] else None
+    if cache is None:
+        return None
+    first, copies = (torch.tensor(v, device=input_ids.device) for v in (first, copies))
+    positions = position_ids(attention_mask)
+    decoder = model.get_decoder()
+    head = decoder(input_ids=input_ids[first, :prompt_len], attention_mask=attention_mask[first, :prompt_len],
+                   position_ids=positions[first, :prompt_len], use_cache=True, past_key_values=cache)
+    if not all(layer.is_initialized for layer in cache.layers):
+        return None  # the model declined the cache (gradient checkpointing in training mode, e.g. a LoRA reference)
+    expand_cache(cache, copies)
+    tail = decoder(input_ids=input_ids[:, prompt_len:-1], attention_mask=attention_mask[:, :-1],
+                   position_ids=positions[:, prompt_len:-1], use_cache=True, past_key_values=cache)
+    return torch.cat([head.last_hidden_state[copies, -1:], tail.last_hidden_state], dim=1).contiguous()
+
+
+def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
+                        temperature: float, with_entropy: bool = False, tile_kernels=None):
+    """Log-probs (N, T) of the last T=completion_len tokens of each row under `model`, at the sampling temperature.
+
+    input_ids (N, P+T): prompts left-padded to P, completions right-padded to T. Position j predicts token j+1, so
+    the T completion tokens are predicted by positions P-1 .. P+T-2. With `with_entropy`, returns
+    (logp, entropy (N, T), detached) instead.
+
+    Fast path (a plain linear LM head, one process): the decoder's hidden states at those T positions go through
+    `grpo.core.hidden_logprobs`, which applies the head one cache-sized tile of positions x vocabulary at a time and
+    recomputes each tile in backward, so the (N, T, V) logits and their gradient never exist (V is ~150k for real
+    models). Without gradients (the reference pass) rows that share a prompt encode it once
+    (`_shared_prompt_hidden`). Otherwise the model returns logits for just those positions (`logits_to_keep`),
+    scored in chunks. `tile_kernels(dtype, device)`: the CPU engine's compiled tile kernels, or None.
+    """
+    targets = input_ids[:, -completion_len:]  # (N, T)
+    head = plain_head(model)
+    if head is not None:
+        hidden = _completion_hidden(model, input_ids, attention_mask, completion_len)
+        # The head's weight gradient goes straight into .grad (no (V, H) temporary per micro-batch): safe here, the
+        # trainer calls .backward() on an unwrapped model.
+        logp, entropy = hidden_logprobs(hidden, head.weight, targets, temperature=temperature, bias=head.bias,
+                                        with_entropy=with_entropy, weight_grad_in_place=head.weight.is_leaf,
+                                        kernels=tile_kernels and tile_kernels(hidden.dtype, hidden.device))
+        return (logp, entropy.detach()) if with_entropy else logp
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
+                logits_to_keep=completion_len + 1, use_cache=False)
+    logits = out.logits[:, :-1, :]  # (N, T, V)
+    logp = token_logprobs(logits, targets, temperature=temperature)
+    if not with_entropy:
+        return logp
+    with torch.no_grad():
+        return logp, token_entropy(logits.detach(), temperature=temperature)
+
+
+def dropout_active(model) -> bool:
+    """Whether the model's training-mode forward is random: a dropout module with p > 0 (LoRA's included) or an
+    attention dropout in its config."""
+    config = getattr(model, "config", None)
+    return (any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
+            or float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0)
+
+
+# Config attributes that change logits after the LM head; a model with any of them set takes the logits path.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def plain_head(model):
+    """The LM head when logits are exactly `hidden @ W.T + b` and calling the decoder directly is safe, else None.
+
+    Not for a model wrapped by DDP, FSDP or DeepSpeed (their forward syncs or gathers), prompt-learning PEFT, a
+    LoRA-wrapped head, or models that scale or cap logits after the head.
+    """
+    from accelerate.utils import extract_model_from_parallel
+
+    if extract_model_from_parallel(model) is not model or not hasattr(model, "get_decoder"):
+        return None  # DDP, FSDP, DeepSpeed: their forward must run (gradient sync, parameter gathering)
+    if is_peft(model) and getattr(model.active_peft_config, "is_prompt_learning", False):
+        return None  # prefix/prompt tuning acts in the PEFT model's own forward
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    config = getattr(model, "config", None)
+    if type(head) is not torch.nn.Linear or any(getattr(config, k, None) not in (None, 1, 1.0)
+                                                for k in _LOGIT_TRANSFORMS):
+        return None
+    return head

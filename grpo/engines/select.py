@@ -1,0 +1,83 @@
+"""Which engine a run takes, by one rule, and the engine's two halves built for it.
+
+    auto:   the CPU engine for a float32 model on the CPU in one unwrapped process (no DDP, FSDP or DeepSpeed);
+            the transformers engine otherwise (a GPU, bfloat16 or float16 weights, several processes).
+    cpu / transformers: that engine; `cpu` where it cannot run is an error that says why.
+
+An engine is a rollout engine (`generate`: grpo.engines.base) and an update backend (log-probs and the loss's
+backward: grpo.engines.policy). The trainer prints the choice and its reason at the start of a run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from grpo.config import ConfigError
+from grpo.engines.policy import TransformersBackend
+from grpo.engines.sampling import TransformersSampler
+
+ENGINES = ("auto", "transformers", "cpu")
+
+
+@dataclass
+class EngineChoice:
+    name: str  # "cpu" or "transformers"
+    reason: str  # why, in a few words: printed as "engine: NAME (REASON)"
+
+
+def _architecture(model) -> str:
+    config = getattr(model, "config", None)
+    names = getattr(config, "architectures", None) or [type(model).__name__]
+    return names[0].removesuffix("ForCausalLM")
+
+
+def _dtype(model) -> torch.dtype:
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+def choose_engine(requested: str, model, device: torch.device, processes: int, distributed: str) -> EngineChoice:
+    """The engine for `model` (loaded, not yet wrapped) trained on `device` by `processes` processes under
+    accelerate's `distributed` type ("NO", "MULTI_CPU", "MULTI_GPU", "FSDP", "DEEPSPEED", ...)."""
+    dtype = str(_dtype(model)).removeprefix("torch.")
+    arch = _architecture(model)
+    blockers = []
+    if device.type != "cpu":
+        blockers.append(f"the model trains on {device.type}")
+    if dtype != "float32":
+        blockers.append(f"its weights are {dtype}")
+    if processes > 1:
+        blockers.append(f"{processes} processes")
+    elif distributed != "NO":
+        blockers.append(f"{distributed} wraps the model")
+    if requested == "cpu" and blockers:
+        raise ConfigError(f"engine: 'cpu' runs a float32 model on the CPU in one process, but here "
+                          f"{', '.join(blockers)}; set engine to auto or transformers.")
+    if requested in ("cpu", "transformers"):
+        return EngineChoice(requested, f"engine={requested} in the config")
+    if not blockers:
+        return EngineChoice("cpu", f"float32 {arch} on CPU, 1 process")
+    processes_text = f"{processes} process" + ("es" if processes > 1 else "")
+    return EngineChoice("transformers", f"{device.type}, {dtype} {arch}, {processes_text}")
+
+
+def make_engine(choice: EngineChoice, model, policy, accelerator, tokenizer, params, reference=None,
+                generator=None):
+    """(rollout engine, update backend) for the choice. `model` is the policy as accelerate prepared it, `policy`
+    the unwrapped module; `generator` a rollout engine of the caller's that replaces the built one."""
+    generator = generator or make_sampler(choice, policy, tokenizer)
+    if choice.name == "cpu":
+        from grpo.engines.cpu import CPUBackend
+
+        return generator, CPUBackend(policy, accelerator, generator, params, reference)
+    return generator, TransformersBackend(model, accelerator)
+
+
+def make_sampler(choice: EngineChoice, model, tokenizer):
+    """The choice's own rollout engine, sampling from `model` (unwrapped)."""
+    if choice.name == "cpu":
+        from grpo.engines.cpu import CPUSampler
+
+        return CPUSampler(model, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+    return TransformersSampler(model, tokenizer.pad_token_id, [tokenizer.eos_token_id])

@@ -1,0 +1,292 @@
+"""From prompts to a training batch: generate, decode, score, compute advantages, pad into tensors.
+
+Shapes: B prompts per step, G completions per prompt, N = B*G / processes rows on this process, P prompt
+width (left-padded), T completion width (right-padded). Batches stay on the CPU; the update moves each micro-batch
+to the model's device.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from grpo.core import group_advantages, mix_advantages, process_advantages
+from grpo.engines.base import SamplingParams, row_seed
+from grpo.engines.sampling import left_pad
+
+
+@dataclass
+class RolloutBatch:
+    """One step's rows on this process, ready for the update."""
+
+    input_ids: torch.Tensor  # (N, P+T)
+    attention_mask: torch.Tensor  # (N, P+T)
+    completion_mask: torch.Tensor  # (N, T) float, 1 on completion tokens that enter the loss
+    advantages: torch.Tensor  # (N,) outcome, or (N, T) with process supervision
+    old_logp: torch.Tensor | None = None  # (N, T) when num_iterations > 1, on the model's device
+    # (N, T): the rollout engine's log-probs of the completion tokens (0 past each row's end); None if it gave none
+    sampling_logp: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None  # (N, T) when beta > 0, on the model's device
+    metrics: dict[str, float] = field(default_factory=dict)
+    samples: list[dict] = field(default_factory=list)
+
+    @property
+    def completion_width(self) -> int:
+        return self.completion_mask.shape[1]
+
+    def micro_batches(self, size: int) -> list[tuple[slice, int]]:
+        """(rows, completion width) of each micro-batch of `size` rows: the width leaves out the trailing columns
+        that are padding in every row of it (computed here, on the CPU, so the device never waits)."""
+        n, prompt_width = self.input_ids.shape[0], self.input_ids.shape[1] - self.completion_width
+        lengths = self.attention_mask[:, prompt_width:].sum(1)
+        return [(slice(s, min(s + size, n)), max(1, int(lengths[s:s + size].max()))) for s in range(0, n, size)]
+
+
+@dataclass
+class Sampled:
+    """Scored completions of whole groups on this process: everything a step knows before its advantages.
+
+    Rows are grouped: rows g*G .. g*G+G-1 are the G completions of one prompt (on one process).
+    """
+
+    prompts: list
+    prompt_ids: list[list[int]]
+    columns: dict[str, list]
+    completion_ids: list[list[int]]  # as generated, EOS kept
+    truncated: list[bool]
+    texts: list[str]  # decoded, EOS stripped
+    completions: list  # texts in the prompts' form (str or assistant message)
+    total: list[float]  # weighted reward per row
+    per_func: dict[str, list[float | None]]
+    errors: dict[str, int]
+    timeouts: dict[str, int]
+    logprobs: list[list[float]] | None = None  # the sampler's, per completion token (None if it gave none)
+
+    def select(self, rows: list[int]) -> "Sampled":
+        pick = lambda xs: [xs[i] for i in rows]  # noqa: E731
+        return Sampled(pick(self.prompts), pick(self.prompt_ids), {k: pick(v) for k, v in self.columns.items()},
+                       pick(self.completion_ids), pick(self.truncated), pick(self.texts), pick(self.completions),
+                       pick(self.total), {k: pick(v) for k, v in self.per_func.items()}, self.errors, self.timeouts,
+                       None if self.logprobs is None else pick(self.logprobs))
+
+    @staticmethod
+    def concat(parts: list["Sampled"]) -> "Sampled":
+        first = parts[0]
+        join = lambda name: [x for p in parts for x in getattr(p, name)]  # noqa: E731
+        add = lambda name: {k: sum(getattr(p, name).get(k, 0) for p in parts)  # noqa: E731
+                            for k in getattr(first, name)}
+        return Sampled(join("prompts"), join("prompt_ids"),
+                       {k: [x for p in parts for x in p.columns[k]] for k in first.columns},
+                       join("completion_ids"), join("truncated"), join("texts"), join("completions"), join("total"),
+                       {k: [x for p in parts for x in p.per_func[k]] for k in first.per_func}, add("errors"),
+                       add("timeouts"), join("logprobs") if all(p.logprobs is not None for p in parts) else None)
+
+
+def strip_eos(ids: list[int], eos_ids: set[int]) -> list[int]:
+    return ids[:-1] if ids and ids[-1] in eos_ids else ids
+
+
+def as_completion(prompt, text: str):
+    """Reward functions get completions in the prompt's form: text, or a list with one assistant message."""
+    return [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
+
+
+def pack(prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int,
+         keep: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Concatenate left-padded prompts and right-padded completions: ids (N, P+T), attention (N, P+T), mask (N, T).
+
+    `keep[i]` False leaves row i's completion out of the loss (a truncated completion when
+    mask_truncated_completions is on), while it still takes part in the forward pass.
+    """
+    p_ids, p_mask = left_pad(prompt_ids, pad_id)
+    width = max(1, max(len(c) for c in completion_ids))
+    c_ids = torch.full((len(completion_ids), width), pad_id, dtype=torch.long)
+    c_mask = torch.zeros((len(completion_ids), width), dtype=torch.long)
+    for i, c in enumerate(completion_ids):
+        if c:
+            c_ids[i, :len(c)] = torch.tensor(c, dtype=torch.long)
+            c_mask[i, :len(c)] = 1
+    loss_mask = c_mask.float() * torch.tensor(keep, dtype=torch.float32)[:, None]
+    return torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1), loss_mask
+
+
+def char_to_token_ends(tokenizer, ids: list[int], char_ends: list[int]) -> list[int]:
+    """Map exclusive character end offsets in decode(ids) to inclusive token indices.
+
+    A step ending at character c ends at the first token t whose decoded prefix ids[:t+1] reaches c characters;
+    binary search keeps it at O(log T) decodes per step.
+    """
+    out = []
+    for c in char_ends:
+        lo, hi = 0, len(ids) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(tokenizer.decode(ids[:mid + 1], skip_special_tokens=False)) >= c:
+                hi = mid
+            else:
+                lo = mid + 1
+        out.append(max(lo, 0))
+    return out
+
+
+def group_stats(rewards: torch.Tensor) -> dict[str, float]:
+    """Metrics of the (B, G) reward matrix: the fraction of groups with no signal (all rewards equal)."""
+    std = torch.nan_to_num(rewards, nan=0.0).std(dim=1)
+    return {"groups/zero_std_frac": float((std < 1e-6).float().mean())}
+
+
+class Processes:
+    """This process's place among the run's processes, and the two gathers the rollout needs."""
+
+    def __init__(self, accelerator):
+        self.accel, self.world, self.rank = accelerator, accelerator.num_processes, accelerator.process_index
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.world == 1 else self.accel.gather(t.to(self.accel.device)).cpu()
+
+    def gather_objects(self, rows: list) -> list:
+        if self.world == 1:
+            return rows
+        from accelerate.utils import gather_object
+
+        return gather_object(rows)
+
+
+class Rollouts:
+    """One step's rollout on this process: G completions per prompt from the rollout engine, decoded and scored,
+    then group advantages (and process-supervision advantages) and padded tensors. `make(step)` returns the batch
+    without old/reference log-probs, which the trainer adds."""
+
+    def __init__(self, cfg, generator, tokenizer, train_set, prompts, rewards, step_rewards, procs: Processes,
+                 B: int, G: int, params: SamplingParams):
+        self.cfg, self.generator, self.tokenizer, self.params = cfg, generator, tokenizer, params
+        self.train_set, self.prompts, self.rewards, self.step_rewards = train_set, prompts, rewards, step_rewards
+        self.procs, self.B, self.G = procs, B, G
+        self.eos_ids = {tokenizer.eos_token_id}
+        self.times: dict[str, float] = {}
+
+    def make(self, step: int) -> RolloutBatch:
+        self.times = {"generation": 0.0, "scoring": 0.0}
+        if self.cfg.dynamic_sampling:
+            sampled, sampling_metrics = self._sample_dynamic(step)
+        else:
+            sampled, sampling_metrics = self._sample(self.prompts.next(self.B), step), {}
+        batch = self._assemble(sampled)
+        batch.metrics.update(sampling_metrics)
+        return batch
+
+    def _sample(self, prompts_idx: list[int], step: int, round_: int = 0) -> Sampled:
+        """Generate G completions for each prompt (this process's share of the rows) and score them."""
+        G, world, rank = self.G, self.procs.world, self.procs.rank
+        n_local = len(prompts_idx) * G // world
+        first = rank * n_local
+        rows = [i for i in prompts_idx for _ in range(G)][first:first + n_local]
+        prompts, prompt_ids, columns = self.train_set.rows(rows)
+        t0 = time.perf_counter()
+        # Seeds belong to rows; a dynamic-sampling refill round gets rows of its own.
+        seeds = [row_seed(self.cfg.seed, step, first + r + round_ * 1_000_000) for r in range(n_local)]
+        out = self.generator.generate(prompt_ids, self.params, seeds)
+        t1 = time.perf_counter()
+        texts = self.tokenizer.batch_decode([strip_eos(c, self.eos_ids) for c in out.ids], skip_special_tokens=False)
+        completions = [as_completion(p, t) for p, t in zip(prompts, texts)]
+        scored = self.rewards(prompts, completions, out.ids, columns)
+        self.times["generation"] += t1 - t0
+        self.times["scoring"] += time.perf_counter() - t1
+        return Sampled(prompts, prompt_ids, columns, out.ids, out.truncated, texts, completions, scored.total,
+                       scored.per_func, scored.errors, scored.timeouts, out.logprobs)
+
+    def _sample_dynamic(self, step: int) -> tuple[Sampled, dict[str, float]]:
+        """DAPO dynamic sampling: drop groups whose rewards are all equal, sample more prompts until the step has
+        prompts_per_step groups or max_generation_rounds is reached (then it trains on the groups it has)."""
+        G, kept, dropped, rounds, last = self.G, [], 0, 0, None
+        while sum(len(k.total) for k in kept) < self.B * G and rounds < self.cfg.max_generation_rounds:
+            last = self._sample(self.prompts.next(self.B), step, rounds)
+            rounds += 1
+            rewards = torch.tensor(last.total).view(-1, G)
+            varied = [g for g in range(rewards.shape[0]) if float(rewards[g].max() - rewards[g].min()) > 0]
+            dropped += rewards.shape[0] - len(varied)
+            kept.append(last.select([g * G + j for g in varied for j in range(G)]))
+        groups = sum(len(k.total) for k in kept) // G
+        # No group with signal at all: train on the last round as it is (its advantages are zero).
+        sampled = Sampled.concat(kept).select(list(range(min(groups, self.B) * G))) if groups else last
+        return sampled, {"sampling/dropped_groups": float(dropped), "sampling/generation_rounds": float(rounds),
+                         "sampling/kept_groups": float(min(groups, self.B))}
+
+    def _assemble(self, s: Sampled) -> RolloutBatch:
+        """Advantages and padding: the training batch of the sampled groups."""
+        cfg, G, procs = self.cfg, self.G, self.procs
+        n_local = len(s.total)
+        t0 = time.perf_counter()
+        rewards = procs.gather(torch.tensor(s.total, dtype=torch.float32)).view(-1, G)
+        mine = slice(procs.rank * n_local, (procs.rank + 1) * n_local)
+        outcome = group_advantages(rewards, scale=cfg.scale_rewards, eps=cfg.advantage_eps,
+                                   unbiased=cfg.unbiased_std).view(-1)[mine]
+        keep = [not (cfg.mask_truncated_completions and t) for t in s.truncated]
+        input_ids, attention, cmask = pack(s.prompt_ids, s.completion_ids, self.tokenizer.pad_token_id, keep)
+        advantages, step_metrics = outcome, {}
+        if self.step_rewards:
+            ids = [strip_eos(c, self.eos_ids) for c in s.completion_ids]
+            advantages, step_metrics = self._process_advantages(s.prompts, s.completions, ids, s.columns, outcome,
+                                                                cmask)
+        batch = RolloutBatch(input_ids, attention, cmask, advantages)
+        if s.logprobs is not None:
+            batch.sampling_logp = torch.zeros_like(cmask)
+            for i, row in enumerate(s.logprobs):
+                batch.sampling_logp[i, :len(row)] = torch.tensor(row[:cmask.shape[1]], dtype=cmask.dtype)
+        self.times["scoring"] += time.perf_counter() - t0
+        batch.metrics = {**self._metrics(s, rewards, outcome), **step_metrics}
+        batch.samples = [{"prompt": p if isinstance(p, str) else p[-1]["content"], "completion": t,
+                          "reward": r, "advantage": float(a), **{f"reward/{k}": v[i] for k, v in s.per_func.items()}}
+                         for i, (p, t, r, a) in enumerate(zip(s.prompts, s.texts, s.total, outcome))][:16]
+        return batch
+
+    def _process_advantages(self, prompts, completions, ids, columns, outcome, cmask):
+        """Step rewards -> token positions -> DeepSeekMath 4.1.3 process advantages, mixed with the outcome ones."""
+        cfg, procs = self.cfg, self.procs
+        step_scores: list[list[float]] = [[] for _ in ids]
+        step_ends: list[list[int]] = [[] for _ in ids]
+        for func in self.step_rewards:
+            result = func(prompts=prompts, completions=completions, **columns)
+            for i, steps in enumerate(result):
+                if steps:
+                    chars, scores = zip(*steps)
+                    step_scores[i] += list(scores)
+                    step_ends[i] += char_to_token_ends(self.tokenizer, ids[i], list(chars))
+        scores_all, ends_all = procs.gather_objects(step_scores), procs.gather_objects(step_ends)
+        T = cmask.shape[1]
+        n_local = len(ids)
+        mask_all = torch.zeros(len(scores_all), T)
+        lengths = procs.gather(cmask.sum(1))
+        for r in range(len(scores_all)):  # every row's mask, rebuilt from its length (all ranks' rows)
+            mask_all[r, :int(min(lengths[r], T))] = 1.0
+        process = process_advantages(scores_all, ends_all, mask_all, self.G, eps=cfg.advantage_eps,
+                                     unbiased=cfg.unbiased_std)[procs.rank * n_local:(procs.rank + 1) * n_local]
+        mixed = mix_advantages(outcome, process, cmask, outcome_weight=cfg.outcome_weight,
+                               process_weight=cfg.process_weight)
+        flat = [s for row in step_scores for s in row]
+        first_wrong = [any(s <= 0 for s in row) for row in step_scores]
+        return mixed, {"reward/step/mean": float(np.mean(flat)) if flat else 0.0,
+                       "reward/step/count": float(len(flat)) / max(1, len(ids)),
+                       "reward/step/first_wrong_found_frac": float(np.mean(first_wrong)) if first_wrong else 0.0}
+
+    def _metrics(self, scored: Sampled, rewards, outcome) -> dict[str, float]:
+        gather = self.procs.gather
+        lengths_all = gather(torch.tensor([len(c) for c in scored.completion_ids], dtype=torch.float32))
+        truncated = gather(torch.tensor(scored.truncated, dtype=torch.float32))
+        m = {"reward/total": float(rewards.nanmean()), "reward/total/std": float(rewards.std()),
+             "advantage/mean": float(outcome.mean()), "advantage/std": float(outcome.std()),
+             "completion/mean_length": float(lengths_all.mean()), "completion/max_length": float(lengths_all.max()),
+             "completion/truncated_frac": float(truncated.mean())}
+        for name, values in scored.per_func.items():
+            vals = gather(torch.tensor([float("nan") if v is None else float(v) for v in values]))
+            m[f"reward/{name}"] = float(vals.nanmean())
+            m[f"reward/{name}/none_frac"] = float(vals.isnan().float().mean())  # "does not apply" to these rows
+        for name, count in scored.errors.items():
+            m[f"reward/errors/{name}"] = float(count)
+        for name, count in scored.timeouts.items():
+            m[f"reward/timeouts/{name}"] = float(count)
+        m.update(group_stats(rewards))
+        return m

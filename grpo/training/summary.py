@@ -1,0 +1,35 @@
+"""What a run says at its start (what it is about to do) and at its end (what it did), a few lines each."""
+
+from __future__ import annotations
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}k"
+
+
+def start_lines(trainer) -> list[str]:
+    cfg, policy = trainer.cfg, trainer.policy
+    total = sum(p.numel() for p in policy.parameters())
+    trained = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    params = _count(total) + ("" if trained == total else f", {_count(trained)} trained (LoRA)")
+    data = (f"task {cfg.task}" if trainer.task is not None else cfg.dataset_name or "the given train_dataset")
+    evals = f", {len(trainer.eval_set)} eval" if trainer.eval_set is not None else ""
+    weights = trainer.rewards.weights
+    rewards = ", ".join(f"{n} x{w:g}" for n, w in zip(trainer.reward_names, weights))
+    device = f"{trainer.accel.device}, {trainer.world} process" + ("es" if trainer.world > 1 else "")
+    return [f"model    {cfg.model_name_or_path} ({params} parameters)",
+            f"data     {data}: {len(trainer.train_set)} prompts{evals}",
+            f"rewards  {rewards}",
+            f"engine   {trainer.engine.name} ({trainer.engine.reason})",
+            f"device   {device}",
+            f"steps    {trainer.total_steps} from step {trainer.step}, {trainer.B} prompts x {trainer.G} completions, "
+            f"{cfg.num_iterations} update(s) each",
+            f"output   {cfg.output_dir}"]
+
+
+def end_lines(trainer, last: dict[str, float], seconds: float) -> list[str]:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    shown = [k for k in ("reward/total", "eval/accuracy", "policy/kl_divergence") if k in last]
+    metrics = ", ".join(f"{k} {last[k]:.3f}" for k in shown)
+    return [f"done     {trainer.step} steps in {minutes}m{secs:02d}s" + (f"; {metrics}" if metrics else ""),
+            f"model    {trainer.cfg.output_dir}/final (AutoModelForCausalLM.from_pretrained loads it)"]
