@@ -92,3 +92,19 @@ def test_all_zero_weights_warn(tmp_path, tiny_model_dir, data_file):
     cfg = GRPOConfig(task=None, reward_funcs=["math_accuracy", "think_format"], reward_weights=[0, 0])
     with pytest.warns(UserWarning, match="every weight is 0"):
         make_reward_runner(cfg, None, None)
+
+
+def test_no_deepspeed_line_when_deepspeed_is_merely_installed():
+    """accelerate imports DeepSpeed where it is installed, and DeepSpeed then logs "Setting accelerator to CPU" on a
+    machine without CUDA: grpo filters that one line out (its other messages still print)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("deepspeed")
+    script = ("import logging, grpo, torch\n"
+              "from accelerate.utils import extract_model_from_parallel\n"
+              "extract_model_from_parallel(torch.nn.Linear(1, 1))\n"
+              "logging.getLogger('DeepSpeed').warning('another DeepSpeed warning')\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert "Setting accelerator to CPU" not in out.stdout + out.stderr
+    assert "another DeepSpeed warning" in out.stdout + out.stderr
