@@ -42,6 +42,7 @@ ALIASES = {
     "clip_range": "epsilon",  # seed tutorial 004
     "dtype": "torch_dtype",  # transformers >= 4.56
     "num_epochs": "num_train_epochs",
+    "vllm_importance_sampling_cap": "vllm_importance_sampling_clip_max",  # TRL's deprecated name
 }
 
 # Named starting points (`preset: dapo`); any key the recipe or command line sets wins over the preset's.
@@ -142,6 +143,26 @@ class GRPOConfig:
     engine: str = _f("auto", "Rollout and update engine: cpu (compiled paths for a float32 model in one process on "
                      "the CPU), transformers (any model and device), or auto: cpu where it applies, transformers "
                      "otherwise. The run prints which it took and why.", ("auto", "transformers", "cpu"))
+    use_vllm: bool = _f(False, "Generate with vLLM (TRL's key): pip install 'grpo[vllm]' on a GPU machine, or the "
+                        "CPU build in an environment of its own (bash scripts/vllm_env.sh).")
+    vllm_mode: str = _f("colocate", "colocate: a vLLM engine in the trainer's process, on its device, given the "
+                        "policy's weights after every optimizer step.", ("colocate",))
+    vllm_gpu_memory_utilization: float = _f(0.3, "Fraction of the device's memory vLLM may take (its weights and KV "
+                                            "cache; on vLLM's CPU build, of the machine's RAM).")
+    vllm_tensor_parallel_size: int = _f(1, "Devices one vLLM engine shards the model over.")
+    vllm_enable_sleep_mode: bool = _f(False, "Free vLLM's device memory during the update (vLLM's sleep mode; "
+                                      "GPU only) and take it back for the next rollout.")
+    vllm_max_model_length: int | None = _f(None, "Context length of the vLLM engine (null: the model's).")
+    vllm_model_impl: str = _f("vllm", "Model implementation vLLM runs: its own or transformers'.",
+                              ("vllm", "transformers"))
+    vllm_engine_kwargs: dict = _f({}, "Further keyword arguments for vllm.LLM (e.g. enforce_eager: true).")
+    vllm_importance_sampling_correction: bool = _f(True, "Weight each token's surrogate by pi_old / pi_vllm, "
+                                                   "bounded as vllm_importance_sampling_mode says (TRL 1.16's).")
+    vllm_importance_sampling_mode: str = _f("sequence_mask", "token_truncate, token_mask, sequence_truncate or "
+                                            "sequence_mask (grpo.core.engine_importance_weights).",
+                                            ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"))
+    vllm_importance_sampling_clip_max: float | None = _f(3.0, "Upper bound of the importance ratio (null: none).")
+    vllm_importance_sampling_clip_min: float | None = _f(None, "Lower bound of the importance ratio (null: none).")
 
     # ---- optimization ------------------------------------------------------------------------------------------
     learning_rate: float = _f(1e-6, "Peak AdamW learning rate.")
@@ -397,6 +418,10 @@ def _validate(cfg: GRPOConfig) -> None:
            "save_steps, eval_steps and log_completions_steps must be >= 0.")
     _check(cfg.save_total_limit >= 1, "save_total_limit", "must be >= 1.")
     _check(cfg.use_chat_template in (True, False, "auto"), "use_chat_template", "must be true, false or auto.")
+    _check(0 < cfg.vllm_gpu_memory_utilization <= 1, "vllm_gpu_memory_utilization", "must be in (0, 1].")
+    _check(cfg.vllm_tensor_parallel_size >= 1, "vllm_tensor_parallel_size", "must be >= 1.")
+    _check(cfg.vllm_importance_sampling_clip_max is None or cfg.vllm_importance_sampling_clip_max > 0,
+           "vllm_importance_sampling_clip_max", "must be > 0, or null.")
     if cfg.reward_weights is not None:
         _check(all(isinstance(w, (int, float)) and math.isfinite(w) for w in cfg.reward_weights),
                "reward_weights", f"must be finite numbers (got {cfg.reward_weights}).")

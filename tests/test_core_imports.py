@@ -26,7 +26,8 @@ def imported_modules(path):
 
 def test_core_files_import_only_torch_and_stdlib():
     files = sorted(CORE_DIR.glob("*.py"))
-    assert {f.name for f in files} >= {"__init__.py", "advantages.py", "loss.py", "logprobs.py", "head_loss.py"}
+    assert {f.name for f in files} >= {"__init__.py", "advantages.py", "loss.py", "logprobs.py", "head_loss.py",
+                                          "importance.py"}
     bad = []
     for path in files:
         for line, module in imported_modules(path):
@@ -66,7 +67,9 @@ def test_public_api_names_and_parameters():
         "mix_advantages": ["outcome", "process", "mask", "outcome_weight", "process_weight"],
         "kl_penalty": ["logp", "ref_logp", "estimator"],
         "policy_loss": ["logp", "old_logp", "advantages", "mask", "ref_logp", "beta", "kl_estimator", "eps_low",
-                        "eps_high", "ratio_level", "aggregation", "max_length", "normalizer", "entropy"],
+                        "eps_high", "ratio_level", "aggregation", "max_length", "normalizer", "entropy",
+                        "sampling_weights"],
+        "engine_importance_weights": ["trainer_logp", "engine_logp", "mask", "mode", "clip_max", "clip_min"],
         "token_logprobs": ["logits", "tokens", "temperature", "chunk_size"],
         "token_entropy": ["logits", "chunk_size", "temperature"],
         "hidden_logprobs": ["hidden", "weight", "tokens", "temperature", "chunk_size", "bias", "with_entropy",

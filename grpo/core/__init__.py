@@ -26,15 +26,18 @@ and a weighted mix of outcome and process advantages (`mix_advantages`).
 
 from grpo.core.advantages import ADVANTAGE_SCALES, group_advantages, mix_advantages, process_advantages
 from grpo.core.head_loss import hidden_loss
+from grpo.core.importance import IMPORTANCE_SAMPLING_MODES, engine_importance_weights
 from grpo.core.logprobs import hidden_logprobs, token_entropy, token_logprobs
 from grpo.core.loss import AGGREGATIONS, KL_ESTIMATORS, RATIO_LEVELS, LossOutput, kl_penalty, policy_loss
 
 __all__ = [
     "ADVANTAGE_SCALES",
     "AGGREGATIONS",
+    "IMPORTANCE_SAMPLING_MODES",
     "KL_ESTIMATORS",
     "RATIO_LEVELS",
     "LossOutput",
+    "engine_importance_weights",
     "group_advantages",
     "hidden_logprobs",
     "hidden_loss",

@@ -181,6 +181,7 @@ def policy_loss(
     max_length: int | None = None,
     normalizer: float | None = None,
     entropy: Tensor | None = None,
+    sampling_weights: Tensor | None = None,
 ) -> LossOutput:
     """GRPO loss to minimise: -(clipped surrogate) + beta * KL per token, then aggregated.
 
@@ -206,6 +207,9 @@ def policy_loss(
             (tokens, or rows). Note: a data-parallel wrapper that *averages* gradients over P processes divides
             by P once more, so multiply the loss by P there (or give normalizer / P).
         entropy: (B*G, T) per-token entropy of pi_theta (e.g. from `token_entropy`); only reported as a metric.
+        sampling_weights: (B*G, T) weights of each token's surrogate (not of its KL term, as in TRL), detached: the
+            correction for a rollout engine that samples from another distribution than pi_old
+            (`engine_importance_weights`). None: all 1.
 
     Returns:
         LossOutput(loss, metrics). `loss` is a scalar. `metrics` holds detached scalars, each a plain masked mean
@@ -229,6 +233,11 @@ def policy_loss(
     ratio = _importance_ratio(logp - old_logp, mask, ratio_level)  # (N, T)
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
     surrogate = -torch.minimum(ratio * adv, clipped * adv)  # (N, T); minus: we minimise
+    if sampling_weights is not None:
+        if sampling_weights.shape != logp.shape:
+            raise ValueError(f"policy_loss: sampling_weights has shape {tuple(sampling_weights.shape)}, logp has "
+                             f"{tuple(logp.shape)}")
+        surrogate = surrogate * torch.where(mask, sampling_weights.detach().to(logp.dtype), zeros)
     per_token = surrogate
     kl = None
     if ref_logp is not None:

@@ -51,6 +51,16 @@ def update_weights(engine, model) -> None:
         update(model)
 
 
+def sleep(engine) -> None:
+    """Let `engine` free its device memory while the update runs (vLLM's sleep mode), where it can."""
+    getattr(engine, "sleep", lambda: None)()
+
+
+def wake(engine) -> None:
+    """Take back what `sleep` freed, before the next rollout."""
+    getattr(engine, "wake", lambda: None)()
+
+
 def row_seed(seed: int, step: int, row: int) -> int:
     """The sampling seed of one completion: a function of the run seed, the step and the row's global index."""
     return (seed * 1_000_003 + step * 65_537 + row) % (2**63 - 1)

@@ -74,6 +74,27 @@ def make_engine(choice: EngineChoice, model, policy, accelerator, tokenizer, par
     return generator, TransformersBackend(model, accelerator)
 
 
+def make_vllm(cfg, policy, tokenizer, processes: int):
+    """The colocated vLLM rollout engine (`use_vllm`), holding a copy of `policy`'s weights."""
+    from grpo.engines.vllm import VLLMEngine, VLLMUnavailable
+
+    if processes > 1:
+        raise ConfigError("use_vllm: the colocated vLLM engine runs with one training process for now; launch one "
+                          "process, or set use_vllm to false.")
+    base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+    path = getattr(base.config, "_name_or_path", None) or cfg.model_name_or_path
+    try:
+        return VLLMEngine(path, policy, eos_ids=[tokenizer.eos_token_id], dtype=_dtype(policy),
+                          gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                          tensor_parallel_size=cfg.vllm_tensor_parallel_size, max_model_len=cfg.vllm_max_model_length,
+                          enable_sleep_mode=cfg.vllm_enable_sleep_mode, model_impl=cfg.vllm_model_impl,
+                          seed=cfg.seed, **cfg.vllm_engine_kwargs)
+    except VLLMUnavailable as err:
+        raise ConfigError(f"use_vllm: {err}") from None
+    except ValueError as err:  # (a setting vLLM refuses, named by the engine)
+        raise ConfigError(str(err)) from None
+
+
 def make_sampler(choice: EngineChoice, model, tokenizer):
     """The choice's own rollout engine, sampling from `model` (unwrapped)."""
     if choice.name == "cpu":

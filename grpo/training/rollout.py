@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from grpo.core import group_advantages, mix_advantages, process_advantages
-from grpo.engines.base import SamplingParams, row_seed
+from grpo.engines.base import SamplingParams, row_seed, sleep, update_weights, wake
 from grpo.engines.sampling import left_pad
 
 
@@ -160,20 +160,30 @@ class Rollouts:
     then group advantages (and process-supervision advantages) and padded tensors. `make(step)` returns the batch
     without old/reference log-probs, which the trainer adds."""
 
-    def __init__(self, cfg, generator, tokenizer, train_set, prompts, rewards, step_rewards, procs: Processes,
-                 B: int, G: int, params: SamplingParams):
-        self.cfg, self.generator, self.tokenizer, self.params = cfg, generator, tokenizer, params
+    def __init__(self, cfg, generator, policy, tokenizer, train_set, prompts, rewards, step_rewards,
+                 procs: Processes, B: int, G: int, params: SamplingParams):
+        self.cfg, self.generator, self.policy, self.tokenizer, self.params = cfg, generator, policy, tokenizer, params
         self.train_set, self.prompts, self.rewards, self.step_rewards = train_set, prompts, rewards, step_rewards
         self.procs, self.B, self.G = procs, B, G
         self.eos_ids = {tokenizer.eos_token_id}
         self.times: dict[str, float] = {}
+        self.engine_stale = False  # the trainer sets it after an optimizer step: the engine's weights are older
+
+    def ready_engine(self) -> None:
+        """Wake the rollout engine and hand it the policy's weights if an optimizer step changed them."""
+        wake(self.generator)
+        if self.engine_stale:
+            update_weights(self.generator, self.policy)
+            self.engine_stale = False
 
     def make(self, step: int) -> RolloutBatch:
         self.times = {"generation": 0.0, "scoring": 0.0}
+        self.ready_engine()
         if self.cfg.dynamic_sampling:
             sampled, sampling_metrics = self._sample_dynamic(step)
         else:
             sampled, sampling_metrics = self._sample(self.prompts.next(self.B), step), {}
+        sleep(self.generator)  # (vLLM's sleep mode: its memory is the update's until the next rollout)
         batch = self._assemble(sampled)
         batch.metrics.update(sampling_metrics)
         return batch

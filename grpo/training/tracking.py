@@ -30,6 +30,8 @@ import re
 from pathlib import Path
 from typing import Any, Iterable
 
+import torch
+
 REPORT_TO_CHOICES = ("tensorboard", "wandb")
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_DIR = "samples"
@@ -324,3 +326,18 @@ class RunLogger:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+
+
+def extreme(key: str) -> bool:
+    """Whether a step metric is a least or greatest value (*_min, *_max) rather than a mean."""
+    return key.endswith(("_min", "_max"))
+
+
+def accumulate(key: str, total, value, weight):
+    """A step's metric over its micro-batches: the least or greatest for *_min / *_max, else a token-weighted sum
+    (divided by the step's total weight when the step ends)."""
+    if total is None:
+        return value if extreme(key) else value * weight
+    if extreme(key):
+        return torch.minimum(total, value) if key.endswith("_min") else torch.maximum(total, value)
+    return total + value * weight

