@@ -53,8 +53,9 @@ def matmul_throughput(threads: int, n: int = 1024, repeats: int = 10) -> dict[st
 def run_side(side: str, args, model_dir: Path, work: Path, index: int) -> dict:
     """One run of one side in a fresh process; returns its record (bench/child.py)."""
     out, log = work / f"{side}-{index}.json", work / f"{side}-{index}.log"
-    overrides = args.grpo_set if side == "grpo" else args.trl_set
-    cmd = [sys.executable, "-m", "bench.child", side, "--workload", args.workload, "--model", str(model_dir),
+    overrides = args.trl_set if side == "trl" else args.grpo_set
+    python = args.vllm_python if side == "vllm" else sys.executable
+    cmd = [str(python), "-m", "bench.child", side, "--workload", args.workload, "--model", str(model_dir),
            "--steps", str(args.warmup + args.steps), "--threads", str(args.threads), "--out", str(out),
            "--run-dir", str(work / f"run-{side}-{index}"), *(f"--set={o}" for o in overrides)]
     threads = str(args.threads)
@@ -86,7 +87,10 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--steps", type=int, default=5, help="measured steps per run (default 5)")
     parser.add_argument("--warmup", type=int, default=2, help="warm-up steps per run, not measured (default 2)")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each side, alternating (default 2)")
-    parser.add_argument("--sides", default="grpo,trl", help="comma-separated: grpo, trl or both (default)")
+    parser.add_argument("--sides", default="grpo,trl",
+                        help="comma-separated: grpo, trl (default: both), vllm (grpo with use_vllm)")
+    parser.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm" / "bin" / "python",
+                        help="the Python of an environment with vLLM, for the vllm side (scripts/vllm_env.sh)")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                         help="torch threads on both sides (default: the CPUs this process may use)")
     parser.add_argument("--work-dir", type=Path, default=None,
@@ -101,6 +105,8 @@ def parse_args(argv: list[str] | None):
         parser.error(f"--sides: choose from {', '.join(SIDES)} (got {args.sides!r}).")
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         parser.error("--steps and --rounds must be >= 1, --warmup >= 0.")
+    if "vllm" in sides and not args.vllm_python.exists():
+        parser.error(f"--vllm-python: {args.vllm_python} does not exist; build it with `bash scripts/vllm_env.sh`.")
     if "trl" in sides and importlib.util.find_spec("trl") is None:
         parser.error("--sides: TRL is not installed; `pip install -r bench/requirements.txt`, or pass --sides grpo.")
     args.sides = sides

@@ -11,7 +11,7 @@ from bench.child import PHASES
 from bench.flops import step_flops
 from bench.workloads import REQUIREMENTS, Workload
 
-SIDES = ("grpo", "trl")
+SIDES = ("grpo", "trl", "vllm")  # vllm: grpo with vLLM rollouts (use_vllm), in the environment vLLM needs
 
 
 def steady(records: list[dict], key: str, warmup: int) -> list[float]:
@@ -93,6 +93,9 @@ def summarize(w: Workload, records: dict[str, list[dict]], warmup: int, matmul: 
     out["speedup"] = out["grpo_tokens_per_s"] / out["trl_tokens_per_s"] if both else None
     out["cpu_speedup"] = out["grpo_tokens_per_cpu_s"] / out["trl_tokens_per_cpu_s"] if both else None
     out["memory_ratio"] = out["grpo_peak_rss_mb"] / out["trl_peak_rss_mb"] if both else None
+    # vLLM rollouts against grpo's own engine on the same work: > 1 means the vLLM engine's steps are faster
+    with_vllm = figures["grpo"] is not None and figures["vllm"] is not None
+    out["vllm_speedup"] = out["vllm_tokens_per_s"] / out["grpo_tokens_per_s"] if with_vllm else None
     out["requirements"] = requirements(w.name, out)
     return out
 

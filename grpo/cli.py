@@ -4,6 +4,7 @@
     grpo train --help-config                      every config key, its type, default and meaning
     grpo eval --model PATH --task NAME [--n N] [--k K] [--json FILE]
     grpo plot RUN_DIR
+    grpo vllm-serve --model PATH [--port 8000] [--tensor-parallel-size N] ...   a vLLM server (vllm_mode: server)
 
 A bad config or bad data ends in one line naming the key, the function or the row, and exit status 2.
 """
@@ -48,6 +49,20 @@ def _parser() -> argparse.ArgumentParser:
 
     plot = sub.add_parser("plot", help="draw reward and accuracy against step for a run directory")
     plot.add_argument("run_dir")
+
+    serve = sub.add_parser("vllm-serve", help="serve rollouts from vLLM to trainers with vllm_mode: server",
+                           description="Start a vLLM engine that trainer processes send prompts to and push the "
+                           "policy's weights into (grpo/engines/vllm_server.py). Needs vLLM.")
+    serve.add_argument("--model", required=True, help="the model the trainers train (directory or hub name)")
+    serve.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--tensor-parallel-size", type=int, default=1, help="devices to shard the model over")
+    serve.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="fraction of the device's memory vLLM may take (default 0.9: the server has it alone)")
+    serve.add_argument("--dtype", default="auto", help="weights dtype (default: the model's)")
+    serve.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    serve.add_argument("--set", dest="engine_kwargs", action="append", default=[], metavar="KEY=VALUE",
+                       help="a further vllm.LLM keyword argument, value as YAML (e.g. enforce_eager=true)")
     return parser
 
 
@@ -61,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args)
         if args.command == "eval":
             return _eval(args)
+        if args.command == "vllm-serve":
+            return _serve(args)
         from grpo.training.plot import plot_run
 
         print(plot_run(args.run_dir))
@@ -183,6 +200,21 @@ def _eval(args) -> int:
     _print_table(str(model_path), result)
     if args.json:
         Path(args.json).write_text(json.dumps({"model": str(model_path), **result}, indent=1))
+    return 0
+
+
+def _serve(args) -> int:
+    from grpo.config import ConfigError, parse_override
+    from grpo.engines.vllm import VLLMUnavailable
+    from grpo.engines.vllm_server import serve
+
+    extra = dict(parse_override(item) for item in args.engine_kwargs)
+    try:
+        serve(args.model, args.host, args.port, tensor_parallel_size=args.tensor_parallel_size,
+              gpu_memory_utilization=args.gpu_memory_utilization, dtype=args.dtype, max_model_len=args.max_model_len,
+              **extra)
+    except VLLMUnavailable as err:
+        raise ConfigError(f"vllm-serve: {err}") from None
     return 0
 
 

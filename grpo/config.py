@@ -145,8 +145,14 @@ class GRPOConfig:
                      "otherwise. The run prints which it took and why.", ("auto", "transformers", "cpu"))
     use_vllm: bool = _f(False, "Generate with vLLM (TRL's key): pip install 'grpo[vllm]' on a GPU machine, or the "
                         "CPU build in an environment of its own (bash scripts/vllm_env.sh).")
-    vllm_mode: str = _f("colocate", "colocate: a vLLM engine in the trainer's process, on its device, given the "
-                        "policy's weights after every optimizer step.", ("colocate",))
+    vllm_mode: str = _f("colocate", "colocate: a vLLM engine in the trainer's process, on its device; server: a "
+                        "`grpo vllm-serve` process that every trainer process sends prompts to. Either is given the "
+                        "policy's weights after every optimizer step.", ("colocate", "server"))
+    vllm_server_base_url: str | None = _f(None, "Server mode: the server's URL, e.g. http://10.0.0.2:8000 (then "
+                                          "vllm_server_host and vllm_server_port are not used).")
+    vllm_server_host: str = _f("0.0.0.0", "Server mode: the server's host.")
+    vllm_server_port: int = _f(8000, "Server mode: the server's port.")
+    vllm_server_timeout: float = _f(240.0, "Server mode: seconds to wait for the server to answer at start.")
     vllm_gpu_memory_utilization: float = _f(0.3, "Fraction of the device's memory vLLM may take (its weights and KV "
                                             "cache; on vLLM's CPU build, of the machine's RAM).")
     vllm_tensor_parallel_size: int = _f(1, "Devices one vLLM engine shards the model over.")

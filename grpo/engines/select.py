@@ -74,17 +74,28 @@ def make_engine(choice: EngineChoice, model, policy, accelerator, tokenizer, par
     return generator, TransformersBackend(model, accelerator)
 
 
-def make_vllm(cfg, policy, tokenizer, processes: int):
-    """The colocated vLLM rollout engine (`use_vllm`), holding a copy of `policy`'s weights."""
+def make_vllm(cfg, policy, tokenizer, accelerator):
+    """The vLLM rollout engine (`use_vllm`): colocated, holding a copy of `policy`'s weights, or a client of a
+    `grpo vllm-serve` server, into which the main process pushes them."""
+    eos = [tokenizer.eos_token_id]
+    if cfg.vllm_mode == "server":
+        from grpo.engines.vllm_server import VLLMServerClient
+
+        url = cfg.vllm_server_base_url or f"http://{cfg.vllm_server_host}:{cfg.vllm_server_port}"
+        try:
+            return VLLMServerClient(url, eos, cfg.vllm_server_timeout, push=accelerator.is_main_process,
+                                    barrier=accelerator.wait_for_everyone if accelerator.num_processes > 1 else None)
+        except ConnectionError as err:
+            raise ConfigError(f"vllm_mode: server: {err}") from None
     from grpo.engines.vllm import VLLMEngine, VLLMUnavailable
 
-    if processes > 1:
+    if accelerator.num_processes > 1:
         raise ConfigError("use_vllm: the colocated vLLM engine runs with one training process for now; launch one "
-                          "process, or set use_vllm to false.")
+                          "process, use vllm_mode: server, or set use_vllm to false.")
     base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
     path = getattr(base.config, "_name_or_path", None) or cfg.model_name_or_path
     try:
-        return VLLMEngine(path, policy, eos_ids=[tokenizer.eos_token_id], dtype=_dtype(policy),
+        return VLLMEngine(path, policy, eos_ids=eos, dtype=_dtype(policy),
                           gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                           tensor_parallel_size=cfg.vllm_tensor_parallel_size, max_model_len=cfg.vllm_max_model_length,
                           enable_sleep_mode=cfg.vllm_enable_sleep_mode, model_impl=cfg.vllm_model_impl,

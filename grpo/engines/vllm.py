@@ -109,7 +109,10 @@ class VLLMEngine:
     def update_weights(self, model) -> None:
         """Load the policy's current weights into the engine (a LoRA policy with its adapters merged) and forget
         the cached prompt prefixes, whose keys and values the old weights computed."""
-        weights = hf_weights(model)
+        self.load_weights(hf_weights(model))
+
+    def load_weights(self, weights) -> None:
+        """Load (name, tensor) pairs under transformers' names (`hf_weights`), then reset the prefix cache."""
         if self.tensor_parallel_size > 1:
             weights = list(weights)  # sent to worker processes: a generator cannot be pickled
         # reload_weights, not the model's load_weights: vLLM's CPU build repacks every linear weight for its GEMM

@@ -108,7 +108,7 @@ class GRPOTrainer:
         self.params = SamplingParams(cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p,
                                      cfg.repetition_penalty)
         if generator is None and cfg.use_vllm:
-            generator = make_vllm(cfg, self.policy, self.tokenizer, self.world)
+            generator = make_vllm(cfg, self.policy, self.tokenizer, self.accel)
         self.generator, self.backend = make_engine(self.engine, self.model, self.policy, self.accel, self.tokenizer,
                                                    self.params, self.reference, generator)
         self.sampler = PromptSampler(len(self.train_set), cfg.seed)
