@@ -75,6 +75,8 @@ class VLLMEngine:
         self.llm = vllm.LLM(model=model_name_or_path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
                             tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
                             enable_sleep_mode=enable_sleep_mode, model_impl=model_impl, seed=seed, **options)
+        # Token ids the model has no logit for cannot be sampled, and vLLM refuses them as stop ids.
+        self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         if model is not None:
             self.update_weights(model)
 
@@ -93,7 +95,8 @@ class VLLMEngine:
         sampling = [VLLMSamplingParams(
             max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
             top_k=params.top_k, min_p=params.min_p, repetition_penalty=params.repetition_penalty, seed=seed,
-            stop_token_ids=self.eos_ids, logprobs=0, detokenize=False) for seed in seeds]
+            stop_token_ids=[i for i in self.eos_ids if i < self.vocab_size], logprobs=0, detokenize=False)
+            for seed in seeds]
         outputs = self.llm.generate(requests, sampling, use_tqdm=False)
         ids, truncated, logprobs = [], [], []
         for out in outputs:
