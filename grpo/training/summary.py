@@ -20,7 +20,8 @@ def start_lines(trainer) -> list[str]:
     return [f"model    {cfg.model_name_or_path} ({params} parameters)",
             f"data     {data}: {len(trainer.train_set)} prompts{evals}",
             f"rewards  {rewards}",
-            f"engine   {trainer.engine.name} ({trainer.engine.reason})",
+            f"engine   {trainer.engine.name} ({trainer.engine.reason})"
+            + (f"; rollouts from vLLM ({cfg.vllm_mode})" if cfg.use_vllm else ""),
             f"device   {device}",
             f"steps    {trainer.total_steps} from step {trainer.step}, {trainer.B} prompts x {trainer.G} completions, "
             f"{cfg.num_iterations} update(s) each",
