@@ -12,7 +12,7 @@ import grpo.engines.cpu.sampler as generation
 import grpo.engines.sampling as sampling
 from grpo.engines.base import SamplingParams
 from grpo.engines.cpu.decoding import LeanDecoder, packed_head
-from grpo.engines.cpu.sampler import CPUSampler as TransformersGenerator
+from grpo.engines.cpu.sampler import CPUSampler
 from grpo.engines.kv_cache import preallocated_cache
 
 
@@ -65,10 +65,10 @@ def test_generation_is_the_same_with_and_without_the_lean_path(kind, monkeypatch
     model = tiny(kind)
     ids = [[5, 6, 7], [1, 2, 3, 4, 5], [9, 8, 7, 6]]
     params = SamplingParams(12, temperature=1.0)
-    fast = TransformersGenerator(model, pad_id=0, eos_ids=[49]).generate(ids, params, seeds=[1, 2, 3])
+    fast = CPUSampler(model, pad_id=0, eos_ids=[49]).generate(ids, params, seeds=[1, 2, 3])
     monkeypatch.setattr(generation.LeanDecoder, "supports", staticmethod(lambda m: False))
     monkeypatch.setattr(sampling, "preallocated_cache", lambda m, c: None)
-    slow = TransformersGenerator(model, pad_id=0, eos_ids=[49]).generate(ids, params, seeds=[1, 2, 3])
+    slow = CPUSampler(model, pad_id=0, eos_ids=[49]).generate(ids, params, seeds=[1, 2, 3])
     assert fast.ids == slow.ids
     for a, b in zip(fast.logprobs, slow.logprobs):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=1e-5)
@@ -83,12 +83,12 @@ def test_lora_adapters_are_applied_in_the_lean_steps(monkeypatch):
             torch.nn.init.normal_(param, std=0.5)
     model.eval()
     ids, params = [[5, 6, 7], [1, 2, 3, 4, 5]], SamplingParams(10)
-    fast = TransformersGenerator(model, pad_id=0, eos_ids=[49]).generate(ids, params, seeds=[1, 2])
+    fast = CPUSampler(model, pad_id=0, eos_ids=[49]).generate(ids, params, seeds=[1, 2])
     monkeypatch.setattr(generation.LeanDecoder, "supports", staticmethod(lambda m: False))
-    slow = TransformersGenerator(model, pad_id=0, eos_ids=[49]).generate(ids, params, seeds=[1, 2])
+    slow = CPUSampler(model, pad_id=0, eos_ids=[49]).generate(ids, params, seeds=[1, 2])
     assert fast.ids == slow.ids
     with model.disable_adapter():
-        plain = TransformersGenerator(model, pad_id=0, eos_ids=[49]).generate(ids, params, seeds=[1, 2])
+        plain = CPUSampler(model, pad_id=0, eos_ids=[49]).generate(ids, params, seeds=[1, 2])
     assert plain.ids != fast.ids  # the adapters matter, so the equality above means they were applied
 
 

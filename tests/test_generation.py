@@ -9,10 +9,8 @@ import pytest
 import torch
 
 from grpo.engines.cpu import native
-from grpo.engines.cpu.sampler import CPUSampler as TransformersGenerator
-from grpo.engines.cpu.sampler import sample_rows
-from grpo.engines.sampling import (SamplingParams, left_pad, process_logits,
-                             uniform_streams)
+from grpo.engines.cpu.sampler import CPUSampler, sample_rows
+from grpo.engines.sampling import SamplingParams, left_pad, process_logits, uniform_streams
 
 
 @pytest.fixture(params=["compiled", "torch"])
@@ -106,7 +104,7 @@ def test_a_rows_completion_depends_only_on_its_seed(tiny_model_dir):
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    gen = TransformersGenerator(model, tok.pad_token_id, [tok.eos_token_id])
+    gen = CPUSampler(model, tok.pad_token_id, [tok.eos_token_id])
     params = SamplingParams(10)
     a = tok("abc", add_special_tokens=False)["input_ids"]
     b = tok("a much longer prompt", add_special_tokens=False)["input_ids"]
@@ -129,7 +127,7 @@ def test_a_shared_prompt_is_encoded_once_with_the_same_completions(tiny_model_di
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     if not lean:
         monkeypatch.setattr(cpu_sampler.LeanDecoder, "supports", staticmethod(lambda m: False))
-    gen = TransformersGenerator(model, tok.pad_token_id, [tok.eos_token_id])
+    gen = CPUSampler(model, tok.pad_token_id, [tok.eos_token_id])
     a = tok("abc", add_special_tokens=False)["input_ids"]
     b = tok("a much longer prompt", add_special_tokens=False)["input_ids"]
     prompts, seeds = [a, a, b, a, b], [1, 2, 3, 4, 5]
@@ -160,7 +158,7 @@ def test_sampling_logprobs_match_a_full_forward(tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     prompt = tok("hello", add_special_tokens=False)["input_ids"]
-    out = TransformersGenerator(model, tok.pad_token_id, [tok.eos_token_id]).generate([prompt], SamplingParams(6),
+    out = CPUSampler(model, tok.pad_token_id, [tok.eos_token_id]).generate([prompt], SamplingParams(6),
                                                                                        seeds=[3])
     ids = torch.tensor([prompt + out.ids[0]])
     with torch.no_grad():

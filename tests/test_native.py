@@ -16,13 +16,13 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
                           Qwen2ForCausalLM)
 
 import grpo.engines.cpu.sampler as generation
-from grpo.engines.cpu import native
 from grpo.core import hidden_logprobs, hidden_loss
-from grpo.engines.cpu.decoding import LeanDecoder, packed_head
-from grpo.engines.kv_cache import preallocated_cache
-from grpo.engines.cpu.native import CompiledHead, CompiledStep
 from grpo.engines.base import SamplingParams
-from grpo.engines.cpu.sampler import CPUSampler as TransformersGenerator
+from grpo.engines.cpu import native
+from grpo.engines.cpu.decoding import LeanDecoder, packed_head
+from grpo.engines.cpu.native import CompiledHead, CompiledStep
+from grpo.engines.cpu.sampler import CPUSampler
+from grpo.engines.kv_cache import preallocated_cache
 import tests.test_core_logprobs as core_tests
 
 # With a compiler on the machine the build must succeed (a failure fails these tests instead of skipping them).
@@ -104,10 +104,10 @@ def test_generation_is_the_same_with_the_compiled_and_the_torch_step(monkeypatch
     used = []
     compiled = LeanDecoder.compiled
     monkeypatch.setattr(LeanDecoder, "compiled", lambda self, c, n: used.append(1) or compiled(self, c, n))
-    fast = TransformersGenerator(model, pad_id=0, eos_ids=[60]).generate(ids, params, seeds=[1, 2, 3])
+    fast = CPUSampler(model, pad_id=0, eos_ids=[60]).generate(ids, params, seeds=[1, 2, 3])
     assert used
     monkeypatch.setattr(LeanDecoder, "compiled", lambda self, c, n: None)
-    plain = TransformersGenerator(model, pad_id=0, eos_ids=[60]).generate(ids, params, seeds=[1, 2, 3])
+    plain = CPUSampler(model, pad_id=0, eos_ids=[60]).generate(ids, params, seeds=[1, 2, 3])
     assert fast.ids == plain.ids
     for a, b in zip(fast.logprobs, plain.logprobs):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=1e-5)
@@ -305,11 +305,11 @@ def test_compiled_head_from_a_non_contiguous_weight_and_inside_generation(monkey
     monkeypatch.setattr(generation, "packed_head", lambda *a: heads.append(packed_head(*a)) or heads[-1])
     model = tiny("qwen2")
     ids, params = [[5, 6, 7], [1, 2, 3, 4, 5], [9, 8, 7, 6]], SamplingParams(12, temperature=1.0)
-    fast = TransformersGenerator(model, pad_id=0, eos_ids=[60]).generate(ids, params, seeds=[1, 2, 3])
+    fast = CPUSampler(model, pad_id=0, eos_ids=[60]).generate(ids, params, seeds=[1, 2, 3])
     assert heads and all(isinstance(head, CompiledHead) for head in heads)
     monkeypatch.setattr(generation, "packed_head", lambda w, b, rows, space: (lambda x: F.linear(x, w, b)))
     monkeypatch.setattr(LeanDecoder, "compiled", lambda self, c, n: None)
-    plain = TransformersGenerator(model, pad_id=0, eos_ids=[60]).generate(ids, params, seeds=[1, 2, 3])
+    plain = CPUSampler(model, pad_id=0, eos_ids=[60]).generate(ids, params, seeds=[1, 2, 3])
     assert fast.ids == plain.ids
 
 

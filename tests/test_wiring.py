@@ -386,3 +386,21 @@ def test_process_and_outcome_weights_mix_token_advantages(tiny_model_dir, tmp_pa
     assert_close(metrics["train/grad_norm"], norm, what="grad norm")
     outcome_only = mixed(w_p=0.0) / 0.5  # the outcome advantages alone, per token
     assert_apart(norm, by_hand(tiny_model_dir, state, batch, advantages=outcome_only)[1], what="outcome only")
+
+
+# ---- step metrics over num_iterations updates ---------------------------------------------------------------------
+def test_entropy_is_the_first_pass_mean_whatever_the_number_of_iterations(tiny_model_dir, tmp_path):
+    """The entropy is taken in the first pass over a rollout only: its logged mean is over that pass's tokens, so a
+    2-iteration step logs the entropy by hand of the rollout (it logged half of it when divided by both passes'
+    tokens), and the 1-iteration step the same."""
+    logged = {}
+    for mu in (1, 2):
+        t = make_trainer(tiny_model_dir, tmp_path / str(mu), num_iterations=mu)
+        start = weights(t)
+        batch = t.rollout()
+        logged[mu] = t.update(batch)["policy/entropy"]
+    with torch.no_grad():
+        entropy = token_entropy(forward_logits(fresh_model(tiny_model_dir, start), batch))
+    mask = batch.completion_mask.bool()
+    assert_close(logged[2], float(entropy[mask].mean()), what="entropy, 2 iterations")
+    assert_close(logged[1], logged[2], what="entropy, 1 against 2 iterations")

@@ -225,7 +225,7 @@ class GRPOTrainer:
         else:
             normalizer = float(batch.input_ids.shape[0] * self.world)
         sums: dict[str, torch.Tensor] = {}  # metric sums weighted by tokens, kept on the device until the end
-        weight_total = 0.0
+        weights: dict[str, torch.Tensor] = {}  # each metric's own tokens (entropy is taken in the first pass only)
         for it in range(cfg.num_iterations):
             old_parts = []  # the first pass's log-probs: no optimizer step yet, so the sampling policy's
             self.optimizer.zero_grad(set_to_none=True)
@@ -238,15 +238,15 @@ class GRPOTrainer:
                 old_parts.append((rows, width, logp))
                 for key, value in out.metrics.items():
                     sums[key] = accumulate(key, sums.get(key), value.detach().double(), weight)
-                weight_total = weight_total + weight
+                    weights[key] = weights.get(key, 0.0) + weight
             if it == 0 and cfg.num_iterations > 1:
                 batch.old_logp = torch.zeros(batch.completion_mask.shape, device=self.accel.device)
                 for rows, width, old in old_parts:
                     batch.old_logp[rows, :width] = old
             grad_norm = self._optimizer_step(batch)
         names = [k for k in sums if not k.startswith("advantage")]  # advantages are logged once per rollout
-        total = max(float(weight_total), 1e-9)
-        values = torch.stack([sums[k] if extreme(k) else sums[k] / total for k in names]).tolist() if names else []
+        means = [sums[k] if extreme(k) else sums[k] / weights[k].clamp(min=1e-9) for k in names]
+        values = torch.stack(means).tolist() if names else []
         out = {LOSS_METRIC_NAMES.get(k, k if "/" in k else f"policy/{k}"): v for k, v in zip(names, values)}
         out["train/grad_norm"] = grad_norm
         out["train/learning_rate"] = self.scheduler.get_last_lr()[0]
