@@ -89,9 +89,14 @@ def make_vllm(cfg, policy, tokenizer, accelerator):
             raise ConfigError(f"vllm_mode: server: {err}") from None
     from grpo.engines.vllm import VLLMEngine, VLLMUnavailable
 
+    extra = dict(cfg.vllm_engine_kwargs)
     if accelerator.num_processes > 1:
-        raise ConfigError("use_vllm: the colocated vLLM engine runs with one training process for now; launch one "
-                          "process, use vllm_mode: server, or set use_vllm to false.")
+        if cfg.vllm_tensor_parallel_size > 1:
+            raise ConfigError("vllm_tensor_parallel_size: with several training processes each colocated engine "
+                              "holds the whole model (tensor parallelism across them is not built yet); set it to 1, "
+                              "or use vllm_mode: server with `grpo vllm-serve --tensor-parallel-size N`.")
+        # One engine per process, on its own device, inside the process group the launcher made (as TRL does).
+        extra.setdefault("distributed_executor_backend", "external_launcher")
     base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
     path = getattr(base.config, "_name_or_path", None) or cfg.model_name_or_path
     try:
@@ -99,7 +104,7 @@ def make_vllm(cfg, policy, tokenizer, accelerator):
                           gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                           tensor_parallel_size=cfg.vllm_tensor_parallel_size, max_model_len=cfg.vllm_max_model_length,
                           enable_sleep_mode=cfg.vllm_enable_sleep_mode, model_impl=cfg.vllm_model_impl,
-                          seed=cfg.seed, **cfg.vllm_engine_kwargs)
+                          seed=cfg.seed, **extra)
     except VLLMUnavailable as err:
         raise ConfigError(f"use_vllm: {err}") from None
     except ValueError as err:  # (a setting vLLM refuses, named by the engine)
