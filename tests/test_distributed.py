@@ -42,9 +42,9 @@ def job(tmp_path, model_dir) -> dict:
     return {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1"}
 
 
-def run(args, out, env, succeed=True) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, *args, "train", str(out.parent / "recipe.yaml"), f"output_dir={out}"],
-                            env=env, capture_output=True, text=True, timeout=600)
+def run(args, out, env, succeed=True, overrides=()) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, *args, "train", str(out.parent / "recipe.yaml"), f"output_dir={out}",
+                             *overrides], env=env, capture_output=True, text=True, timeout=600)
     if succeed:
         assert result.returncode == 0, result.stderr[-3000:]
     return result

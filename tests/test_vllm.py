@@ -73,6 +73,19 @@ def ours(model, tokenizer, prompts, params, seeds, eos_ids=None):
     return gen.generate(prompts, params, seeds)
 
 
+def assert_follows(engine, base_model, policy, tokenizer, prompts, seeds):
+    """Given the base weights and then the policy's, the engine's greedy completions change and equal our sampler's
+    on the policy. Returns the base weights' completions."""
+    policy.eval()
+    engine.update_weights(base_model)
+    before = engine.generate(prompts, GREEDY, seeds)
+    engine.update_weights(policy)
+    after = engine.generate(prompts, GREEDY, seeds)
+    assert after.ids != before.ids
+    assert after.ids == ours(policy, tokenizer, prompts, GREEDY, seeds).ids
+    return before
+
+
 def recomputed_logprobs(model, prompt, completion, params):
     """Per completion token, its log-prob under `model` after our sampler's processing of that step's logits
     (grpo.engines.sampling.process_logits: repetition penalty, temperature, top-k, top-p, min-p)."""
@@ -118,14 +131,8 @@ def test_weight_update_changes_completions_to_the_new_weights(engine, base_model
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    policy.eval()
     seeds = list(range(len(prompts)))
-    engine.update_weights(base_model)
-    before = engine.generate(prompts, GREEDY, seeds)
-    engine.update_weights(policy)
-    after = engine.generate(prompts, GREEDY, seeds)
-    assert after.ids != before.ids
-    assert after.ids == ours(policy, tokenizer, prompts, GREEDY, seeds).ids
+    before = assert_follows(engine, base_model, policy, tokenizer, prompts, seeds)
     # And back: the engine holds exactly what it was last given.
     engine.update_weights(base_model)
     assert engine.generate(prompts, GREEDY, seeds).ids == before.ids
@@ -174,14 +181,8 @@ def test_lora_policy_is_merged_into_the_engine(engine, base_model, tokenizer, pr
         for name, p in policy.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    policy.eval()
     seeds = list(range(len(prompts)))
-    engine.update_weights(base_model)
-    before = engine.generate(prompts, GREEDY, seeds)
-    engine.update_weights(policy)
-    after = engine.generate(prompts, GREEDY, seeds)
-    assert after.ids != before.ids
-    assert after.ids == ours(policy, tokenizer, prompts, GREEDY, seeds).ids
+    assert_follows(engine, base_model, policy, tokenizer, prompts, seeds)
     sampled = engine.generate(prompts, SamplingParams(max_new_tokens=16), seeds)
     for prompt, completion, logprobs in zip(prompts, sampled.ids, sampled.logprobs):
         want = recomputed_logprobs(policy, prompt, completion, SamplingParams(max_new_tokens=16))

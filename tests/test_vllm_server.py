@@ -12,7 +12,6 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -20,31 +19,6 @@ from conftest import build_tiny_model
 from grpo.engines.base import SamplingParams
 from grpo.engines.sampling import TransformersSampler
 from test_vllm import needs_vllm
-
-RECIPE = """\
-model_name_or_path: {model}
-dataset_name: {data}
-eval_dataset_name: {data}
-eval_steps: 0
-task: null
-reward_funcs: ["rewards_for_tests:count_a"]
-num_generations: 8
-prompts_per_step: 4
-per_device_train_batch_size: 8
-max_completion_length: 8
-learning_rate: 2.0e-2
-beta: 0.0
-max_steps: 2
-save_steps: 0
-report_to: []
-log_completions_steps: 0
-use_vllm: true
-vllm_mode: server
-vllm_server_host: 127.0.0.1
-vllm_server_port: {port}
-vllm_server_timeout: 120
-"""
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -81,14 +55,14 @@ def test_a_server_serves_two_trainer_processes_and_takes_their_weights(server, t
     greedy = SamplingParams(8, top_k=1)
     before = client.generate(prompts, greedy, [0, 1, 2, 3]).ids
 
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"q{i}\n"}) + "\n" for i in range(16)))
-    (tmp_path / "recipe.yaml").write_text(RECIPE.format(model=model_dir, data=data, port=port))
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                             str(free_port()), "-m", "grpo.cli", "train", str(tmp_path / "recipe.yaml"),
-                             f"output_dir={tmp_path / 'run'}"], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    from test_distributed import job, run
+
+    env = job(tmp_path, model_dir)  # test_distributed's recipe and data (16 prompts, 4 x 8 completions a step)
+    run(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "grpo.cli"],
+        tmp_path / "run", env, overrides=[
+            f"eval_dataset_name={tmp_path / 'data.jsonl'}", "eval_steps=0", "max_steps=2", "learning_rate=2e-2",
+            "beta=0", "use_vllm=true", "vllm_mode=server", "vllm_server_host=127.0.0.1",
+            f"vllm_server_port={port}", "vllm_server_timeout=120"])
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len([r for r in rows if "reward/total" in r]) == 2 and "eval/accuracy" in rows[-1]
 

@@ -11,7 +11,6 @@ import json
 import statistics
 
 import pytest
-import torch
 from datasets import Dataset
 
 from conftest import build_tiny_model
@@ -105,49 +104,20 @@ def test_the_default_recipe_trains_30_steps_with_vllm(tmp_path):
     assert len(r) == 30 and statistics.mean(r[20:]) > statistics.mean(r[:10]), r
 
 
-RECIPE = """\
-model_name_or_path: {model}
-dataset_name: {data}
-task: null
-reward_funcs: ["rewards_for_tests:count_a"]
-num_generations: 8
-prompts_per_step: 4
-per_device_train_batch_size: 8
-max_completion_length: 8
-learning_rate: 1.0e-2
-beta: 0.04
-max_steps: 3
-save_steps: 0
-report_to: []
-log_completions_steps: 0
-use_vllm: true
-vllm_gpu_memory_utilization: 0.05
-vllm_engine_kwargs: {{enforce_eager: true, kv_cache_memory_bytes: 33554432}}
-"""
-
-
 @needs_vllm
 def test_two_processes_each_with_a_colocated_engine_train_as_one(model_dir, tmp_path):
     """Under torch.distributed (2 processes, gloo) each process has its own vLLM engine for its share of the rows;
     sampling seeds belong to rows, so both layouts sample the same completions and reach the same weights."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from safetensors.torch import load_file
 
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"q{i}\n"}) + "\n" for i in range(16)))
-    (tmp_path / "recipe.yaml").write_text(RECIPE.format(model=model_dir, data=data))
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1"}
-    launch = {"one": [sys.executable, "-m", "grpo.cli"],
-              "two": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                      "29531", "-m", "grpo.cli"]}
-    for name, cmd in launch.items():
-        done = subprocess.run([*cmd, "train", str(tmp_path / "recipe.yaml"), f"output_dir={tmp_path / name}"],
-                              env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
+    from test_distributed import job, run
+
+    env = job(tmp_path, model_dir)  # test_distributed's recipe: 3 steps of 4 x 8 completions, beta 0.04, lr 1e-2
+    vllm = ["use_vllm=true", "vllm_gpu_memory_utilization=0.05",
+            "vllm_engine_kwargs={enforce_eager: true, kv_cache_memory_bytes: 33554432}"]
+    run(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531", "-m", "grpo.cli"],
+        tmp_path / "two", env, overrides=vllm)
+    run(["-m", "grpo.cli"], tmp_path / "one", env, overrides=vllm)
     one, two = (load_file(str(tmp_path / d / "final" / "model.safetensors")) for d in ("one", "two"))
     # Same completions and gradients up to float summation order (all-reduce against one batch). Adam moves a
     # weight whose gradient is ~0 by up to lr whichever its sign, so order can flip a handful of those: measured 5

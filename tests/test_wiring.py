@@ -25,7 +25,7 @@ import torch
 from datasets import Dataset
 
 from grpo import GRPOConfig, GRPOTrainer
-from grpo.core import (group_advantages, kl_penalty, mix_advantages, policy_loss, process_advantages,
+from grpo.core import (group_advantages, mix_advantages, policy_loss, process_advantages,
                        token_entropy, token_logprobs)
 
 G, B = 4, 2  # completions per prompt, prompts per step: N = 8 rows, two groups

@@ -96,3 +96,16 @@ class HealthMonitor:
         fired = total > self.nonfinite_seen
         self.nonfinite_seen = total
         return total if fired else None
+
+
+def nonfinite_messages(step: int, grad_norm: float, saved, in_a_row: int, limit: int,
+                       deepspeed: bool) -> tuple[str, str | None]:
+    """(the warning for a step whose gradient norm was not finite, the reason to stop the run or None)."""
+    taken = ("DeepSpeed's engine had stepped already (it skips float16 overflows itself)" if deepspeed
+             else "optimizer step skipped")
+    warning = f"warning: step {step}: non-finite gradient norm ({grad_norm}); {taken}, inputs saved to {saved}."
+    stop = None
+    if in_a_row >= limit:
+        stop = (f"step {step}: {in_a_row} non-finite gradient norms in a row (max_nonfinite_steps={limit}); stopped "
+                f"with the last checkpoint intact. Inspect {saved}, lower learning_rate, or check the rewards.")
+    return warning, stop

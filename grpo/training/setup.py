@@ -63,6 +63,16 @@ def make_reward_runner(cfg: GRPOConfig, reward_funcs, task):
     return runner, names
 
 
+def check_reward_columns(rewards, columns: list[str]) -> None:
+    """Every column a reward function needs is in the dataset: checked before any model loads."""
+    from grpo.rewards import RewardError
+
+    try:
+        rewards.check_columns(columns)
+    except RewardError as err:
+        raise ConfigError(str(err).replace("\n", "; ")) from None
+
+
 def make_step_rewards(cfg: GRPOConfig, step_reward_funcs) -> list[Callable]:
     from grpo.rewards import resolve_step_reward
 

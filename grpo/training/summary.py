@@ -34,3 +34,13 @@ def end_lines(trainer, last: dict[str, float], seconds: float) -> list[str]:
     metrics = ", ".join(f"{k} {last[k]:.3f}" for k in shown)
     return [f"done     {trainer.step} steps in {minutes}m{secs:02d}s" + (f"; {metrics}" if metrics else ""),
             f"model    {trainer.cfg.output_dir}/final (AutoModelForCausalLM.from_pretrained loads it)"]
+
+
+def finish_run(out) -> None:
+    """Draw the run's plot; a plot that fails is a warning, never a lost run."""
+    try:
+        from grpo.training.plot import plot_run
+
+        plot_run(out)
+    except Exception as err:  # noqa: BLE001 - the model is saved already
+        print(f"warning: could not draw the plot: {err}")

@@ -24,21 +24,21 @@ from typing import Any
 
 import torch
 
-from grpo.config import ConfigError, GRPOConfig
+from grpo.config import GRPOConfig
 from grpo.core import engine_importance_weights, policy_loss
 from grpo.engines.base import SamplingParams
 from grpo.engines.policy import MicroBatch, reference_view
 from grpo.engines.select import choose_engine, make_engine, make_vllm
 from grpo.training import checkpoint as ckpt
 from grpo.training.data import PromptSampler, build_prompt_set
-from grpo.training.health import HealthMonitor
+from grpo.training.health import HealthMonitor, nonfinite_messages
 from grpo.training.model import (load_model, load_tokenizer, load_trainable_state, prepare_model, save_final,
                                  trainable_state)
 from grpo.training.rollout import Processes, RolloutBatch, Rollouts
-from grpo.training.setup import (batch_layout, check_accelerator, check_sizes, fill_deepspeed_auto, load_task,
-                                 make_datasets, make_optimizer, make_reward_runner, make_schedule, make_step_rewards,
-                                 seed_everything, total_steps)
-from grpo.training.summary import end_lines, start_lines
+from grpo.training.setup import (batch_layout, check_accelerator, check_reward_columns, check_sizes,
+                                 fill_deepspeed_auto, load_task, make_datasets, make_optimizer, make_reward_runner,
+                                 make_schedule, make_step_rewards, seed_everything, total_steps)
+from grpo.training.summary import end_lines, finish_run, start_lines
 from grpo.training.tracking import accumulate, extreme
 
 # grpo.core metric -> logged name (the seed tutorial's names where it has one).
@@ -77,7 +77,7 @@ class GRPOTrainer:
         self.rewards, self.reward_names = make_reward_runner(cfg, reward_funcs, self.task)
         self.step_rewards = make_step_rewards(cfg, step_reward_funcs)
         train_dataset, eval_dataset = make_datasets(cfg, self.task, train_dataset, eval_dataset)
-        self._check_reward_columns(list(train_dataset.column_names))  # before any model load
+        check_reward_columns(self.rewards, list(train_dataset.column_names))  # before any model load
         self.B, self.G = batch_layout(cfg, self.world)
 
         from_path = model is None or isinstance(model, (str, Path))
@@ -119,14 +119,6 @@ class GRPOTrainer:
         self.step = 0
         self.nonfinite_in_a_row = 0
         self.nonfinite_total = 0
-
-    def _check_reward_columns(self, columns: list[str]) -> None:
-        from grpo.rewards import RewardError
-
-        try:
-            self.rewards.check_columns(columns)
-        except RewardError as err:
-            raise ConfigError(str(err).replace("\n", "; ")) from None
 
     # ---- the loop ----------------------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
@@ -174,12 +166,7 @@ class GRPOTrainer:
             self.backend.release()  # the model goes back as it was loaded
         self.save_model(out / "final")
         if main:
-            try:
-                from grpo.training.plot import plot_run
-
-                plot_run(out)
-            except Exception as err:  # noqa: BLE001 - a plot must never lose a finished run
-                print(f"warning: could not draw the plot: {err}")
+            finish_run(out)
             print("\n".join(end_lines(self, last, time.perf_counter() - started)))
         return last
 
@@ -315,15 +302,11 @@ class GRPOTrainer:
         self.nonfinite_total += 1
         self.nonfinite_in_a_row += 1
         saved = ckpt.save_nonfinite_inputs(self.cfg.output_dir, self.step + 1, self.rank, batch)
-        taken = ("DeepSpeed's engine had stepped already (it skips float16 overflows itself)"
-                 if self.accel.distributed_type == "DEEPSPEED" else "optimizer step skipped")
-        print(f"warning: step {self.step + 1}: non-finite gradient norm ({grad_norm}); {taken}, "
-              f"inputs saved to {saved}.")
-        if self.nonfinite_in_a_row >= self.cfg.max_nonfinite_steps:
-            raise TrainingStopped(
-                f"step {self.step + 1}: {self.nonfinite_in_a_row} non-finite gradient norms in a row "
-                f"(max_nonfinite_steps={self.cfg.max_nonfinite_steps}); stopped with the last checkpoint intact. "
-                f"Inspect {saved}, lower learning_rate, or check the rewards.")
+        warning, stop = nonfinite_messages(self.step + 1, grad_norm, saved, self.nonfinite_in_a_row,
+                                           self.cfg.max_nonfinite_steps, self.accel.distributed_type == "DEEPSPEED")
+        print(warning)
+        if stop:
+            raise TrainingStopped(stop)
 
     # ---- eval, save, resume ---------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
