@@ -417,3 +417,13 @@ def test_a_float16_loss_scale_is_undone_before_clipping(tiny_model_dir, tmp_path
     assert all(torch.equal(v, before[k]) for k, v in overflow.policy.state_dict().items())
     overflow.step += 1
     assert math.isfinite(overflow.train_step()["train/grad_norm"]) and overflow.nonfinite_in_a_row == 0
+
+
+@pytest.mark.parametrize("reward", [count_a, "rewards_for_tests:count_a"])
+def test_one_reward_function_is_accepted_alone(tiny_model_dir, tmp_path, reward):
+    """TRL's quickstarts pass `reward_funcs=accuracy_reward` (one callable) or a single name: both mean a list of
+    one (a string was read letter by letter before)."""
+    t = GRPOTrainer(model=tiny_model_dir, reward_funcs=reward, args=base_config(tmp_path, max_steps=1),
+                    train_dataset=prompts())
+    assert t.reward_names == ["count_a"]
+    assert "reward/count_a" in t.train_step()

@@ -36,6 +36,8 @@ def make_reward_runner(cfg: GRPOConfig, reward_funcs, task):
     from grpo.rewards import RewardRunner, resolve_reward
 
     specs = reward_funcs if reward_funcs is not None else (cfg.reward_funcs or (task.reward_funcs if task else []))
+    if callable(specs) or isinstance(specs, (str, dict)):  # one reward, as TRL's quickstarts pass it
+        specs = [specs]
     if not specs:
         raise ConfigError("reward_funcs: no reward function given; name at least one (e.g. reward_funcs: "
                           "[math_accuracy, think_format]) or use a built-in task.")

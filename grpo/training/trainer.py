@@ -53,13 +53,13 @@ class GRPOTrainer:
     """Train a causal LM with GRPO.
 
     model: a path / hub name, or a loaded `transformers` model (then `processing_class` is its tokenizer).
-    reward_funcs: reward specs or callables (TRL signature); default: the config's, else the built-in task's.
+    reward_funcs: one reward spec or callable (TRL signature), or a list; default: the config's, else the task's.
     train_dataset / eval_dataset: `datasets.Dataset`; default: the config's dataset or built-in task.
     peft_config: a `peft.LoraConfig` (or set `use_peft` in the config).
     generator: a rollout engine (`grpo.engines.base.RolloutEngine`); default: the chosen engine's sampler.
     """
 
-    def __init__(self, model: Any = None, reward_funcs: list | None = None, args: GRPOConfig | None = None,
+    def __init__(self, model: Any = None, reward_funcs: Any = None, args: GRPOConfig | None = None,
                  train_dataset=None, eval_dataset=None, peft_config=None, processing_class=None,
                  generator=None, step_reward_funcs: list | None = None):
         from accelerate import Accelerator
