@@ -39,7 +39,9 @@ def job(tmp_path, model_dir) -> dict:
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"q{i}\n"}) + "\n" for i in range(16)))
     (tmp_path / "recipe.yaml").write_text(RECIPE.format(model=model_dir, data=data))
-    return {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1"}
+    # The tests' helpers, then this checkout (not whichever one an editable install points at).
+    here = Path(__file__).parent
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent)]), "OMP_NUM_THREADS": "1"}
 
 
 def run(args, out, env, succeed=True, overrides=()) -> subprocess.CompletedProcess:
