@@ -143,6 +143,10 @@ class GRPOConfig:
     engine: str = _f("auto", "Rollout and update engine: cpu (compiled paths for a float32 model in one process on "
                      "the CPU), transformers (any model and device), or auto: cpu where it applies, transformers "
                      "otherwise. The run prints which it took and why.", ("auto", "transformers", "cpu"))
+    ds3_gather_for_generation: bool = _f(True, "With sharded weights (FSDP2, DeepSpeed ZeRO-3): sample from the "
+                                         "whole weights, gathered for each rollout and released after (TRL's key; "
+                                         "TRL applies it to ZeRO-3 only). false: sample through the sharded model, "
+                                         "slower but within memory.")
     use_vllm: bool = _f(False, "Generate with vLLM (TRL's key): pip install 'grpo[vllm]' on a GPU machine, or the "
                         "CPU build in an environment of its own (bash scripts/vllm_env.sh).")
     vllm_mode: str = _f("colocate", "colocate: a vLLM engine in the trainer's process, on its device; server: a "

@@ -16,6 +16,7 @@ import torch
 
 from grpo.core import LossOutput, hidden_logprobs, token_entropy, token_logprobs
 from grpo.engines.kv_cache import distinct_rows, expand_cache, positions as position_ids, preallocated_cache
+from grpo.engines.sharding import is_peft, sharding
 
 
 @dataclass
@@ -71,10 +72,6 @@ class TransformersBackend:
 
     def after_optimizer_step(self, stepped: bool) -> None:
         """Called after each optimizer step (`stepped` False: skipped for a non-finite gradient)."""
-
-
-def is_peft(model) -> bool:
-    return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
 
 
 @contextlib.contextmanager
@@ -185,7 +182,7 @@ def plain_head(model):
     """
     from accelerate.utils import extract_model_from_parallel
 
-    if extract_model_from_parallel(model) is not model or not hasattr(model, "get_decoder"):
+    if extract_model_from_parallel(model) is not model or not hasattr(model, "get_decoder") or sharding(model):
         return None  # DDP, FSDP, DeepSpeed: their forward must run (gradient sync, parameter gathering)
     if is_peft(model) and getattr(model.active_peft_config, "is_prompt_learning", False):
         return None  # prefix/prompt tuning acts in the PEFT model's own forward

@@ -104,6 +104,21 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
     return weights, state
 
 
+def load_latest(output_dir: str | Path, policy, optimizer) -> tuple[Path, dict[str, Any]] | None:
+    """Resume from the newest complete checkpoint: its weights into `policy`, its optimizer state into `optimizer`,
+    its random state into this process; returns (path, the trainer's state), or None when there is none."""
+    from grpo.training.model import load_trainable_state
+
+    path = latest_checkpoint(output_dir)
+    if path is None:
+        return None
+    weights, state = load_checkpoint(path)
+    load_trainable_state(policy, weights)
+    optimizer.load_state_dict(state["optimizer"])
+    set_rng_state(state["rng"])
+    return path, state
+
+
 def _prune(output_dir: Path, keep: int) -> None:
     for _, path in complete_checkpoints(output_dir)[:-keep]:
         shutil.rmtree(path, ignore_errors=True)

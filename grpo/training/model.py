@@ -16,6 +16,7 @@ import torch
 from grpo.config import ConfigError, GRPOConfig
 from grpo.engines.cpu.reference import DiskReference
 from grpo.engines.policy import is_peft
+from grpo.engines.sharding import sharding
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
@@ -88,9 +89,21 @@ def prepare_model(model, cfg: GRPOConfig, peft_config=None, reference_dir: Path 
         if reference_dir is not None:
             reference = DiskReference(model, reference_dir, reference_prefix)
         else:
-            reference = copy.deepcopy(model).eval()
+            reference = reference_copy(model, cfg).eval()
             reference.requires_grad_(False)
     return model, reference
+
+
+def reference_copy(model, cfg: GRPOConfig):
+    """A frozen copy of `model` (loaded, not yet prepared) for the reference. Weights that DeepSpeed's ZeRO-3
+    partitioned as they loaded (zero3_init_flag) cannot be copied: the reference loads them again from
+    model_name_or_path."""
+    if sharding(model) != "zero3":
+        return copy.deepcopy(model)
+    if getattr(model, "name_or_path", None) != cfg.model_name_or_path:
+        raise ConfigError("model_name_or_path: under DeepSpeed ZeRO-3 the reference model is loaded from the "
+                          "policy's path; pass the model as a path (not a loaded model), or set beta=0.")
+    return load_model(cfg)
 
 
 def trainable_state(model) -> dict[str, torch.Tensor]:

@@ -176,16 +176,6 @@ def make_optimizer(model, cfg: GRPOConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, fused=True if fusable else None, **kwargs)
 
 
-def check_accelerator(accelerator) -> None:
-    """Refuse what this trainer cannot run, before any model loads."""
-    if accelerator.distributed_type == "DEEPSPEED" and accelerator.state.deepspeed_plugin.zero_stage == 3:
-        # ZeRO-3 shards every weight (transformers loads them sharded); sampling, the reference and saving here
-        # read whole weights. Measured: sampling read the sharded head and the reference's embedding.
-        raise ConfigError("DeepSpeed ZeRO-3 is not supported (sampling, the reference model and saving read "
-                          "whole weights): use ZeRO-2 (recipes/accelerate/zero2.yaml), which shards the "
-                          "optimizer state and gradients, or DDP (recipes/accelerate/ddp.yaml).")
-
-
 def fill_deepspeed_auto(accelerator, cfg: GRPOConfig) -> None:
     """The DeepSpeed config's "auto" values that accelerate would read from a prepared dataloader (this loop has
     none): the micro-batch size and the gradient clipping."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from grpo.engines.sharding import whole_numel
+from grpo.training.sharded import describe
+
 
 def _count(n: int) -> str:
     return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}k"
@@ -9,14 +12,15 @@ def _count(n: int) -> str:
 
 def start_lines(trainer) -> list[str]:
     cfg, policy = trainer.cfg, trainer.policy
-    total = sum(p.numel() for p in policy.parameters())
-    trained = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    total = sum(whole_numel(p) for p in policy.parameters())
+    trained = sum(whole_numel(p) for p in policy.parameters() if p.requires_grad)
     params = _count(total) + ("" if trained == total else f", {_count(trained)} trained (LoRA)")
     data = (f"task {cfg.task}" if trainer.task is not None else cfg.dataset_name or "the given train_dataset")
     evals = f", {len(trainer.eval_set)} eval" if trainer.eval_set is not None else ""
     weights = trainer.rewards.weights
     rewards = ", ".join(f"{n} x{w:g}" for n, w in zip(trainer.reward_names, weights))
     device = f"{trainer.accel.device}, {trainer.world} process" + ("es" if trainer.world > 1 else "")
+    device += describe(trainer.accel, cfg)
     return [f"model    {cfg.model_name_or_path} ({params} parameters)",
             f"data     {data}: {len(trainer.train_set)} prompts{evals}",
             f"rewards  {rewards}",

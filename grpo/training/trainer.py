@@ -29,15 +29,15 @@ from grpo.core import engine_importance_weights, policy_loss
 from grpo.engines.base import SamplingParams
 from grpo.engines.policy import MicroBatch, reference_view
 from grpo.engines.select import choose_engine, make_engine, make_vllm
-from grpo.training import checkpoint as ckpt
+from grpo.training import checkpoint as ckpt, sharded_checkpoint as sharded_ckpt
 from grpo.training.data import PromptSampler, build_prompt_set
 from grpo.training.health import HealthMonitor, nonfinite_messages
-from grpo.training.model import (load_model, load_tokenizer, load_trainable_state, prepare_model, save_final,
-                                 trainable_state)
+from grpo.training.model import load_model, load_tokenizer, prepare_model, save_final, trainable_state
 from grpo.training.rollout import Processes, RolloutBatch, Rollouts
-from grpo.training.setup import (batch_layout, check_accelerator, check_reward_columns, check_sizes,
-                                 fill_deepspeed_auto, load_task, make_datasets, make_optimizer, make_reward_runner,
-                                 make_schedule, make_step_rewards, seed_everything, total_steps)
+from grpo.training.sharded import check_sharding, place_reference
+from grpo.training.setup import (batch_layout, check_reward_columns, check_sizes, fill_deepspeed_auto, load_task,
+                                 make_datasets, make_optimizer, make_reward_runner, make_schedule, make_step_rewards,
+                                 seed_everything, total_steps)
 from grpo.training.summary import end_lines, finish_run, start_lines
 from grpo.training.tracking import accumulate, extreme
 
@@ -66,7 +66,8 @@ class GRPOTrainer:
 
         self.cfg = cfg = args or GRPOConfig()
         self.accel = Accelerator(cpu=not torch.cuda.is_available())
-        check_accelerator(self.accel)
+        check_sharding(self.accel, cfg)
+        self.sharded = self.accel.distributed_type in ("FSDP", "DEEPSPEED")  # its state saved in shards
         self.procs = Processes(self.accel)
         self.world, self.rank = self.procs.world, self.procs.rank
         if cfg.num_threads is not None:
@@ -102,23 +103,20 @@ class GRPOTrainer:
             self.optimizer, make_schedule(cfg, self.total_steps * cfg.num_iterations))
         fill_deepspeed_auto(self.accel, cfg)
         self.model, self.optimizer = self.accel.prepare(model, self.optimizer)
-        if self.reference is not None:
-            self.reference.to(self.accel.device)
+        self.reference = place_reference(self.reference, self.accel)  # (sharded as the policy is, under FSDP2, ZeRO-3)
         self.policy = self.accel.unwrap_model(self.model)
         self.params = SamplingParams(cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p,
                                      cfg.repetition_penalty)
         if generator is None and cfg.use_vllm:
             generator = make_vllm(cfg, self.policy, self.tokenizer, self.accel)
         self.generator, self.backend = make_engine(self.engine, self.model, self.policy, self.accel, self.tokenizer,
-                                                   self.params, self.reference, generator)
+                                                   self.params, self.reference, generator, cfg.ds3_gather_for_generation)
         self.sampler = PromptSampler(len(self.train_set), cfg.seed)
         self.rollouts = Rollouts(cfg, self.generator, self.policy, self.tokenizer, self.train_set, self.sampler,
                                  self.rewards, self.step_rewards, self.procs, self.B, self.G, self.params)
         self.health = HealthMonitor(accuracy=self.reward_names[0],
                                     format=next((n for n in self.reward_names if "format" in n), None))
-        self.step = 0
-        self.nonfinite_in_a_row = 0
-        self.nonfinite_total = 0
+        self.step = self.nonfinite_in_a_row = self.nonfinite_total = 0
 
     # ---- the loop ----------------------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
@@ -319,32 +317,37 @@ class GRPOTrainer:
         return {f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float))}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "sampler": self.sampler.state_dict(), "rng": ckpt.rng_state(),
-                "nonfinite_total": self.nonfinite_total}
+        state = {"step": self.step, "scheduler": self.scheduler.state_dict(), "sampler": self.sampler.state_dict(),
+                 "nonfinite_total": self.nonfinite_total}
+        if not self.sharded:  # (a sharded run's optimizer and each process's random state have files of their own)
+            state.update(optimizer=self.optimizer.state_dict(), rng=ckpt.rng_state())
+        return state
 
     def save_checkpoint(self) -> Path | None:
+        if self.sharded:  # every process writes its part
+            return sharded_ckpt.save(self.accel, self.model, self.policy, self.optimizer, self.tokenizer,
+                                     self.cfg.output_dir, self.step, self.state_dict(), self.cfg.save_total_limit)
         if not self.accel.is_main_process:
             return None
         return ckpt.save_checkpoint(self.cfg.output_dir, self.step, trainable_state(self.policy), self.state_dict(),
                                     self.cfg.save_total_limit)
 
     def _resume(self) -> None:
-        path = ckpt.latest_checkpoint(self.cfg.output_dir)
-        if path is None:
+        found = (sharded_ckpt.load(self.accel, self.model, self.optimizer, self.cfg.output_dir) if self.sharded
+                 else ckpt.load_latest(self.cfg.output_dir, self.policy, self.optimizer))
+        if found is None:
             print(f"resume: no complete checkpoint in {self.cfg.output_dir}; starting from step 0.")
             return
-        weights, state = ckpt.load_checkpoint(path)
-        load_trainable_state(self.policy, weights)
+        path, state = found
         self.rollouts.engine_stale = True
-        self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["sampler"])
-        ckpt.set_rng_state(state["rng"])
         self.step, self.nonfinite_total = state["step"], state["nonfinite_total"]
         print(f"resume: continuing from {path} (step {self.step}).")
 
     def save_model(self, path: str | Path) -> None:
         self.accel.wait_for_everyone()
-        if self.accel.is_main_process:
+        if self.sharded:  # gathered on the main process
+            sharded_ckpt.save_final(self.accel, self.policy, self.tokenizer, path, self.cfg.merge_lora_on_save)
+        elif self.accel.is_main_process:
             save_final(self.policy, self.tokenizer, path, merge=self.cfg.merge_lora_on_save)

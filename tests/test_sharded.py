@@ -1,0 +1,236 @@
+"""FSDP2 and DeepSpeed ZeRO-3 on the CPU: 2 processes (gloo) under `accelerate launch`, through
+tests/accelerate_driver.py (which lets accelerate see them as on a GPU machine; everything else is `grpo train`).
+
+The job is test_distributed's (4 prompts x 8 completions, 8 rows per micro-batch: 2 micro-batches per process),
+with num_iterations=2 and beta=0.04, 3 steps. Against one process on the same job (the transformers engine, as the
+sharded runs take): the same rewards and gradient norms at every step and the same weights up to float32 rounding,
+with LoRA too; each process holds about half the weights and optimizer state. Killed with SIGKILL mid-run, each
+resumes to the uninterrupted run's weights exactly. Two "machines" (two launches, machine ranks 0 and 1 on
+127.0.0.1) train exactly as one launch of 2 processes. Inside the processes (tests/sharded_checks.py): sampling is
+collective-safe whether the weights are gathered or not, and an engine that keeps its own copy (vLLM) is handed
+the weights one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from safetensors.torch import load_file
+
+from test_distributed import job, run
+
+try:
+    import deepspeed  # noqa: F401
+except ImportError:
+    deepspeed = None
+KINDS = ["fsdp2", pytest.param("zero3", marks=pytest.mark.skipif(deepspeed is None, reason="pip install deepspeed"))]
+HERE = Path(__file__).parent
+JOB = ["engine=transformers", "num_iterations=2"]
+LORA = ["use_peft=true", "lora_dropout=0"]  # (dropout draws from each process's own random stream)
+
+FSDP2 = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+mixed_precision: 'no'
+num_machines: 1
+num_processes: 2
+machine_rank: 0
+fsdp_config:
+  fsdp_version: 2
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_reshard_after_forward: true
+  fsdp_cpu_ram_efficient_loading: true
+  fsdp_offload_params: false
+"""
+# Through a DeepSpeed config file: the one way accelerate passes stage3_param_persistence_threshold. DeepSpeed keeps
+# every parameter under it whole on every process (10^5 elements by default: all of this tiny model's); at 0 every
+# parameter is partitioned, as nearly all of a real model's are.
+ZERO3 = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: DEEPSPEED
+deepspeed_config:
+  deepspeed_config_file: {ds_config}
+  zero3_init_flag: true
+num_machines: 1
+num_processes: 2
+machine_rank: 0
+"""
+DS_CONFIG = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+             "train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto", "gradient_accumulation_steps": 1}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(base: Path, kind: str, *extra: str, script: Path = HERE / "accelerate_driver.py") -> list[str]:
+    """`accelerate launch` arguments that run `script` under `kind` (fsdp2 or zero3), 2 processes; `extra` are
+    the launcher's own options."""
+    config = base / f"{kind}.yaml"
+    if not config.exists():
+        (base / "ds3.json").write_text(json.dumps(DS_CONFIG))
+        config.write_text(FSDP2 if kind == "fsdp2" else ZERO3.format(ds_config=base / "ds3.json"))
+    return ["-m", "accelerate.commands.launch", "--config_file", str(config), *extra, str(script)]
+
+
+def final_weights(out: Path) -> dict:
+    return load_file(str(out / "final" / "model.safetensors"))
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert sorted(a) == sorted(b)
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model_dir):
+    """Runs by name, each made once: ("one" | "fsdp2" | "zero3", lora) -> its output directory."""
+    base = tmp_path_factory.mktemp("sharded")
+    env = job(base, tiny_model_dir)
+    made: dict = {}
+
+    def get(kind: str, lora: bool = False) -> Path:
+        if (kind, lora) not in made:
+            out = base / f"{kind}{'-lora' if lora else ''}"
+            (out / "memory").mkdir(parents=True)
+            args = [str(HERE / "accelerate_driver.py")] if kind == "one" else launch(
+                base, kind, "--main_process_port", str(free_port()))
+            # LoRA runs sample through the sharded model (ds3_gather_for_generation off), the others from gathered
+            # weights: both paths train.
+            overrides = [*JOB, *(LORA + ["ds3_gather_for_generation=false"] * (kind != "one") if lora else [])]
+            run(args, out, {**env, "GRPO_TEST_MEMORY": str(out / "memory")}, overrides=overrides)
+            made[kind, lora] = out
+        return made[kind, lora]
+
+    get.base, get.env = base, env
+    return get
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_sharded_run_matches_one_process(runs, kind, lora):
+    one, sharded = runs("one", lora), runs(kind, lora)
+    # Same completions at every step (sampling seeds belong to rows), same gradients up to summation order.
+    rows_one, rows = metrics(one), metrics(sharded)
+    assert [r["reward/total"] for r in rows] == [r["reward/total"] for r in rows_one]
+    for a, b in zip(rows_one, rows):
+        assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-5)
+    # Float summation order (reduce-scatter vs one batch), amplified by Adam where a gradient is near 0: measured
+    # 6.4e-5 (full; DDP's 2 processes on this job: 6.8e-5) and 6e-6 (LoRA, merged into final/).
+    assert max_diff(final_weights(one), final_weights(sharded)) < 2e-4
+    from transformers import AutoConfig
+
+    assert AutoConfig.from_pretrained(sharded / "final").architectures == ["Qwen2ForCausalLM"]
+    if lora:
+        assert (sharded / "final" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_process_holds_about_half_the_weights_and_optimizer_state(runs, kind):
+    """Bytes of the tensors each process holds (its shards, its optimizer state), the most at the end of any step,
+    against the one-process run's: measured 0.500 for both (the one-process run: 105 KiB of weights, 211 KiB of
+    AdamW state)."""
+    one = json.loads((runs("one") / "memory" / "rank0.json").read_text())
+    for rank in (0, 1):
+        held = json.loads((runs(kind) / "memory" / f"rank{rank}.json").read_text())
+        assert held["weights"] <= 0.6 * one["weights"], held
+        assert (held["weights"] + held["optimizer"]) / (one["weights"] + one["optimizer"]) <= 0.6, held
+
+
+@pytest.mark.parametrize("kind,point", [("fsdp2", "micro_step:3"),
+                                        pytest.param("zero3", "save:2", marks=KINDS[1].marks)])
+def test_kill_and_resume_reaches_the_uninterrupted_weights(runs, tmp_path, kind, point):
+    """SIGKILL of the main process after the first micro-batch of step 3 (FSDP2), or while the checkpoint of step 2
+    is written (ZeRO-3, after every process wrote its part, before the rename); the launcher then stops the other.
+    Resume continues from the last complete checkpoint to the uninterrupted run's weights, bit for bit."""
+    out = runs.base / f"killed-{kind}"
+    killed = run(launch(runs.base, kind, "--main_process_port", str(free_port())), out,
+                 {**runs.env, "GRPO_TEST_KILL": point}, succeed=False, overrides=[*JOB, "save_steps=1"])
+    assert killed.returncode != 0 and "Signal 9 (SIGKILL)" in killed.stderr, killed.stderr[-3000:]
+    assert not (out / "final").exists()
+    if point.startswith("save"):
+        assert (out / "checkpoint-2.tmp").is_dir() and not (out / "checkpoint-2").exists()
+    run(launch(runs.base, kind, "--main_process_port", str(free_port())), out, runs.env,
+        overrides=[*JOB, "save_steps=1", "resume=true"])
+    assert max_diff(final_weights(runs(kind)), final_weights(out)) == 0.0
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3]
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(out / "checkpoint-2")  # a checkpoint's top level is a model directory
+
+
+def test_two_machines_train_as_one_launch(runs):
+    """Two launches of one process each, machine ranks 0 and 1 of 2, meeting at 127.0.0.1 over gloo (as two
+    machines would over the network), reach the weights of one launch of 2 processes exactly."""
+    out, port = runs.base / "two-machines", str(free_port())
+    env = {**runs.env}
+    procs = []
+    for rank in (0, 1):
+        machine = ["--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank),
+                   "--main_process_ip", "127.0.0.1", "--main_process_port", port]
+        args = [sys.executable, *launch(runs.base, "fsdp2", *machine), "train", str(runs.base / "recipe.yaml"),
+                f"output_dir={out}", *JOB]
+        procs.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for proc in procs:
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+    assert max_diff(final_weights(runs("fsdp2")), final_weights(out)) == 0.0
+    assert metrics(out) and [r["reward/total"] for r in metrics(out)] == [r["reward/total"]
+                                                                         for r in metrics(runs("fsdp2"))]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sampling_is_collective_safe_and_weights_go_one_tensor_at_a_time(runs, tmp_path, kind, tiny_model_dir):
+    """tests/sharded_checks.py with a LoRA model: the main process's rows end at their first token and the other's
+    run to the limit. Through the sharded model (each forward collective) and from gathered weights, the run
+    finishes (a process that stopped stepping early would leave the other waiting: the timeout) and the long rows
+    are the whole model's. An engine that keeps its own copy gets the whole model's merged weights, with no
+    parameter left whole between tensors."""
+    args = launch(runs.base, kind, "--main_process_port", str(free_port()), script=HERE / "sharded_checks.py")
+    result = subprocess.run([sys.executable, *args, tiny_model_dir, str(tmp_path), "lora"], env=runs.env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    first, second = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert first["sharding"] == second["sharding"] == kind
+    for key in ("synced_sample", "gathered_sample"):
+        assert all(len(row) == 1 for row in first[key])  # stopped at once
+        assert second[key] == second["whole_sample"]  # stepped to the end, as the whole model samples
+    for out in (first, second):
+        assert out["whole_after_gathering"] == 0  # released after the rollout
+        assert out["loss"] == pytest.approx(out["whole_loss"], rel=1e-6)
+        assert out["names"] == out["expected_names"] and out["max_weight_diff"] <= 1e-6
+        assert out["most_whole_per_tensor"] == 0
+
+
+def accelerator(distributed_type: str, **state):
+    return SimpleNamespace(distributed_type=distributed_type, state=SimpleNamespace(**state))
+
+
+def test_what_the_sharded_paths_do_not_run_is_refused_before_the_model_loads():
+    from grpo.config import ConfigError, GRPOConfig
+    from grpo.training.sharded import check_sharding
+
+    fsdp1 = accelerator("FSDP", fsdp_plugin=SimpleNamespace(fsdp_version=1))
+    with pytest.raises(ConfigError, match="fsdp_version: 2"):
+        check_sharding(fsdp1, GRPOConfig())
+    fsdp2 = accelerator("FSDP", fsdp_plugin=SimpleNamespace(fsdp_version=2))
+    check_sharding(fsdp2, GRPOConfig(ds3_gather_for_generation=False))
+    zero2 = accelerator("DEEPSPEED", deepspeed_plugin=SimpleNamespace(zero_stage=2))
+    for whole in (accelerator("MULTI_CPU"), zero2):  # nothing to gather: the key would be read by nothing
+        with pytest.raises(ConfigError, match="ds3_gather_for_generation: false applies to sharded weights"):
+            check_sharding(whole, GRPOConfig(ds3_gather_for_generation=False))
+    zero3 = accelerator("DEEPSPEED", deepspeed_plugin=SimpleNamespace(zero_stage=3))
+    with pytest.raises(ConfigError, match="vLLM always receives whole weights"):
+        check_sharding(zero3, GRPOConfig(ds3_gather_for_generation=False, use_vllm=True))
