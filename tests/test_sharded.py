@@ -21,6 +21,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import yaml
 from safetensors.torch import load_file
 
 from test_distributed import job, run
@@ -34,35 +35,29 @@ HERE = Path(__file__).parent
 JOB = ["engine=transformers", "num_iterations=2"]
 LORA = ["use_peft=true", "lora_dropout=0"]  # (dropout draws from each process's own random stream)
 
-FSDP2 = """\
-compute_environment: LOCAL_MACHINE
-distributed_type: FSDP
-mixed_precision: 'no'
-num_machines: 1
-num_processes: 2
-machine_rank: 0
-fsdp_config:
-  fsdp_version: 2
-  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
-  fsdp_reshard_after_forward: true
-  fsdp_cpu_ram_efficient_loading: true
-  fsdp_offload_params: false
-"""
-# Through a DeepSpeed config file: the one way accelerate passes stage3_param_persistence_threshold. DeepSpeed keeps
-# every parameter under it whole on every process (10^5 elements by default: all of this tiny model's); at 0 every
-# parameter is partitioned, as nearly all of a real model's are.
-ZERO3 = """\
-compute_environment: LOCAL_MACHINE
-distributed_type: DEEPSPEED
-deepspeed_config:
-  deepspeed_config_file: {ds_config}
-  zero3_init_flag: true
-num_machines: 1
-num_processes: 2
-machine_rank: 0
-"""
-DS_CONFIG = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-             "train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto", "gradient_accumulation_steps": 1}
+RECIPES = HERE.parent / "recipes" / "accelerate"
+
+
+def cpu_config(kind: str, base: Path) -> Path:
+    """The shipped recipes/accelerate/{fsdp2,zero3}.yaml for 2 CPU processes in float32 (no mixed precision), in
+    `base`. ZeRO-3's settings go through a DeepSpeed config file with stage3_param_persistence_threshold 0, the one
+    way accelerate passes it: DeepSpeed keeps every parameter below it whole on every process (10^5 elements by
+    default: all of this tiny model's, almost none of a real model's)."""
+    config = yaml.safe_load((RECIPES / f"{kind}.yaml").read_text())
+    config.update(num_processes=2, mixed_precision="no")
+    if kind == "zero3":
+        del config["mixed_precision"]  # (with a DeepSpeed config file accelerate takes none of these from its own)
+        ds = config["deepspeed_config"]
+        zero = {"stage": ds.pop("zero_stage"), "stage3_param_persistence_threshold": 0,
+                "offload_param": {"device": ds.pop("offload_param_device")},
+                "offload_optimizer": {"device": ds.pop("offload_optimizer_device")}}
+        ds.pop("zero3_save_16bit_model")
+        (base / "ds3.json").write_text(json.dumps({"zero_optimization": zero, "train_micro_batch_size_per_gpu": "auto",
+                                                   "gradient_clipping": "auto", "gradient_accumulation_steps": 1}))
+        ds["deepspeed_config_file"] = str(base / "ds3.json")
+    path = base / f"{kind}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
 
 
 def free_port() -> int:
@@ -76,8 +71,7 @@ def launch(base: Path, kind: str, *extra: str, script: Path = HERE / "accelerate
     the launcher's own options."""
     config = base / f"{kind}.yaml"
     if not config.exists():
-        (base / "ds3.json").write_text(json.dumps(DS_CONFIG))
-        config.write_text(FSDP2 if kind == "fsdp2" else ZERO3.format(ds_config=base / "ds3.json"))
+        cpu_config(kind, base)
     return ["-m", "accelerate.commands.launch", "--config_file", str(config), *extra, str(script)]
 
 
@@ -130,11 +124,12 @@ def test_sharded_run_matches_one_process(runs, kind, lora):
     # Float summation order (reduce-scatter vs one batch), amplified by Adam where a gradient is near 0: measured
     # 6.4e-5 (full; DDP's 2 processes on this job: 6.8e-5) and 6e-6 (LoRA, merged into final/).
     assert max_diff(final_weights(one), final_weights(sharded)) < 2e-4
-    from transformers import AutoConfig
+    # final/ as one process writes it (with LoRA: the merged model, and the adapter in adapter/), loadable.
+    for sub in ("final", "final/adapter") if lora else ("final",):
+        assert sorted(p.name for p in (sharded / sub).iterdir()) == sorted(p.name for p in (one / sub).iterdir())
+    from transformers import AutoModelForCausalLM
 
-    assert AutoConfig.from_pretrained(sharded / "final").architectures == ["Qwen2ForCausalLM"]
-    if lora:
-        assert (sharded / "final" / "adapter" / "adapter_model.safetensors").is_file()
+    assert AutoModelForCausalLM.from_pretrained(sharded / "final").config.architectures == ["Qwen2ForCausalLM"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -218,9 +213,14 @@ def accelerator(distributed_type: str, **state):
     return SimpleNamespace(distributed_type=distributed_type, state=SimpleNamespace(**state))
 
 
-def test_what_the_sharded_paths_do_not_run_is_refused_before_the_model_loads():
+def test_what_the_sharded_paths_do_not_run_is_refused_before_the_model_loads(monkeypatch):
     from grpo.config import ConfigError, GRPOConfig
     from grpo.training.sharded import check_sharding
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # launched with fsdp2.yaml, where accelerate has no GPU
+    with pytest.raises(ConfigError, match="ddp_cpu.yaml"):
+        check_sharding(accelerator("MULTI_CPU"), GRPOConfig())
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
 
     fsdp1 = accelerator("FSDP", fsdp_plugin=SimpleNamespace(fsdp_version=1))
     with pytest.raises(ConfigError, match="fsdp_version: 2"):
@@ -234,3 +234,6 @@ def test_what_the_sharded_paths_do_not_run_is_refused_before_the_model_loads():
     zero3 = accelerator("DEEPSPEED", deepspeed_plugin=SimpleNamespace(zero_stage=3))
     with pytest.raises(ConfigError, match="vLLM always receives whole weights"):
         check_sharding(zero3, GRPOConfig(ds3_gather_for_generation=False, use_vllm=True))
+    for sharded in (fsdp2, zero3):
+        with pytest.raises(ConfigError, match="reference_weights: disk"):
+            check_sharding(sharded, GRPOConfig(reference_weights="disk"))

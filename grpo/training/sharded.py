@@ -9,6 +9,7 @@ recipe (each decoder layer a unit), ZeRO-3 by a DeepSpeed engine without an opti
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 
@@ -34,13 +35,18 @@ def describe(accelerator, cfg: GRPOConfig) -> str:
         rollouts = "gathered weights" if cfg.ds3_gather_for_generation else "the sharded model"
         name = "FSDP2" if stage is None else "ZeRO-3"
         return f"; {name}: weights, gradients and optimizer state sharded, rollouts from {rollouts}"
-    if stage is not None:
+    if stage in (1, 2):
         return f"; ZeRO-{stage}: optimizer state{' and gradients' if stage == 2 else ''} sharded"
     return ""
 
 
 def check_sharding(accelerator, cfg: GRPOConfig) -> None:
     """Refuse, before any model loads, what the sharded paths do not run."""
+    for name, kind in (("FSDP", "FSDP"), ("DEEPSPEED", "DeepSpeed")):
+        if os.environ.get(f"ACCELERATE_USE_{name}", "").lower() == "true" and accelerator.distributed_type != name:
+            # (accelerate's CPU path runs DDP only: it would train with whole weights in every process)
+            raise ConfigError(f"accelerate launched {kind}, which accelerate runs on GPUs only; on a machine without "
+                              "a GPU launch with recipes/accelerate/ddp_cpu.yaml.")
     if accelerator.distributed_type == "FSDP":
         version = getattr(accelerator.state.fsdp_plugin, "fsdp_version", 1)
         if version != 2:
@@ -50,6 +56,9 @@ def check_sharding(accelerator, cfg: GRPOConfig) -> None:
             from accelerate.utils import fsdp2_prepare_model  # noqa: F401 - accelerate >= 1.6
         except ImportError:
             raise ConfigError("FSDP2 needs accelerate >= 1.6 (pip install -U accelerate).") from None
+    if shards_weights(accelerator) and cfg.reference_weights == "disk":
+        raise ConfigError("reference_weights: disk keeps a whole copy of the reference on each process; with sharded "
+                          "weights (FSDP2, ZeRO-3) the reference is sharded like the policy. Set it to auto.")
     if not cfg.ds3_gather_for_generation:
         if not shards_weights(accelerator):
             raise ConfigError("ds3_gather_for_generation: false applies to sharded weights (FSDP2, DeepSpeed "

@@ -54,7 +54,8 @@ def _on_main(accelerator, items) -> dict[str, torch.Tensor]:
 
 def write_hf(accelerator, policy, tokenizer, path: Path, merged: bool = False) -> None:
     """The policy as a Hugging Face directory at `path`, gathered on the main process: the model, or with LoRA the
-    adapter (`merged`: the model with the adapters merged in). Collective; the main process writes."""
+    adapter (`merged`: the model with the adapters merged in), and `tokenizer` unless None. Collective; the main
+    process writes."""
     if merged:
         weights, model = _on_main(accelerator, hf_weights(policy)), policy.get_base_model()
     elif is_peft(policy):
@@ -64,7 +65,8 @@ def write_hf(accelerator, policy, tokenizer, path: Path, merged: bool = False) -
         weights, model = _on_main(accelerator, whole_tensors(policy)), policy
     if accelerator.is_main_process:
         model.save_pretrained(path, state_dict=weights)
-        tokenizer.save_pretrained(path)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
 
 
 def save_final(accelerator, policy, tokenizer, path, merge: bool) -> None:
@@ -72,11 +74,11 @@ def save_final(accelerator, policy, tokenizer, path, merge: bool) -> None:
     `from_pretrained` loads; with LoRA also the adapter in `adapter/`), gathered on the main process."""
     path = Path(path)
     if is_peft(policy):
-        write_hf(accelerator, policy, tokenizer, path / "adapter")
-        if merge:
-            write_hf(accelerator, policy, tokenizer, path, merged=True)
-    else:
-        write_hf(accelerator, policy, tokenizer, path)
+        write_hf(accelerator, policy, None, path / "adapter")
+    if merge or not is_peft(policy):
+        write_hf(accelerator, policy, None, path, merged=is_peft(policy))
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(path)
     accelerator.wait_for_everyone()
 
 
@@ -106,8 +108,11 @@ def save(accelerator, model, policy, optimizer, tokenizer, output_dir, step: int
         torch.save(state, tmp / STATE)
     accelerator.wait_for_everyone()  # every process's part is on disk
     if main:
-        for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
-            _fsync(path)
+        for part in sorted(tmp.rglob("*")):  # (another process's writes, and the directories that hold them)
+            if part.is_file():
+                _fsync(part)
+            else:
+                ckpt._fsync_dir(part)
         ckpt._write_json(tmp / ckpt.MANIFEST, {"step": step, "format": backend,
                                                "processes": accelerator.num_processes})
         ckpt._fsync_dir(tmp)
@@ -143,8 +148,10 @@ def load(accelerator, model, optimizer, output_dir) -> tuple[Path, dict[str, Any
         if manifest["processes"] != accelerator.num_processes:
             raise ConfigError(f"resume: {path} holds DeepSpeed partitions of {manifest['processes']} processes, this "
                               f"run has {accelerator.num_processes}; resume with {manifest['processes']}.")
-        model.load_checkpoint(str(path / backend), tag="state", load_optimizer_states=True,
-                              load_lr_scheduler_states=False)
+        loaded, _ = model.load_checkpoint(str(path / backend), tag="state", load_optimizer_states=True,
+                                          load_lr_scheduler_states=False)
+        if loaded is None:  # (DeepSpeed only logs a checkpoint it cannot find)
+            raise FileNotFoundError(f"resume: DeepSpeed found no checkpoint in {path / backend}")
     else:
         _load_fsdp(model, optimizer, path / backend)
     rng = path / f"rng-rank{accelerator.process_index}.pt"
