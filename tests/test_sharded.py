@@ -101,9 +101,9 @@ def runs(tmp_path_factory, tiny_model_dir):
             (out / "memory").mkdir(parents=True)
             args = [str(HERE / "accelerate_driver.py")] if kind == "one" else launch(
                 base, kind, "--main_process_port", str(free_port()))
-            # LoRA runs sample through the sharded model (ds3_gather_for_generation off), the others from gathered
-            # weights: both paths train.
-            overrides = [*JOB, *(LORA + ["ds3_gather_for_generation=false"] * (kind != "one") if lora else [])]
+            overrides = [*JOB, *(LORA if lora else [])]
+            if lora and kind != "one":  # sampling through the sharded model; the full runs sample from gathered weights
+                overrides.append("ds3_gather_for_generation=false")
             run(args, out, {**env, "GRPO_TEST_MEMORY": str(out / "memory")}, overrides=overrides)
             made[kind, lora] = out
         return made[kind, lora]

@@ -31,7 +31,7 @@ def shards_weights(accelerator) -> bool:
 def describe(accelerator, cfg: GRPOConfig) -> str:
     """How the run shards, for its start lines ("" when it does not)."""
     stage = zero_stage(accelerator)
-    if accelerator.distributed_type == "FSDP" or stage == 3:
+    if shards_weights(accelerator):
         rollouts = "gathered weights" if cfg.ds3_gather_for_generation else "the sharded model"
         name = "FSDP2" if stage is None else "ZeRO-3"
         return f"; {name}: weights, gradients and optimizer state sharded, rollouts from {rollouts}"

@@ -110,7 +110,8 @@ class GRPOTrainer:
         if generator is None and cfg.use_vllm:
             generator = make_vllm(cfg, self.policy, self.tokenizer, self.accel)
         self.generator, self.backend = make_engine(self.engine, self.model, self.policy, self.accel, self.tokenizer,
-                                                   self.params, self.reference, generator, cfg.ds3_gather_for_generation)
+                                                   self.params, self.reference, generator,
+                                                   gather_for_generation=cfg.ds3_gather_for_generation)
         self.sampler = PromptSampler(len(self.train_set), cfg.seed)
         self.rollouts = Rollouts(cfg, self.generator, self.policy, self.tokenizer, self.train_set, self.sampler,
                                  self.rewards, self.step_rewards, self.procs, self.B, self.G, self.params)
@@ -123,8 +124,7 @@ class GRPOTrainer:
         from grpo.training.display import LiveDisplay, NullDisplay
         from grpo.training.tracking import NullLogger, RunLogger
 
-        cfg, out = self.cfg, Path(self.cfg.output_dir)
-        main = self.accel.is_main_process
+        cfg, out, main = self.cfg, Path(self.cfg.output_dir), self.accel.is_main_process
         if cfg.resume:
             self._resume()
         if main:
