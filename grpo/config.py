@@ -174,6 +174,22 @@ class GRPOConfig:
     vllm_importance_sampling_clip_max: float | None = _f(3.0, "Upper bound of the importance ratio (null: none).")
     vllm_importance_sampling_clip_min: float | None = _f(None, "Lower bound of the importance ratio (null: none).")
 
+    # ---- tools and environments (multi-turn rollouts; docs/agents.md) -------------------------------------------
+    tools: list = _f([], "Tools the model may call: built-in names (calculator, python) or 'module:function' paths "
+                     "(functions with type hints and an Args: docstring). Default: the task's. Needs a chat template "
+                     "that renders tool calls; tool answers are left out of the loss.")
+    environment_factory: Any = _f(None, "TRL's environment_factory: a 'module:Class' path whose instances' public "
+                                  "methods are the model's tools, or a map of such paths by the rows' environment "
+                                  "column.")
+    rollout_func: str | None = _f(None, "TRL's rollout_func: a 'module:function' path of a rollout of your own "
+                                  "(called with this process's prompts and the trainer).")
+    max_tool_calling_iterations: int | None = _f(None, "Most rounds of tool calls per completion (TRL's key); null: "
+                                                 "until max_completion_length, which counts tool answers too.")
+    tool_timeout: float = _f(10.0, "Seconds one tool call may take; past it the model is answered with an error "
+                             "and the call counts in tools/errors/timeout.")
+    max_tool_output_chars: int = _f(2000, "Longest tool answer the model is shown, in characters; a longer one is "
+                                    "cut, with a note of how much was left out.")
+
     # ---- optimization ------------------------------------------------------------------------------------------
     learning_rate: float = _f(1e-6, "Peak AdamW learning rate.")
     lr_scheduler_type: str = _f("constant", "Learning-rate schedule after warmup.", ("constant", "linear", "cosine"))
@@ -416,6 +432,10 @@ def _validate(cfg: GRPOConfig) -> None:
     _check(cfg.max_steps >= 1 or cfg.num_train_epochs > 0, "num_train_epochs", "must be > 0.")
     _check(cfg.reward_timeout is None or cfg.reward_timeout > 0, "reward_timeout", "must be > 0 seconds, or null.")
     _check(cfg.num_threads is None or cfg.num_threads >= 1, "num_threads", "must be >= 1, or null.")
+    _check(cfg.max_tool_calling_iterations is None or cfg.max_tool_calling_iterations >= 0,
+           "max_tool_calling_iterations", "must be >= 0, or null (no limit but the completion length).")
+    _check(cfg.tool_timeout > 0, "tool_timeout", "must be > 0 seconds.")
+    _check(cfg.max_tool_output_chars >= 1, "max_tool_output_chars", "must be >= 1.")
     _check(cfg.max_generation_rounds >= 1, "max_generation_rounds", "must be >= 1.")
     _check(0 <= cfg.overlong_buffer_ratio < 1, "overlong_buffer_ratio", "must be in [0, 1).")
     _check(cfg.preset is None or cfg.preset in PRESETS, "preset",

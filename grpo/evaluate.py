@@ -12,32 +12,42 @@ from collections import Counter
 from grpo.training.data import PromptSet
 from grpo.engines.base import SamplingParams
 from grpo.rewards.math_accuracy import extract_answer
+from grpo.rewards.text import completion_text
 from grpo.training.rollout import as_completion, strip_eos
 
 
 def evaluate_prompts(generator, tokenizer, prompts: PromptSet, rewards, reward_names: list[str],
                      params: SamplingParams, seed: int = 0, k: int = 1,
-                     batch_size: int = 256) -> dict[str, float | list]:
-    """k samples per prompt; returns the metrics and, under "rows", one record per prompt."""
+                     batch_size: int = 256, agent=None) -> dict[str, float | list]:
+    """k samples per prompt; returns the metrics and, under "rows", one record per prompt. With `agent` (a
+    multi-turn rollout of grpo.agents) the samples are its conversations, scored on the model's own turns, and the
+    metrics add tool_call_rate and tool_calls (per sample)."""
     eos = {tokenizer.eos_token_id}
     acc_name = reward_names[0]
     fmt_name = next((n for n in reward_names if "format" in n), None)
     n = len(prompts)
     order = [i for i in range(n) for _ in range(k)]
-    correct, formatted, lengths, answers, texts = [], [], [], [], []
+    correct, formatted, lengths, answers, texts, calls = [], [], [], [], [], []
     for start in range(0, len(order), batch_size):
         idx = order[start:start + batch_size]
         p, ids, cols = prompts.rows(idx)
-        out = generator.generate(ids, params, [seed * 1_000_003 + start + r for r in range(len(idx))])
+        seeds = [seed * 1_000_003 + start + r for r in range(len(idx))]
+        if agent is None:
+            out = generator.generate(ids, params, seeds)
+        else:
+            out = agent.generate(p, ids, cols, params, seeds)
+            p, cols, calls = out.prompts, {**cols, **out.columns}, calls + [s["calls"] for s in out.stats]
         stripped = [strip_eos(c, eos) for c in out.ids]
         decoded = tokenizer.batch_decode(stripped, skip_special_tokens=False)
-        scored = rewards(p, [as_completion(q, t) for q, t in zip(p, decoded)], out.ids, cols)
+        completions = ([as_completion(q, t) for q, t in zip(p, decoded)] if agent is None or out.completions is None
+                       else out.completions)
+        scored = rewards(p, completions, out.ids, cols)
         acc = scored.per_func[acc_name]
         correct += [v is not None and v >= 1.0 - 1e-9 for v in acc]
         if fmt_name:
             formatted += [v is not None and v >= 1.0 - 1e-9 for v in scored.per_func[fmt_name]]
-        lengths += [len(c) for c in out.ids]
-        answers += [extract_answer(t) for t in decoded]
+        lengths += [len(c) for c in out.ids] if agent is None else [sum(m) for m in out.model_mask]
+        answers += [extract_answer(completion_text(c)) for c in completions]
         texts += decoded
     by_prompt = [list(range(i * k, (i + 1) * k)) for i in range(n)]
     pass_k = sum(any(correct[j] for j in js) for js in by_prompt) / n
@@ -51,6 +61,9 @@ def evaluate_prompts(generator, tokenizer, prompts: PromptSet, rewards, reward_n
     }
     if fmt_name:
         result["format_rate"] = sum(formatted) / len(formatted)
+    if agent is not None:
+        result["tool_call_rate"] = sum(c > 0 for c in calls) / len(calls)
+        result["tool_calls"] = sum(calls) / len(calls)
     result["rows"] = [{"prompt": prompts.prompts[i], "completions": [texts[j] for j in js],
                        "correct": [correct[j] for j in js]} for i, js in enumerate(by_prompt)]
     return result
@@ -62,3 +75,14 @@ def _majority_correct(answers: list[str | None], correct: list[bool]) -> bool:
         return False
     top = votes.most_common(1)[0][0]
     return correct[answers.index(top)]
+
+
+def evaluate_run(rollouts, prompts: PromptSet, reward_names: list[str]) -> dict[str, float]:
+    """`evaluate_prompts` during training: the run's engine (its weights brought up to date) and tools, its eval
+    settings; the numbers as eval/ metrics. `rollouts`: the run's grpo.training.rollout.Rollouts."""
+    cfg = rollouts.cfg
+    rollouts.ready_engine()
+    result = evaluate_prompts(rollouts.generator, rollouts.tokenizer, prompts, rollouts.rewards, reward_names,
+                              SamplingParams(cfg.max_completion_length, cfg.eval_temperature), seed=cfg.seed + 12345,
+                              k=cfg.eval_num_samples, agent=rollouts.agent)
+    return {f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float))}

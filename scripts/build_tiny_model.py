@@ -36,6 +36,7 @@ How the teacher's step error rate moved those numbers (sampled / greedy accuracy
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -97,18 +98,22 @@ TINY = dict(hidden=32, layers=1, heads=2, intermediate=64, steps=30, batch_size=
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """Byte-level, one token per byte; the four tags as single tokens; EOS/PAD/BOS special. Vocab: 263."""
+    return byte_tokenizer([EOS, PAD, BOS], TAGS, eos_token=EOS, pad_token=PAD, bos_token=BOS)
+
+
+def byte_tokenizer(special: list[str], tags: list[str], **settings) -> PreTrainedTokenizerFast:
+    """Ids: the special tokens, the tags (ordinary single tokens), then one per byte; `settings` name the special
+    tokens' roles (eos_token=...) and may add a chat_template."""
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {token: i for i, token in enumerate([EOS, PAD, BOS, *TAGS, *alphabet])}
+    vocab = {token: i for i, token in enumerate([*special, *tags, *alphabet])}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     # No regex split and no prefix space: the text is mapped to bytes as is, so decode(encode(s)) == s.
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (EOS, PAD, BOS)])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAGS])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=EOS, pad_token=PAD, bos_token=BOS, padding_side="left",
-        clean_up_tokenization_spaces=False, model_max_length=512,
-    )
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in tags])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, padding_side="left", clean_up_tokenization_spaces=False,
+                                   model_max_length=512, **settings)
 
 
 def save_tokenizer(tokenizer: PreTrainedTokenizerFast, out: Path) -> None:
@@ -174,9 +179,12 @@ def lr_at(step: int, cfg: BuildConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def train(model, tokenizer, rows: list[dict], cfg: BuildConfig, log=print) -> list[float]:
-    """Supervised pre-training on noisy-teacher solutions; returns the loss of every step."""
-    rng = random.Random(f"build_tiny_model/data/{cfg.seed}")
+def train(model, tokenizer, rows: list[dict], cfg: BuildConfig, log=print, step_loss=None,
+          stream: str = "build_tiny_model") -> list[float]:
+    """Supervised pre-training on noisy-teacher solutions; returns the loss of every step. `step_loss(rng)`: one
+    step's loss on a fresh batch (default: the arithmetic teacher's); `stream` names the data's random stream."""
+    rng = random.Random(f"{stream}/data/{cfg.seed}")
+    step_loss = step_loss or (lambda rng: model(**training_batch(tokenizer, rows, rng, cfg)).loss)
     # Weight decay on matrices only (embeddings and linear layers), not on norms, as is usual for transformers.
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -189,7 +197,7 @@ def train(model, tokenizer, rows: list[dict], cfg: BuildConfig, log=print) -> li
     for step in range(cfg.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
-        loss = model(**training_batch(tokenizer, rows, rng, cfg)).loss
+        loss = step_loss(rng)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -302,42 +310,54 @@ def _train_and_evaluate(cfg: BuildConfig, log) -> tuple:
     return tokenizer, model, metrics, losses
 
 
-def build(out: Path, cfg: BuildConfig, argv: list[str], log=print) -> dict:
-    """Tokenizer, data, training, evaluation, and the checkpoint with its PROVENANCE.md in `out`; returns metrics."""
-    start = time.time()
+@contextlib.contextmanager
+def deterministic(cfg):
+    """Seeded, deterministic algorithms, cfg.threads threads; the process-wide switches given back after (tests
+    call build in-process)."""
     torch.manual_seed(cfg.seed)
     was_deterministic, was_threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(cfg.threads)
     try:
-        tokenizer, model, metrics, losses = _train_and_evaluate(cfg, log)
-    finally:  # process-wide switches: give them back as found (tests call build in-process)
+        yield
+    finally:
         torch.use_deterministic_algorithms(was_deterministic)
         torch.set_num_threads(was_threads)
+
+
+def write_checkpoint(out: Path, model, tokenizer, provenance_text: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
     model.save_pretrained(out)
     save_tokenizer(tokenizer, out)
+    (out / "PROVENANCE.md").write_text(provenance_text)
+
+
+def build(out: Path, cfg: BuildConfig, argv: list[str], log=print) -> dict:
+    """Tokenizer, data, training, evaluation, and the checkpoint with its PROVENANCE.md in `out`; returns metrics."""
+    start = time.time()
+    with deterministic(cfg):
+        tokenizer, model, metrics, losses = _train_and_evaluate(cfg, log)
     seconds = time.time() - start
     n_params = sum(p.numel() for p in model.parameters())
-    (out / "PROVENANCE.md").write_text(provenance(cfg, metrics, losses, n_params, seconds, argv))
+    write_checkpoint(out, model, tokenizer, provenance(cfg, metrics, losses, n_params, seconds, argv))
     log(f"wrote {out} in {seconds / 60:.1f} min")
     return metrics
 
 
-def parse_args(argv: list[str]) -> tuple[Path, BuildConfig]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv: list[str], config=BuildConfig, tiny: dict = TINY, doc: str = __doc__) -> tuple[Path, BuildConfig]:
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
     parser.add_argument("--tiny", action="store_true", help="miniature sizes for a seconds-long end-to-end test")
-    for field in dataclasses.fields(BuildConfig):
+    for field in dataclasses.fields(config):
         parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=None)
     args = parser.parse_args(argv)
-    values = dict(TINY) if args.tiny else {}
-    values.update({f.name: getattr(args, f.name) for f in dataclasses.fields(BuildConfig)
+    values = dict(tiny) if args.tiny else {}
+    values.update({f.name: getattr(args, f.name) for f in dataclasses.fields(config)
                    if getattr(args, f.name) is not None})
-    return args.out, BuildConfig(**values)
+    return args.out, config(**values)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -43,3 +43,34 @@ def build_tiny_model(path, hidden: int = 32, layers: int = 2, seed: int = 0):
 def tiny_model_dir(tmp_path_factory):
     """A 2-layer, 32-wide Qwen2 model and a byte tokenizer (258 tokens), saved to a temp directory."""
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny-model")))
+
+
+def load_script(name: str):
+    """A script of scripts/ (not a package), imported by path once."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+@pytest.fixture(scope="session")
+def tools_model_dir(tmp_path_factory):
+    """A 1-layer random Qwen2 with the tool-calling tokenizer and chat template of grpo/assets/tiny-tools."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    path = tmp_path_factory.mktemp("tools-model")
+    tok = load_script("build_tiny_tools_model").build_tokenizer()
+    tok.save_pretrained(path)
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    return str(path)

@@ -36,7 +36,7 @@ def reference_value(text: str) -> Fraction:
 
 
 def test_registry_and_interface():
-    assert set(TASKS) == {"arithmetic", "countdown"}
+    assert set(TASKS) == {"arithmetic", "countdown", "calculator"}
     task = get_task("arithmetic")
     assert isinstance(task, Task)
     assert task.reward_funcs == ["math_accuracy", "think_format"]
@@ -51,7 +51,7 @@ def test_registry_and_interface():
         task.dataset("train", n=1, colour="red")
 
 
-@pytest.mark.parametrize("name", ["arithmetic", "countdown"])
+@pytest.mark.parametrize("name", ["arithmetic", "countdown", "calculator"])
 def test_same_seed_same_rows_other_seed_other_rows(name):
     task = get_task(name)
     first = task.dataset("train", n=50, seed=3).to_list()
@@ -63,17 +63,34 @@ def test_same_seed_same_rows_other_seed_other_rows(name):
 
 # Small problem spaces (6,804 arithmetic problems; countdown with numbers 1..6 and targets up to 12), so that
 # splits drawn without the held-out rule would share many problems.
-@pytest.mark.parametrize("name, knobs", [("arithmetic", {}), ("countdown", {"max_number": 6, "max_target": 12})])
+@pytest.mark.parametrize("name, knobs", [("arithmetic", {}), ("countdown", {"max_number": 6, "max_target": 12}),
+                                         ("calculator", {"max_digits": 2})])
 def test_no_test_problem_appears_in_train(name, knobs):
     task = get_task(name)
     train, test = task.dataset("train", n=2000, seed=0, **knobs), task.dataset("test", n=300, seed=1, **knobs)
 
     def problem(row):  # countdown: a reordering of the same numbers is the same problem
-        return row["prompt"] if name == "arithmetic" else (row["target"], tuple(sorted(row["nums"])))
+        return row["prompt"] if name != "countdown" else (row["target"], tuple(sorted(row["nums"])))
 
     train_problems, test_problems = {problem(r) for r in train}, {problem(r) for r in test}
     assert not train_problems & test_problems
     assert len(test_problems) > 20  # the held-out split is not degenerate
+
+
+def test_calculator_problems_need_the_tool_and_their_answers_are_right():
+    task = get_task("calculator")
+    assert task.tools == ("calculator",) and task.reward_funcs == ["math_accuracy"] and task.prefill == ""
+    rows = task.dataset("train", n=400, seed=0)
+    for row in rows:
+        assert row["prompt"] == f"What is {row['expression']}?"
+        assert Fraction(row["answer"]) == reference_value(row["expression"])
+    digits = [max(len(x) for x in row["expression"].split()[::2]) for row in rows]
+    # operand lengths uniform in 1..3: about 1/9 of problems have two one-digit operands
+    assert set(digits) == {1, 2, 3} and 0.05 < digits.count(1) / len(digits) < 0.2
+    assert {len(x) for row in task.dataset("train", n=200, seed=0, difficulty=3)
+            for x in row["expression"].split()[::2]} == {1, 2, 3, 4}
+    with pytest.raises(ValueError, match="unknown difficulty 7"):
+        task.dataset("train", n=1, difficulty=7)
 
 
 def test_arithmetic_answers_match_an_independent_evaluator():

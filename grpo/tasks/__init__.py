@@ -20,7 +20,7 @@ from typing import Callable
 
 import datasets
 
-from grpo.tasks import arithmetic, countdown
+from grpo.tasks import arithmetic, calculator, countdown
 from grpo.tasks._common import SPLITS, check_split
 
 __all__ = ["SPLITS", "TASKS", "Task", "export", "get_task"]
@@ -38,6 +38,7 @@ class Task:
     step_reward: str | None  # a step-level (process) reward of `grpo.rewards`, or None
     make_rows: Callable[..., list[dict]]  # (split, n, seed, **knobs) -> rows
     default_sizes: dict[str, int]  # rows per split when `dataset` is called with n=None
+    tools: tuple[str, ...] = ()  # built-in tools (`grpo.agents.tools`) the model may call
 
     @property
     def knobs(self) -> dict[str, object]:
@@ -83,6 +84,21 @@ TASKS: dict[str, Task] = {
         step_reward=None,
         make_rows=countdown.rows,
         default_sizes={"train": 10_000, "test": 500},
+    ),
+    "calculator": Task(
+        name="calculator",
+        description=(
+            "One + - * operation on operands of 1-3 digits ('What is 482 * 37?'), with a `calculator` tool; "
+            "the model must call it and copy its answer into <answer>. Needs a chat template with tool calls "
+            "(grpo/assets/tiny-tools)."
+        ),
+        reward_funcs=["math_accuracy"],
+        reward_weights=[1.0],
+        prefill="",
+        step_reward=None,
+        make_rows=calculator.rows,
+        default_sizes={"train": 10_000, "test": 500},
+        tools=("calculator",),
     ),
 }
 

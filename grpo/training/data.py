@@ -10,7 +10,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -91,6 +91,7 @@ class PromptSet:
     prompts: list[Any]  # as in the dataset: str or list of messages (what reward functions receive)
     prompt_ids: list[list[int]]  # rendered and tokenized, left-truncated if allowed
     columns: dict[str, list[Any]]
+    render: Callable[..., list[int]] | None = None  # render(prompt, tool_schemas) -> ids, as these were rendered
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -100,10 +101,14 @@ class PromptSet:
                 {k: [v[i] for i in index] for k, v in self.columns.items()})
 
 
-def render_prompt(prompt: Any, tokenizer, cfg: GRPOConfig, prefill: str) -> str:
+def render_prompt(prompt: Any, tokenizer, cfg: GRPOConfig, prefill: str, tools: list[dict] | None = None) -> str:
+    """The prompt's text: through the chat template (with the tools' schemas, when the row has tools) or plain."""
     use_template = cfg.use_chat_template
     if use_template == "auto":
         use_template = getattr(tokenizer, "chat_template", None) is not None
+    if tools and not use_template:
+        raise ConfigError("use_chat_template: tools are rendered into the prompt by the chat template; set "
+                          "use_chat_template to true or auto.")
     if isinstance(prompt, str) and not use_template:
         return (cfg.system_prompt + "\n" if cfg.system_prompt else "") + prompt + prefill
     if getattr(tokenizer, "chat_template", None) is None:
@@ -112,21 +117,34 @@ def render_prompt(prompt: Any, tokenizer, cfg: GRPOConfig, prefill: str) -> str:
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if cfg.system_prompt and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": cfg.system_prompt}] + messages
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
     return text + prefill
 
 
-def build_prompt_set(dataset, tokenizer, cfg: GRPOConfig, prefill: str, name: str = "dataset") -> PromptSet:
+def build_prompt_set(dataset, tokenizer, cfg: GRPOConfig, prefill: str, name: str = "dataset",
+                     agents=None) -> PromptSet:
+    """The dataset's prompts rendered and tokenized; with `agents` (grpo.agents.AgentSpec), each with its row's
+    tools, once the chat template is known to render tool calls."""
     if len(dataset) == 0:
         raise ConfigError(f"{name}: the dataset is empty; GRPO needs at least one prompt.")
     column = find_prompt_column(list(dataset.column_names), cfg.prompt_column)
     prompts = list(dataset[column])
     check_prompts(prompts, column)
-    texts = [render_prompt(p, tokenizer, cfg, prefill) for p in prompts]
-    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    ids = _limit_prompt_length(ids, cfg)
     columns = {c: list(dataset[c]) for c in dataset.column_names if c != column}
-    return PromptSet(prompts=prompts, prompt_ids=ids, columns=columns)
+    tools = agents.prompt_tools(tokenizer)(columns, len(prompts)) if agents else [None] * len(prompts)
+    texts = [render_prompt(p, tokenizer, cfg, prefill, t) for p, t in zip(prompts, tools)]
+    ids = _limit_prompt_length(tokenizer(texts, add_special_tokens=False)["input_ids"], cfg)
+    return PromptSet(prompts, ids, columns, prompt_renderer(tokenizer, cfg, prefill))
+
+
+def prompt_renderer(tokenizer, cfg: GRPOConfig, prefill: str):
+    """render(prompt, tool_schemas) -> token ids: the prompt rendered (render_prompt) and tokenized. A prompt longer
+    than max_prompt_length is an error naming it, or is cut from the left (prompt_truncation)."""
+    def render(prompt: Any, tools: list[dict] | None = None) -> list[int]:
+        ids = tokenizer(render_prompt(prompt, tokenizer, cfg, prefill, tools), add_special_tokens=False)["input_ids"]
+        return _limit_prompt_length([ids], cfg)[0]
+
+    return render
 
 
 def _limit_prompt_length(ids: list[list[int]], cfg: GRPOConfig) -> list[list[int]]:

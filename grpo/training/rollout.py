@@ -7,12 +7,14 @@ to the model's device.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from grpo.agents.metrics import agent_metrics, sample_stats
 from grpo.core import group_advantages, mix_advantages, process_advantages
 from grpo.engines.base import SamplingParams, row_seed, sleep, update_weights, wake
 from grpo.engines.sampling import left_pad
@@ -64,25 +66,39 @@ class Sampled:
     errors: dict[str, int]
     timeouts: dict[str, int]
     logprobs: list[list[float]] | None = None  # the sampler's, per completion token (None if it gave none)
+    model_mask: list[list[int]] | None = None  # multi-turn: 1 on the model's own completion tokens, 0 on tools'
+    agent_stats: list[dict[str, int]] | None = None  # multi-turn: turns, tool calls and errors of each row
 
     def select(self, rows: list[int]) -> "Sampled":
-        pick = lambda xs: [xs[i] for i in rows]  # noqa: E731
-        return Sampled(pick(self.prompts), pick(self.prompt_ids), {k: pick(v) for k, v in self.columns.items()},
-                       pick(self.completion_ids), pick(self.truncated), pick(self.texts), pick(self.completions),
-                       pick(self.total), {k: pick(v) for k, v in self.per_func.items()}, self.errors, self.timeouts,
-                       None if self.logprobs is None else pick(self.logprobs))
+        values = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None or f.name in _COUNTS:
+                values[f.name] = value
+            elif f.name in _PER_ROW_MAPS:
+                values[f.name] = {k: [v[i] for i in rows] for k, v in value.items()}
+            else:
+                values[f.name] = [value[i] for i in rows]
+        return Sampled(**values)
 
     @staticmethod
     def concat(parts: list["Sampled"]) -> "Sampled":
-        first = parts[0]
-        join = lambda name: [x for p in parts for x in getattr(p, name)]  # noqa: E731
-        add = lambda name: {k: sum(getattr(p, name).get(k, 0) for p in parts)  # noqa: E731
-                            for k in getattr(first, name)}
-        return Sampled(join("prompts"), join("prompt_ids"),
-                       {k: [x for p in parts for x in p.columns[k]] for k in first.columns},
-                       join("completion_ids"), join("truncated"), join("texts"), join("completions"), join("total"),
-                       {k: [x for p in parts for x in p.per_func[k]] for k in first.per_func}, add("errors"),
-                       add("timeouts"), join("logprobs") if all(p.logprobs is not None for p in parts) else None)
+        values = {}
+        for f in dataclasses.fields(Sampled):
+            each = [getattr(p, f.name) for p in parts]
+            if f.name in _COUNTS:
+                values[f.name] = {k: sum(v.get(k, 0) for v in each) for k in each[0]}
+            elif any(v is None for v in each):
+                values[f.name] = None
+            elif f.name in _PER_ROW_MAPS:
+                values[f.name] = {k: [x for v in each for x in v[k]] for k in each[0]}
+            else:
+                values[f.name] = [x for v in each for x in v]
+        return Sampled(**values)
+
+
+_PER_ROW_MAPS = ("columns", "per_func")  # name -> one value per row
+_COUNTS = ("errors", "timeouts")  # name -> a count for the whole batch
 
 
 def strip_eos(ids: list[int], eos_ids: set[int]) -> list[int]:
@@ -111,6 +127,14 @@ def pack(prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: i
             c_mask[i, :len(c)] = 1
     loss_mask = c_mask.float() * torch.tensor(keep, dtype=torch.float32)[:, None]
     return torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1), loss_mask
+
+
+def pad_rows(rows: list[list[int]], width: int) -> torch.Tensor:
+    """(N, width) float tensor of the rows, right-padded with 0 (cut at width)."""
+    out = torch.zeros((len(rows), width))
+    for i, row in enumerate(rows):
+        out[i, :min(len(row), width)] = torch.tensor(row[:width], dtype=torch.float32)
+    return out
 
 
 def char_to_token_ends(tokenizer, ids: list[int], char_ends: list[int]) -> list[int]:
@@ -161,8 +185,9 @@ class Rollouts:
     without old/reference log-probs, which the trainer adds."""
 
     def __init__(self, cfg, generator, policy, tokenizer, train_set, prompts, rewards, step_rewards,
-                 procs: Processes, B: int, G: int, params: SamplingParams):
+                 procs: Processes, B: int, G: int, params: SamplingParams, agent=None):
         self.cfg, self.generator, self.policy, self.tokenizer, self.params = cfg, generator, policy, tokenizer, params
+        self.agent = agent  # multi-turn rollouts over the generator (grpo.agents), or None
         self.train_set, self.prompts, self.rewards, self.step_rewards = train_set, prompts, rewards, step_rewards
         self.procs, self.B, self.G = procs, B, G
         self.eos_ids = {tokenizer.eos_token_id}
@@ -198,15 +223,22 @@ class Rollouts:
         t0 = time.perf_counter()
         # Seeds belong to rows; a dynamic-sampling refill round gets rows of its own.
         seeds = [row_seed(self.cfg.seed, step, first + r + round_ * 1_000_000) for r in range(n_local)]
-        out = self.generator.generate(prompt_ids, self.params, seeds)
+        agent = None
+        if self.agent is None:
+            out = self.generator.generate(prompt_ids, self.params, seeds)
+        else:  # tools, environments or a rollout_func: the prompts may come back extended
+            out = agent = self.agent.generate(prompts, prompt_ids, columns, self.params, seeds)
+            prompts, prompt_ids, columns = agent.prompts, agent.prompt_ids, {**columns, **agent.columns}
         t1 = time.perf_counter()
         texts = self.tokenizer.batch_decode([strip_eos(c, self.eos_ids) for c in out.ids], skip_special_tokens=False)
-        completions = [as_completion(p, t) for p, t in zip(prompts, texts)]
+        completions = ([as_completion(p, t) for p, t in zip(prompts, texts)] if agent is None or
+                       agent.completions is None else agent.completions)
         scored = self.rewards(prompts, completions, out.ids, columns)
         self.times["generation"] += t1 - t0
         self.times["scoring"] += time.perf_counter() - t1
         return Sampled(prompts, prompt_ids, columns, out.ids, out.truncated, texts, completions, scored.total,
-                       scored.per_func, scored.errors, scored.timeouts, out.logprobs)
+                       scored.per_func, scored.errors, scored.timeouts, out.logprobs,
+                       *((agent.model_mask, agent.stats) if agent is not None else ()))
 
     def _sample_dynamic(self, step: int) -> tuple[Sampled, dict[str, float]]:
         """DAPO dynamic sampling: drop groups whose rewards are all equal, sample more prompts until the step has
@@ -236,6 +268,8 @@ class Rollouts:
                                    unbiased=cfg.unbiased_std).view(-1)[mine]
         keep = [not (cfg.mask_truncated_completions and t) for t in s.truncated]
         input_ids, attention, cmask = pack(s.prompt_ids, s.completion_ids, self.tokenizer.pad_token_id, keep)
+        if s.model_mask is not None:  # tool answers take part in the forward pass, not in the loss
+            cmask *= pad_rows(s.model_mask, cmask.shape[1])
         advantages, step_metrics = outcome, {}
         if self.step_rewards:
             ids = [strip_eos(c, self.eos_ids) for c in s.completion_ids]
@@ -248,8 +282,11 @@ class Rollouts:
                 batch.sampling_logp[i, :len(row)] = torch.tensor(row[:cmask.shape[1]], dtype=cmask.dtype)
         self.times["scoring"] += time.perf_counter() - t0
         batch.metrics = {**self._metrics(s, rewards, outcome), **step_metrics}
+        if s.agent_stats is not None:
+            batch.metrics.update(agent_metrics(s.agent_stats, s.model_mask, procs.gather))
         batch.samples = [{"prompt": p if isinstance(p, str) else p[-1]["content"], "completion": t,
-                          "reward": r, "advantage": float(a), **{f"reward/{k}": v[i] for k, v in s.per_func.items()}}
+                          "reward": r, "advantage": float(a), **{f"reward/{k}": v[i] for k, v in s.per_func.items()},
+                          **(sample_stats(s.agent_stats[i]) if s.agent_stats is not None else {})}
                          for i, (p, t, r, a) in enumerate(zip(s.prompts, s.texts, s.total, outcome))][:16]
         return batch
 
@@ -284,7 +321,10 @@ class Rollouts:
 
     def _metrics(self, scored: Sampled, rewards, outcome) -> dict[str, float]:
         gather = self.procs.gather
-        lengths_all = gather(torch.tensor([len(c) for c in scored.completion_ids], dtype=torch.float32))
+        # the model's own tokens (tool answers left out), as TRL counts completion lengths
+        lengths = [len(c) for c in scored.completion_ids] if scored.model_mask is None else [
+            sum(m) for m in scored.model_mask]
+        lengths_all = gather(torch.tensor(lengths, dtype=torch.float32))
         truncated = gather(torch.tensor(scored.truncated, dtype=torch.float32))
         m = {"reward/total": float(rewards.nanmean()), "reward/total/std": float(rewards.std()),
              "advantage/mean": float(outcome.mean()), "advantage/std": float(outcome.std()),

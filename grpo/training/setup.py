@@ -32,15 +32,17 @@ def load_task(cfg: GRPOConfig):
         raise ConfigError(f"task: {err}") from None
 
 
-def make_reward_runner(cfg: GRPOConfig, reward_funcs, task):
+def make_reward_runner(cfg: GRPOConfig, reward_funcs, task, agents=None):
+    """The weighted reward functions, and the environments' get_reward (weight 1) when `agents` has them."""
     from grpo.rewards import RewardRunner, resolve_reward
 
     specs = reward_funcs if reward_funcs is not None else (cfg.reward_funcs or (task.reward_funcs if task else []))
     if callable(specs) or isinstance(specs, (str, dict)):  # one reward, as TRL's quickstarts pass it
         specs = [specs]
-    if not specs:
+    extra = agents.reward_funcs() if agents is not None else []
+    if not specs and not extra:
         raise ConfigError("reward_funcs: no reward function given; name at least one (e.g. reward_funcs: "
-                          "[math_accuracy, think_format]) or use a built-in task.")
+                          "[math_accuracy, think_format]), use a built-in task, or an environment with get_reward.")
     weights = cfg.reward_weights
     if weights is None and task is not None and not cfg.reward_funcs and reward_funcs is None:
         weights = task.reward_weights
@@ -59,18 +61,25 @@ def make_reward_runner(cfg: GRPOConfig, reward_funcs, task):
         cache = max(1, math.ceil(cfg.overlong_buffer_ratio * cfg.max_completion_length))
         funcs.append(("soft_overlong", SoftOverlong(max_length=cfg.max_completion_length, cache_length=cache)))
         weights = (list(weights) if weights is not None else [1.0] * (len(funcs) - 1)) + [1.0]
+    if extra:
+        weights = (list(weights) if weights is not None else [1.0] * len(funcs)) + [1.0] * len(extra)
+        funcs += extra
     names = [name for name, _ in funcs]
     runner = RewardRunner(funcs, weights, on_error=cfg.reward_on_error, on_nonfinite=cfg.reward_on_nonfinite,
                           timeout_s=cfg.reward_timeout)
     return runner, names
 
 
-def check_reward_columns(rewards, columns: list[str]) -> None:
-    """Every column a reward function needs is in the dataset: checked before any model loads."""
+def check_reward_columns(rewards, columns: list[str], agents=None) -> None:
+    """Every column a reward function needs is in the dataset or comes from the rollouts (`agents`: their
+    environments; a rollout_func's own fields are known only when it runs): checked before any model loads."""
     from grpo.rewards import RewardError
 
+    extra = agents.reward_columns() if agents is not None else []
+    if extra is None:
+        return
     try:
-        rewards.check_columns(columns)
+        rewards.check_columns(list(columns) + extra)
     except RewardError as err:
         raise ConfigError(str(err).replace("\n", "; ")) from None
 

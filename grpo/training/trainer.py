@@ -24,11 +24,13 @@ from typing import Any
 
 import torch
 
+from grpo.agents import make_agent_spec, make_rollout
 from grpo.config import GRPOConfig
 from grpo.core import engine_importance_weights, policy_loss
 from grpo.engines.base import SamplingParams
 from grpo.engines.policy import MicroBatch, reference_view
 from grpo.engines.select import choose_engine, make_engine, make_vllm
+from grpo.evaluate import evaluate_run
 from grpo.training import checkpoint as ckpt, sharded_checkpoint as sharded_ckpt
 from grpo.training.data import PromptSampler, build_prompt_set
 from grpo.training.health import HealthMonitor, nonfinite_messages
@@ -57,11 +59,13 @@ class GRPOTrainer:
     train_dataset / eval_dataset: `datasets.Dataset`; default: the config's dataset or built-in task.
     peft_config: a `peft.LoraConfig` (or set `use_peft` in the config).
     generator: a rollout engine (`grpo.engines.base.RolloutEngine`); default: the chosen engine's sampler.
+    tools / environment_factory / rollout_func: multi-turn rollouts, TRL's arguments (grpo.agents, docs/agents.md).
     """
 
     def __init__(self, model: Any = None, reward_funcs: Any = None, args: GRPOConfig | None = None,
                  train_dataset=None, eval_dataset=None, peft_config=None, processing_class=None,
-                 generator=None, step_reward_funcs: list | None = None):
+                 generator=None, step_reward_funcs: list | None = None, tools: list | None = None,
+                 environment_factory=None, rollout_func=None):
         from accelerate import Accelerator
 
         self.cfg = cfg = args or GRPOConfig()
@@ -75,10 +79,11 @@ class GRPOTrainer:
         seed_everything(cfg.seed)
         self.task = load_task(cfg) if train_dataset is None and cfg.dataset_name is None else None
         self.prefill = cfg.prefill if cfg.prefill is not None else (self.task.prefill if self.task else "")
-        self.rewards, self.reward_names = make_reward_runner(cfg, reward_funcs, self.task)
+        self.agents = make_agent_spec(cfg, tools, environment_factory, rollout_func, self.task)  # (forks tool workers)
+        self.rewards, self.reward_names = make_reward_runner(cfg, reward_funcs, self.task, self.agents)
         self.step_rewards = make_step_rewards(cfg, step_reward_funcs)
         train_dataset, eval_dataset = make_datasets(cfg, self.task, train_dataset, eval_dataset)
-        check_reward_columns(self.rewards, list(train_dataset.column_names))  # before any model load
+        check_reward_columns(self.rewards, train_dataset.column_names, self.agents)  # before any model load
         self.B, self.G = batch_layout(cfg, self.world)
 
         from_path = model is None or isinstance(model, (str, Path))
@@ -86,9 +91,9 @@ class GRPOTrainer:
             cfg.model_name_or_path = str(model)
         self.tokenizer = processing_class or load_tokenizer(cfg.model_name_or_path if from_path else model.name_or_path)
         # Tokenize and check the data before the weights load: a bad row or length fails in seconds.
-        self.train_set = build_prompt_set(train_dataset, self.tokenizer, cfg, self.prefill, "dataset_name")
-        self.eval_set = (build_prompt_set(eval_dataset, self.tokenizer, cfg, self.prefill, "eval_dataset_name")
-                         if eval_dataset is not None else None)
+        self.train_set = build_prompt_set(train_dataset, self.tokenizer, cfg, self.prefill, "dataset_name", self.agents)
+        self.eval_set = (build_prompt_set(eval_dataset, self.tokenizer, cfg, self.prefill, "eval_dataset_name",
+                                          self.agents) if eval_dataset is not None else None)
         check_sizes(cfg, len(self.train_set), self.B, self.train_set.prompt_ids, None if from_path else model.config)
         if from_path:
             model = load_model(cfg)
@@ -114,7 +119,8 @@ class GRPOTrainer:
                                                    gather_for_generation=cfg.ds3_gather_for_generation)
         self.sampler = PromptSampler(len(self.train_set), cfg.seed)
         self.rollouts = Rollouts(cfg, self.generator, self.policy, self.tokenizer, self.train_set, self.sampler,
-                                 self.rewards, self.step_rewards, self.procs, self.B, self.G, self.params)
+                                 self.rewards, self.step_rewards, self.procs, self.B, self.G, self.params,
+                                 self.agents and make_rollout(self.agents, self))  # (multi-turn, or None)
         self.health = HealthMonitor(accuracy=self.reward_names[0],
                                     format=next((n for n in self.reward_names if "format" in n), None))
         self.step = self.nonfinite_in_a_row = self.nonfinite_total = 0
@@ -308,13 +314,7 @@ class GRPOTrainer:
 
     # ---- eval, save, resume ---------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
-        from grpo.evaluate import evaluate_prompts
-
-        params = SamplingParams(self.cfg.max_completion_length, self.cfg.eval_temperature)
-        self.rollouts.ready_engine()
-        result = evaluate_prompts(self.generator, self.tokenizer, self.eval_set, self.rewards, self.reward_names,
-                                  params, seed=self.cfg.seed + 12345, k=self.cfg.eval_num_samples)
-        return {f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float))}
+        return evaluate_run(self.rollouts, self.eval_set, self.reward_names)
 
     def state_dict(self) -> dict[str, Any]:
         state = {"step": self.step, "scheduler": self.scheduler.state_dict(), "sampler": self.sampler.state_dict(),

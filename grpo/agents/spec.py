@@ -1,0 +1,97 @@
+"""What a run's rollouts may use beyond the model, settled before the model loads: its tools, its environments,
+or a rollout function of the user's; and the checks that need no model.
+
+`make_agent_spec` takes the trainer's arguments (TRL's `tools`, `environment_factory`, `rollout_func`) or, when they
+are not given, the config's keys of the same names (import paths), then the task's tools. The tool worker processes
+are forked here, while the process is still small (grpo.agents.worker).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+from grpo.agents.environments import Environments
+from grpo.agents.template import ToolTemplate
+from grpo.agents.tools import Tool, ToolError, ToolSet, import_object, resolve_tool
+from grpo.config import ConfigError
+
+
+class AgentSpec:
+    def __init__(self, tools: list[Tool], environments: Environments | None, rollout_func: Callable | None,
+                 max_iterations: int | None = None, timeout_s: float = 10.0, max_chars: int = 2000):
+        self.tools, self.environments, self.rollout_func = tools, environments, rollout_func
+        self.max_iterations, self.timeout_s, self.max_chars = max_iterations, timeout_s, max_chars
+        ToolSet(tools)  # (unique names)
+        self.workers = None
+        if tools:
+            from grpo.agents.worker import ToolWorkers
+
+            self.workers = ToolWorkers({t.name: t.function for t in tools}, processes=min(4, os.cpu_count() or 1))
+
+    def run_in_workers(self, calls: list[tuple[str, dict]]) -> list[tuple[str, str | None]]:
+        return self.workers.run(calls, self.timeout_s, self.max_chars) if calls else []
+
+    def reward_funcs(self) -> list[tuple[str, Callable]]:
+        """The environments' `get_reward`, as extra reward functions (weight 1)."""
+        return self.environments.reward_funcs() if self.environments is not None else []
+
+    def reward_columns(self) -> list[str] | None:
+        """Keywords the rollouts add for the reward functions, beside the dataset's columns; None when they are
+        not known before the rollout (a rollout_func's own fields)."""
+        if self.rollout_func is not None:
+            return None
+        return ["environments"] if self.environments is not None else []
+
+    def prompt_tools(self, tokenizer) -> Callable[[dict, int], list]:
+        """`schemas(columns, n)`, once the tokenizer's chat template is known to render tool calls (checked now,
+        before the model loads, rather than at the first rollout)."""
+        if self.rollout_func is None:
+            ToolTemplate(tokenizer)
+        return self.schemas
+
+    def schemas(self, columns: dict[str, list], n: int) -> list[list[dict] | None]:
+        """The tool schemas each of `n` rows' prompt is rendered with (None: no tools)."""
+        if self.rollout_func is not None:
+            return [None] * n
+        if self.environments is None:
+            return [[t.schema for t in self.tools] or None] * n
+        names = self.environments.names(columns, n)
+        return [[t.schema for t in self.tools] + self.environments.schemas[name] or None for name in names]
+
+    def close(self) -> None:
+        if self.workers is not None:
+            self.workers.close()
+
+
+def make_agent_spec(cfg, tools=None, environment_factory=None, rollout_func=None, task=None) -> AgentSpec | None:
+    """The run's AgentSpec, or None for single-turn rollouts. Raises ConfigError naming the key."""
+    tools = list(tools) if tools is not None else list(cfg.tools or (task.tools if task is not None else []))
+    factory = environment_factory if environment_factory is not None else _factories(cfg.environment_factory)
+    rollout = rollout_func if rollout_func is not None else (
+        import_object(cfg.rollout_func, "rollout_func") if cfg.rollout_func else None)
+    if not tools and factory is None and rollout is None:
+        return None
+    if rollout is not None and (tools or factory is not None):
+        raise ConfigError("rollout_func: a rollout function of your own replaces the tool loop; give it, or tools / "
+                          "environment_factory, not both.")
+    if rollout is not None and not callable(rollout):
+        raise ConfigError(f"rollout_func: {rollout!r} is not callable.")
+    if cfg.step_reward_funcs:
+        raise ConfigError("step_reward_funcs: process supervision is not built for multi-turn rollouts (tools, "
+                          "environments, rollout_func); remove one of them.")
+    resolved = [t if isinstance(t, Tool) else resolve_tool(t) for t in tools]
+    environments = Environments(factory) if factory is not None else None
+    return AgentSpec(resolved, environments, rollout, cfg.max_tool_calling_iterations, cfg.tool_timeout,
+                     cfg.max_tool_output_chars)
+
+
+def _factories(spec):
+    """The config's environment_factory: a "module:Class" path, or a map of them by environment name."""
+    if spec is None:
+        return None
+    if isinstance(spec, dict):
+        return {name: import_object(path, f"environment_factory.{name}") for name, path in spec.items()}
+    if isinstance(spec, str):
+        return import_object(spec, "environment_factory")
+    raise ToolError(f"environment_factory: expected a 'module:Class' path or a map of them, got {spec!r}.")
