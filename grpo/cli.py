@@ -39,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--task", default=None, help="built-in task whose held-out split is scored (default arithmetic)")
     ev.add_argument("--dataset", default=None, help="a data file or save_to_disk directory instead of a task")
     ev.add_argument("--reward-funcs", nargs="+", default=None, help="rewards for --dataset; the first is accuracy")
+    ev.add_argument("--tools", nargs="+", default=None, help="tools the model may call (default: the task's), e.g. "
+                    "calculator; the samples are then multi-turn conversations")
     ev.add_argument("--n", type=int, default=500, help="number of held-out problems (default 500)")
     ev.add_argument("--k", type=int, default=1, help="samples per problem (default 1)")
     ev.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
@@ -153,6 +155,7 @@ def torch_has_gpu() -> bool:
 def _eval(args) -> int:
     import torch
 
+    from grpo.agents import AgentRollout, make_agent_spec
     from grpo.config import ConfigError, GRPOConfig
     from grpo.engines.base import SamplingParams
     from grpo.engines.select import choose_engine, make_sampler
@@ -170,7 +173,7 @@ def _eval(args) -> int:
         if not args.reward_funcs:
             raise ConfigError("--reward-funcs: --dataset needs reward functions (the first one is the accuracy).")
         cfg = GRPOConfig(model_name_or_path=str(model_path), task=None, dataset_name=args.dataset,
-                         max_prompt_length=None)
+                         max_prompt_length=None, tools=args.tools or [])
         dataset = load_dataset_any(args.dataset, "test", key="--dataset")
         dataset = dataset.select(range(min(args.n, len(dataset))))
         specs, weights, prefill = args.reward_funcs, None, ""
@@ -181,7 +184,8 @@ def _eval(args) -> int:
             task = get_task(args.task or "arithmetic")
         except ValueError as err:
             raise ConfigError(f"--task: {err}") from None
-        cfg = GRPOConfig(model_name_or_path=str(model_path), task=task.name, max_prompt_length=None)
+        cfg = GRPOConfig(model_name_or_path=str(model_path), task=task.name, max_prompt_length=None,
+                         tools=args.tools or list(task.tools))
         level = {} if args.difficulty is None else {"difficulty": args.difficulty}
         dataset = task.dataset("test", n=args.n, seed=args.seed, **level)
         specs, weights, prefill = task.reward_funcs, task.reward_weights, task.prefill
@@ -189,14 +193,16 @@ def _eval(args) -> int:
     runner = RewardRunner(funcs, weights, on_error="zero")
     from transformers import AutoModelForCausalLM
 
+    agents = make_agent_spec(cfg)  # (the tools' worker processes start before the model loads)
     tokenizer = load_tokenizer(str(model_path))
+    prompts = build_prompt_set(dataset, tokenizer, cfg, prefill, "--dataset", agents)
     model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
-    prompts = build_prompt_set(dataset, tokenizer, cfg, prefill, "--dataset")
     torch.manual_seed(args.seed)
     gen = make_sampler(choose_engine("auto", model, torch.device("cpu"), 1, "NO"), model, tokenizer)
+    agent = agents and AgentRollout(agents, gen, tokenizer, prompts.render, args.max_completion_length)
     params = SamplingParams(args.max_completion_length, args.temperature)
     result = evaluate_prompts(gen, tokenizer, prompts, runner, [n for n, _ in funcs], params,
-                              seed=args.seed, k=args.k)
+                              seed=args.seed, k=args.k, agent=agent)
     _print_table(str(model_path), result)
     if args.json:
         Path(args.json).write_text(json.dumps({"model": str(model_path), **result}, indent=1))

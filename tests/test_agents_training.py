@@ -245,3 +245,30 @@ def test_settings_that_cannot_work_are_refused_with_the_key(tmp_path, tools_mode
     for key, value in (("max_tool_calling_iterations", -1), ("tool_timeout", 0), ("max_tool_output_chars", 0)):
         with pytest.raises(ConfigError, match=f"^{key}:"):
             GRPOConfig(**{key: value})
+
+
+def test_sharded_weights_on_several_processes_are_refused_with_tools():
+    from types import SimpleNamespace
+
+    from grpo.agents import make_agent_spec
+
+    fsdp = SimpleNamespace(num_processes=2, distributed_type="FSDP", state=SimpleNamespace())
+    zero3 = SimpleNamespace(num_processes=2, distributed_type="DEEPSPEED",
+                            state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3)))
+    for accelerator in (fsdp, zero3):
+        with pytest.raises(ConfigError, match="^tools: multi-turn rollouts with sharded weights"):
+            make_agent_spec(GRPOConfig(tools=["calculator"]), accelerator=accelerator)
+    zero2 = SimpleNamespace(num_processes=2, distributed_type="DEEPSPEED",
+                            state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=2)))
+    spec = make_agent_spec(GRPOConfig(tools=["calculator"]), accelerator=zero2)
+    assert [t.name for t in spec.tools] == ["calculator"] and "calculator" in spec.describe()
+    spec.close()
+
+
+def test_grpo_eval_runs_the_tool_loop(tmp_path, tools_model_dir):
+    from grpo.cli import main
+
+    assert main(["eval", "--model", tools_model_dir, "--task", "calculator", "--n", "4", "--max-completion-length",
+                 "32", "--json", str(tmp_path / "eval.json")]) == 0
+    result = json.loads((tmp_path / "eval.json").read_text())
+    assert {"tool_call_rate", "tool_calls", "accuracy"} <= set(result) and len(result["rows"]) == 4

@@ -109,3 +109,41 @@ def test_deepspeed_matches_one_process(tmp_path, tiny_model_dir):
     for a, b in zip(*logs):
         assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-4)
 
+
+
+TOOLS_RECIPE = """\
+model_name_or_path: {model}
+task: calculator
+task_train_size: 64
+task_eval_size: 0
+num_generations: 4
+prompts_per_step: 4
+per_device_train_batch_size: 8
+max_completion_length: 128
+learning_rate: 1.0e-3
+beta: 0.04
+max_steps: 2
+save_steps: 0
+report_to: []
+log_completions_steps: 0
+"""
+
+
+def test_a_tool_run_on_two_processes_matches_one(tmp_path):
+    """The shipped tiny-tools model calls its calculator (in each process's own worker processes): the two
+    processes' rows together are the one process's trajectories, tool calls and rewards, and the weights agree."""
+    model = Path(__file__).resolve().parents[1] / "grpo" / "assets" / "tiny-tools"
+    env = job(tmp_path, model)
+    (tmp_path / "recipe.yaml").write_text(TOOLS_RECIPE.format(model=model))
+    run(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29519", "-m", "grpo.cli"],
+        tmp_path / "two", env)
+    run(["-m", "grpo.cli"], tmp_path / "one", env)
+    one = load_file(str(tmp_path / "one" / "final" / "model.safetensors"))
+    two = load_file(str(tmp_path / "two" / "final" / "model.safetensors"))
+    assert max((one[k] - two[k]).abs().max().item() for k in one) < 1e-4
+    logs = [[json.loads(line) for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+            for d in ("one", "two")]
+    keys = ["reward/total", "tools/calls_per_completion", "tools/turns_per_completion", "tools/model_token_frac",
+            "completion/mean_length"]
+    assert [[row[k] for k in keys] for row in logs[0]] == [[row[k] for k in keys] for row in logs[1]]
+    assert all(row["tools/calls_per_completion"] > 0 for row in logs[0])  # the runs did call the tool

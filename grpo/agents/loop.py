@@ -111,7 +111,11 @@ class AgentRollout:
         rows = []
         for i, (prompt, ids, name, env) in enumerate(zip(prompts, prompt_ids, names, instances)):
             row = {key: values[i] for key, values in columns.items() if not (envs.multi and key == "environment")}
-            observation = env.reset(prompt=prompt, **row)
+            try:
+                observation = env.reset(**{**row, "prompt": prompt})
+            except Exception as err:
+                raise RuntimeError(f"environment_factory: reset() of {type(env).__name__} raised "
+                                   f"{type(err).__name__}: {err} on the row with prompt {str(prompt)[:80]!r}") from err
             tools = ToolSet(self.spec.tools + envs.tools_of(name, env))
             if observation is not None:
                 prompt = append_to_prompt(prompt, observation)

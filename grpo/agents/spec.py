@@ -59,13 +59,29 @@ class AgentSpec:
         names = self.environments.names(columns, n)
         return [[t.schema for t in self.tools] + self.environments.schemas[name] or None for name in names]
 
+    def describe(self) -> str:
+        """One line for the start of a run: what the rollouts may call, and their limits."""
+        if self.rollout_func is not None:
+            return f"rollout_func {getattr(self.rollout_func, '__name__', self.rollout_func)}"
+        parts = []
+        if self.tools:
+            parts.append(f"tools {', '.join(t.name for t in self.tools)} (in {self.workers.processes} worker "
+                         "processes)")
+        if self.environments is not None:
+            names = [getattr(f, "__name__", str(f)) for f in self.environments.factories.values()]
+            parts.append(f"environments {', '.join(names)}")
+        rounds = "no limit" if self.max_iterations is None else f"at most {self.max_iterations}"
+        return "; ".join(parts) + f"; {rounds} rounds of calls, {self.timeout_s:g} s a call"
+
     def close(self) -> None:
         if self.workers is not None:
             self.workers.close()
 
 
-def make_agent_spec(cfg, tools=None, environment_factory=None, rollout_func=None, task=None) -> AgentSpec | None:
-    """The run's AgentSpec, or None for single-turn rollouts. Raises ConfigError naming the key."""
+def make_agent_spec(cfg, tools=None, environment_factory=None, rollout_func=None, task=None,
+                    accelerator=None) -> AgentSpec | None:
+    """The run's AgentSpec, or None for single-turn rollouts. Raises ConfigError naming the key. Forks the tool
+    worker processes: call it before the model loads."""
     tools = list(tools) if tools is not None else list(cfg.tools or (task.tools if task is not None else []))
     factory = environment_factory if environment_factory is not None else _factories(cfg.environment_factory)
     rollout = rollout_func if rollout_func is not None else (
@@ -80,10 +96,21 @@ def make_agent_spec(cfg, tools=None, environment_factory=None, rollout_func=None
     if cfg.step_reward_funcs:
         raise ConfigError("step_reward_funcs: process supervision is not built for multi-turn rollouts (tools, "
                           "environments, rollout_func); remove one of them.")
+    if rollout is None and accelerator is not None and accelerator.num_processes > 1 and _sharded(accelerator):
+        raise ConfigError("tools: multi-turn rollouts with sharded weights (FSDP2, ZeRO-3) on several processes are "
+                          "not built yet (each turn's generation is collective there, and processes take different "
+                          "numbers of turns); use DDP or ZeRO-2, or a rollout_func.")
     resolved = [t if isinstance(t, Tool) else resolve_tool(t) for t in tools]
     environments = Environments(factory) if factory is not None else None
     return AgentSpec(resolved, environments, rollout, cfg.max_tool_calling_iterations, cfg.tool_timeout,
                      cfg.max_tool_output_chars)
+
+
+def _sharded(accelerator) -> bool:
+    """Whether accelerate shards the weights (FSDP2, DeepSpeed ZeRO-3), so that generation is collective."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return accelerator.distributed_type == "FSDP" or (accelerator.distributed_type == "DEEPSPEED"
+                                                      and getattr(plugin, "zero_stage", None) == 3)
 
 
 def _factories(spec):

@@ -26,6 +26,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 import weakref
 from collections import deque
 from multiprocessing.connection import Connection, wait
@@ -110,7 +111,9 @@ def _fork(inherited: list[Connection]) -> int:
     EOF when its owner is gone."""
     sys.stdout.flush()
     sys.stderr.flush()
-    pid = os.fork()
+    with warnings.catch_warnings():  # Python 3.12 warns when other threads exist (torch's); the children run no torch
+        warnings.filterwarnings("ignore", message=".*multi-threaded.*fork", category=DeprecationWarning)
+        pid = os.fork()
     if pid == 0:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         for conn in inherited + [pool._conn for pool in list(_OPEN_POOLS) if pool._conn is not None]:

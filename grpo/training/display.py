@@ -30,6 +30,7 @@ SCALAR_FIELDS = (
     ("acc", "eval/accuracy"),
     ("kl", "policy/kl_divergence"),
     ("len", "completion/mean_length"),
+    ("tools", "tools/calls_per_completion"),  # multi-turn runs (grpo.agents)
 )
 # Step times averaged for the ETA: long enough to smooth evaluation steps and checkpoints, short enough to follow
 # completions that grow longer as training goes on.

@@ -24,6 +24,7 @@ def start_lines(trainer) -> list[str]:
     return [f"model    {cfg.model_name_or_path} ({params} parameters)",
             f"data     {data}: {len(trainer.train_set)} prompts{evals}",
             f"rewards  {rewards}",
+            *([f"agents   {trainer.agents.describe()}"] if trainer.agents else []),
             f"engine   {trainer.engine.name} ({trainer.engine.reason})"
             + (f"; rollouts from vLLM ({cfg.vllm_mode})" if cfg.use_vllm else ""),
             f"device   {device}",

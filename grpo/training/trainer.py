@@ -79,7 +79,7 @@ class GRPOTrainer:
         seed_everything(cfg.seed)
         self.task = load_task(cfg) if train_dataset is None and cfg.dataset_name is None else None
         self.prefill = cfg.prefill if cfg.prefill is not None else (self.task.prefill if self.task else "")
-        self.agents = make_agent_spec(cfg, tools, environment_factory, rollout_func, self.task)  # (forks tool workers)
+        self.agents = make_agent_spec(cfg, tools, environment_factory, rollout_func, self.task, self.accel)
         self.rewards, self.reward_names = make_reward_runner(cfg, reward_funcs, self.task, self.agents)
         self.step_rewards = make_step_rewards(cfg, step_reward_funcs)
         train_dataset, eval_dataset = make_datasets(cfg, self.task, train_dataset, eval_dataset)
