@@ -170,3 +170,16 @@ def test_every_default_that_differs_from_trls_has_a_reason():
     assert {"beta", "loss_type", "max_completion_length", "lr_scheduler_type"} <= {k for k, _, _ in differing}
     for key, ours, theirs in differing:
         assert WHY_OURS.get(key), f"{key}: ours {ours!r}, TRL's {theirs!r}: say why in WHY_OURS"
+
+
+def test_the_readme_lists_every_default_that_differs():
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme[readme.index("## Coming from TRL"):readme.index("## A real model on a GPU")]
+    missing = [key for key, _, _ in differing_defaults() if f"`{key}`" not in section and key not in (
+        "model_name_or_path", "reward_funcs", "torch_dtype")]  # (ours: the shipped model and the task's rewards)
+    assert not missing, f"README's Coming from TRL table lacks {missing}"
+
+
+def test_a_data_file_with_a_task_takes_the_tasks_prefill():
+    assert GRPOConfig(dataset_name="data.jsonl").task is None  # a data file of its own
+    assert GRPOConfig(dataset_name="data.jsonl", task="arithmetic").task == "arithmetic"

@@ -10,10 +10,11 @@ command line or in the constructor: `GRPOConfig(preset="trl", ...)`.
 """
 
 from grpo.config.base import DEFAULT_MODEL, ConfigError
-from grpo.config.build import from_trl
 from grpo.config.files import parse_override, read_yaml
 from grpo.config.presets import ALIASES, LOSS_TYPES, PRESETS
 from grpo.config.schema import GRPOConfig
+
+from_trl = GRPOConfig.from_trl
 
 
 def config_reference() -> str:

@@ -1,6 +1,6 @@
 """Constructing a `GRPOConfig`: aliases, TRL's keys, the preset for every key not given, then the fields.
 
-`GRPOConfig(...)`, `from_dict`, `load` and a `trl.GRPOConfig` passed as `args` (`from_trl`) all come here, so a key
+`GRPOConfig(...)`, `from_dict`, `load` and a `trl.GRPOConfig` passed as `args` (`trl_values`) all come here, so a key
 means the same whichever way it arrives. The keys given are remembered (`_explicit`): a preset fills only the others,
 and `loss_type` yields to an aggregation or surrogate set by hand.
 """
@@ -67,20 +67,18 @@ def _suggest(name: str, known: set[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def from_trl(args) -> Any:
-    """A `trl.GRPOConfig` (or a subclass, such as open-r1's) as our GRPOConfig, TRL's values and meaning winning.
+def trl_values(args, ours: set[str]) -> dict[str, Any]:
+    """The keys of a `trl.GRPOConfig` (or a subclass, such as open-r1's) to build ours from (`GRPOConfig.from_trl`),
+    TRL's values and meaning winning; `ours` are our config's field names.
 
     Every key is passed as given, except those TRL's own `__post_init__` derived rather than the user set (its
     `generation_batch_size`, `dataloader_pin_memory` under use_cpu, `accelerator_config`, ...): a fresh object of
     the same class built from the same few settings shows what TRL derives, and keys equal to it are left out
     (then grpo derives them the same way)."""
-    from grpo.config.schema import GRPOConfig
-
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
     seeds = ("output_dir", "use_cpu", "bf16", "fp16", "per_device_train_batch_size", "gradient_accumulation_steps",
              "num_generations", "gradient_checkpointing")
     reference = type(args)(**{k: values[k] for k in seeds if k in values})
-    ours = {f.name for f in dataclasses.fields(GRPOConfig)}
     # TRL resolves generation_batch_size = per_device_train_batch_size x processes x steps_per_generation in
     # either direction: steps_per_generation alone says it.
     values.pop("generation_batch_size", None)
@@ -90,7 +88,7 @@ def from_trl(args) -> Any:
         if derived and (key not in ours or key == "steps_per_generation"):
             continue  # derived by TRL (or TRL's default): grpo derives it the same way
         kept[key] = value
-    return GRPOConfig(**kept, preset="trl")
+    return kept
 
 
 def _same_value(a: Any, b: Any) -> bool:

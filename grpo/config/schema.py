@@ -319,6 +319,13 @@ class GRPOConfig:
         return cls(**values)
 
     @classmethod
+    def from_trl(cls, args: Any) -> "GRPOConfig":
+        """A `trl.GRPOConfig` as ours: TRL's values and meaning, and TRL's defaults for what TRL has no key for."""
+        from grpo.config.build import trl_values
+
+        return cls(**trl_values(args, {f.name for f in dataclasses.fields(cls)}), preset="trl")
+
+    @classmethod
     def load(cls, path: str | Path | None = None, overrides: list[str] = ()) -> "GRPOConfig":
         """Read a YAML recipe (or none: the defaults), apply `key=value` overrides, validate once."""
         from grpo.config.files import parse_override, read_yaml

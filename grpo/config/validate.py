@@ -124,6 +124,8 @@ def _resolve(cfg) -> None:
         _coerce_types(cfg)
     if cfg.epsilon_high is None:
         cfg.epsilon_high = cfg.epsilon
+    if cfg.dataset_name is not None and "task" not in explicit:
+        cfg.task = None  # a data file of its own; `task: NAME` with it takes that task's prefill and rewards
     if cfg.log_completions is not None and "log_completions_steps" in explicit:
         raise ConfigError("log_completions: set log_completions (TRL's: every logging step, or never) or "
                           "log_completions_steps, not both.")

@@ -77,7 +77,8 @@ class GRPOTrainer:
         configure_process(cfg)
         seed_everything(cfg.seed)
         self.hub = start_hub(cfg) if cfg.push_to_hub and self.accel.is_main_process else None  # (up front)
-        self.task = load_task(cfg) if train_dataset is None and cfg.dataset_name is None else None
+        self.task = load_task(cfg) if cfg.task is not None and (train_dataset is None or "task" in
+                                                                 cfg.__dict__.get("_explicit", ())) else None
         self.prefill = cfg.prefill if cfg.prefill is not None else (self.task.prefill if self.task else "")
         self.rewards, self.reward_names = make_reward_runner(cfg, reward_funcs, self.task, reward_processing_classes)
         self.step_rewards = make_step_rewards(cfg, step_reward_funcs)
