@@ -180,3 +180,21 @@ def test_an_open_r1_recipe_loads_and_trains(tiny_chat_model_dir, tmp_path, capsy
     assert [r["step"] for r in logged] == [1, 2]
     assert {"reward/math_accuracy", "reward/r1_format", "reward/tag_count", "rewards/tag_count/mean"} <= set(logged[0])
     assert (tmp_path / "run" / "final" / "config.json").exists()
+
+
+def test_the_timeout_still_bounds_a_reward_that_uses_signal_alarm():
+    """math-verify arms and cancels SIGALRM inside parse; the runner's own deadline uses another signal, so a reward
+    that parses and then hangs is still stopped."""
+    import time
+
+    from math_verify import parse
+
+    def parses_then_hangs(completions, **kwargs):
+        parse("$1 + 1$")  # signal.alarm(5) ... signal.alarm(0)
+        time.sleep(30)
+        return [0.0] * len(completions)
+
+    runner = RewardRunner([("hangs", parses_then_hangs)], on_error="zero", timeout_s=0.5)
+    started = time.monotonic()
+    out = runner(["p"], ["c"], [[1]], {})
+    assert out.timeouts == {"hangs": 1} and time.monotonic() - started < 20

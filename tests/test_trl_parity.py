@@ -1,10 +1,10 @@
 """With `preset: trl`, grpo trains as TRL 1.16 does: the same completions give TRL's own loss, gradient norm and KL,
 step after step.
 
-Both trainers get the tiny model, the same prompts and the same completions (TRL's `_generate_single_turn`
-replaced by the script, grpo's rollout engine scripted alike), so every difference left is in what the two compute
-from them: TRL's defaults under the preset (loss_type dapo, the ratio-corrected KL, a linear schedule, gradient
-checkpointing), beta set to 0.04 on both sides to bring the KL term in.
+Both trainers get the tiny model, the same prompts, TRL's documented reward example 1.1 and the same completions
+(TRL's `_generate_single_turn` replaced by the script, grpo's rollout engine scripted alike), so every difference
+left is in what the two compute from them: TRL's defaults under the preset (loss_type dapo, the ratio-corrected KL,
+a linear schedule, gradient checkpointing), beta set to 0.04 on both sides to bring the KL term in.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from datasets import Dataset
 TEXTS = ["a", "bb", "aab", "aaaaaaa", "ab", "a", "bbbbbba", "aa"]  # one row each; 7 characters + EOS fit in 8
 
 
-def count_a(completions, **kwargs):
-    return [float(c.count("a")) for c in completions]
+def reward_func(completions, **kwargs):
+    """Reward function that assigns higher scores to longer completions (in terms of character count)."""
+    return [float(len(completion)) for completion in completions]  # (TRL's docs, reward example 1.1)
 
 
 def script(tokenizer, rows: int) -> list[list[int]]:
@@ -50,13 +51,13 @@ def test_preset_trl_gives_trls_loss_values(tiny_model_dir, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     data = Dataset.from_dict({"prompt": ["q\n"] * 8})
 
-    theirs = trl.GRPOTrainer(model=tiny_model_dir, reward_funcs=count_a, train_dataset=data,
+    theirs = trl.GRPOTrainer(model=tiny_model_dir, reward_funcs=reward_func, train_dataset=data,
                              args=trl.GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, **SETTINGS))
     theirs._generate_single_turn = lambda prompt_ids, *a, **k: (script(tokenizer, len(prompt_ids)), None)
     theirs.train()
     want = [row for row in theirs.state.log_history if "loss" in row]
 
-    ours = GRPOTrainer(model=tiny_model_dir, reward_funcs=count_a, train_dataset=data, generator=Scripted(tokenizer),
+    ours = GRPOTrainer(model=tiny_model_dir, reward_funcs=reward_func, train_dataset=data, generator=Scripted(tokenizer),
                        args=GRPOConfig(preset="trl", output_dir=str(tmp_path / "grpo"), **SETTINGS))
     assert (ours.cfg.loss_aggregation, ours.cfg.use_bias_correction_kl, ours.cfg.lr_scheduler_type) == (
         "rollout_token_mean", True, "linear")

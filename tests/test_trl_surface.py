@@ -157,6 +157,17 @@ def test_push_to_hub_uploads_each_save_and_the_final_model(tiny_model_dir, tmp_p
     assert "trainer_state.pt" in uploads[0][5]  # (left out: optimizer and RNG states stay local)
 
 
+def test_hub_strategy_end_uploads_the_final_model_only(tiny_model_dir, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    hub = FakeHub()
+    monkeypatch.setattr(huggingface_hub, "HfApi", lambda token=None: hub)
+    GRPOTrainer(model=tiny_model_dir, reward_funcs=a_reward, train_dataset=prompts(),
+                args=config(tmp_path, push_to_hub=True, hub_strategy="end", save_steps=1)).train()
+    assert [c[3] for c in hub.calls if c[0] == "upload"] == ["grpo: model after 2 steps"]
+    assert hub.calls[0] == ("create_repo", "someone/run", None)  # default: the output directory's name
+
+
 # ---- the TRL loss settings through the trainer -------------------------------------------------------------------
 class Scripted:
     """Rows write these texts in turn (the byte tokenizer: a token per character), then EOS."""

@@ -132,3 +132,26 @@ class RunControl:
         self.state.log_history.append({**logs, "epoch": round(self.state.epoch, 4), "step": step})
         self.control.should_log = False
         self.event("on_log", logs=logs, **kwargs)
+
+    def after_step(self, trainer, metrics: dict[str, float], logger, display) -> None:
+        """After optimizer step `trainer.step`: our cadence and then the callbacks set the flags; evaluate, log,
+        write samples and save as they say (a callback's should_training_stop ends the loop)."""
+        from grpo.training.summary import log_step
+
+        step = trainer.step
+        control = self.step_done(step, trainer.eval_set is not None, metrics=metrics)
+        if control.should_evaluate:
+            evaluated = trainer.evaluate()
+            metrics.update(evaluated)
+            control.should_evaluate = False
+            self.event("on_evaluate", metrics=evaluated)
+        if control.should_log or any(k.startswith("eval/") for k in metrics):
+            log_step(trainer, logger, display, step, metrics)
+        if self.cadence.samples(step):
+            logger.log_samples(step, trainer._last_samples, print_rows=self.cfg.num_completions_to_print)
+        if control.should_save:
+            path = trainer.save_checkpoint()
+            control.should_save = False
+            self.event("on_save")
+            if trainer.hub is not None and path is not None:
+                trainer.hub.saved(path, step)

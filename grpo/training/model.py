@@ -83,14 +83,14 @@ def prepare_model(model, cfg: GRPOConfig, peft_config=None, reference_dir: Path 
         peft_config = lora_config(cfg)
     if cfg.use_liger_kernel:
         apply_liger_kernels(model)
-    if cfg.disable_dropout:
-        disable_dropout(model)
     if peft_config is not None:
         from peft import get_peft_model, prepare_model_for_kbit_training
 
         if cfg.load_in_4bit:
             model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
         model = get_peft_model(model, peft_config)
+    if cfg.disable_dropout:  # (after LoRA: its dropout too, as TRL disables it)
+        disable_dropout(model)
     if cfg.gradient_checkpointing:
         kwargs = cfg.gradient_checkpointing_kwargs or {"use_reentrant": False}
         # transformers >= 5.23 names it activation_checkpointing_enable; the old name goes in v6

@@ -185,7 +185,7 @@ class GRPOTrainer:
         return TrainResult(last, global_step=self.step)
 
     def _step_and_report(self, logger, display) -> dict[str, float]:
-        """One optimizer step, then what the cadence and the callbacks ask for: eval, log, samples, checkpoint."""
+        """One optimizer step, its health alarms, then what the cadence and the callbacks ask for."""
         self.control.event("on_step_begin")
         metrics = self.train_step()
         self.step += 1
@@ -193,22 +193,7 @@ class GRPOTrainer:
         metrics.update(health)
         for name, message in alarms:
             display.alarm(name, message)
-        control = self.control.step_done(self.step, self.eval_set is not None, metrics=metrics)
-        if control.should_evaluate:
-            evaluated = self.evaluate()
-            metrics.update(evaluated)
-            control.should_evaluate = False
-            self.control.event("on_evaluate", metrics=evaluated)
-        if control.should_log or any(k.startswith("eval/") for k in metrics):
-            log_step(self, logger, display, self.step, metrics)
-        if self.control.cadence.samples(self.step):
-            logger.log_samples(self.step, self._last_samples, print_rows=self.cfg.num_completions_to_print)
-        if control.should_save:
-            path = self.save_checkpoint()
-            control.should_save = False
-            self.control.event("on_save")
-            if self.hub is not None and path is not None:
-                self.hub.saved(path, self.step)
+        self.control.after_step(self, metrics, logger, display)  # eval, log, samples, checkpoint, as flagged
         return metrics
 
     def train_step(self) -> dict[str, float]:
@@ -274,27 +259,26 @@ class GRPOTrainer:
         sums, out = MetricSums(), {}  # loss metrics weighted by tokens over the steps' micro-batches
         for plan in plans:
             self.optimizer.zero_grad(set_to_none=True)
-            step_tokens = float(self.procs.gather(torch.stack([batch.completion_mask[r].sum()
-                                                               for r in plan.micro_batches]).sum().reshape(1)).sum())
-            old_parts, loss = [], 0.0
+            step_tokens = sum(batch.completion_mask[r].sum() for r in plan.micro_batches).reshape(1)
+            counts = dict(step_tokens=float(self.procs.gather(step_tokens).sum()), step_rows=plan.rows * self.world,
+                          micro_batches=len(plan.micro_batches), processes=self.world, rollout_tokens=rollout_tokens,
+                          steps_per_rollout=self.layout.steps_per_rollout)  # (aggregation_normalizer's)
+            old_parts, loss = [], torch.zeros((), device=self.accel.device)
             for k, rows in enumerate(plan.micro_batches):
                 sync = k == len(plan.micro_batches) - 1
                 if self.accel.distributed_type == "DEEPSPEED":  # its engine steps in backward unless told that
                     self.accel.gradient_state._set_sync_gradients(sync)  # more micro-batches follow
-                counts = dict(step_tokens=step_tokens, step_rows=plan.rows * self.world, micro_batches=len(
-                    plan.micro_batches), processes=self.world, rollout_tokens=rollout_tokens,
-                              steps_per_rollout=self.layout.steps_per_rollout)
                 with self.accel.no_sync(self.model) if not sync else contextlib.nullcontext():
                     logp, result, tokens = self._micro_step(batch, rows, counts)
                 old_parts.append((rows, logp))
-                loss += float(result.loss.detach()) * self.world
+                loss = loss + result.loss.detach()
                 for key, value in result.metrics.items():  # (a sequence-level ratio's clip fractions are of rows)
                     sums.add(key, value, float(len(rows)) if per_row and key.startswith("clip_frac") else tokens)
             if record_old and plan.iteration == 0:  # no optimizer step yet: these are the sampling policy's
                 batch.old_logp = torch.zeros(batch.completion_mask.shape, device=self.accel.device)
                 for rows, old in old_parts:
                     batch.old_logp[rows, :old.shape[1]] = old
-            out["train/loss"] = float(self.procs.gather(torch.tensor([loss]) / self.world).sum())
+            out["train/loss"] = float(self.procs.gather(loss.reshape(1).cpu()).sum())  # (each process's share)
             out["train/learning_rate"] = self.scheduler.get_last_lr()[0]  # the rate this step takes
             out["train/grad_norm"] = self._optimizer_step(batch)
             out.update(self.objective.end_step())
@@ -313,9 +297,9 @@ class GRPOTrainer:
 
         micro = MicroBatch(batch.input_ids[rows, :end].to(device), batch.attention_mask[rows, :end].to(device),
                            width, old_logp=part(batch.old_logp), sampling_logp=part(batch.sampling_logp))
-        mask = part(batch.completion_mask)
-        adv = batch.advantages[rows].to(device)
-        normalizer = aggregation_normalizer(self.cfg.loss_aggregation, micro_tokens=float(mask.sum()), **counts)
+        tokens = float(batch.completion_mask[rows, :width].sum())  # (counted on the CPU: the device never waits)
+        mask, adv = part(batch.completion_mask), batch.advantages[rows].to(device)
+        normalizer = aggregation_normalizer(self.cfg.loss_aggregation, micro_tokens=tokens, **counts)
         inputs = MicroInputs(mask, adv[:, :width] if adv.dim() == 2 else adv, micro.old_logp, micro.sampling_logp,
                              part(batch.ref_logp), normalizer, counts["micro_batches"])
         in_loss = self.objective.entropy_in_loss
@@ -323,7 +307,7 @@ class GRPOTrainer:
             logp, out = self.backend.loss_and_backward(
                 micro, self.cfg.temperature, lambda lp, sub=slice(None), entropy=None:
                 self.objective.loss(lp, entropy, inputs, sub), True, entropy_in_loss=in_loss)  # (entropy: TRL's metric)
-        return logp, out, float(mask.sum())
+        return logp, out, tokens
 
     def _optimizer_step(self, batch: RolloutBatch) -> float:
         params = [p for p in self.model.parameters() if p.requires_grad]
