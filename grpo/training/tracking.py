@@ -378,7 +378,20 @@ class MetricSums:
         self.sums[key] = accumulate(key, self.sums.get(key), value.detach().double(), weight)
         self.weights[key] = self.weights.get(key, 0.0) + weight
 
-    def means(self, skip: str | None = None) -> dict[str, float]:
+    def means(self, skip: str | None = None, gather_objects=None) -> dict[str, float]:
+        """Each metric's weighted mean (least or greatest for *_min / *_max) over the micro-batches, and over every
+        process's when `gather_objects` (grpo.training.rollout.Processes') is given: one host transfer and, with
+        several processes, one object gather per step."""
         names = [k for k in self.sums if skip is None or not k.startswith(skip)]
-        values = [self.sums[k] if extreme(k) else self.sums[k] / max(self.weights[k], 1e-9) for k in names]
-        return dict(zip(names, torch.stack(values).tolist())) if names else {}
+        values = torch.stack([self.sums[k] for k in names]).tolist() if names else []
+        parts = [{k: (v, self.weights[k]) for k, v in zip(names, values)}]
+        if gather_objects is not None:
+            parts = gather_objects(parts)
+        out = {}
+        for key in dict.fromkeys(k for part in parts for k in part):  # (in order; a key some process lacks too)
+            seen = [part[key] for part in parts if key in part]
+            if extreme(key):
+                out[key] = (min if key.endswith("_min") else max)(v for v, _ in seen)
+            else:
+                out[key] = sum(v for v, _ in seen) / max(sum(w for _, w in seen), 1e-9)
+        return out

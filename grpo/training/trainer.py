@@ -285,7 +285,7 @@ class GRPOTrainer:
             out["train/learning_rate"] = self.scheduler.get_last_lr()[0]  # the rate this step takes
             out["train/grad_norm"] = self._optimizer_step(batch)
             out.update(self.objective.end_step())
-        means = sums.means(skip="advantage")  # (advantages are logged once per rollout)
+        means = sums.means(skip="advantage", gather_objects=self.procs.gather_objects)  # (advantages: per rollout)
         out.update({LOSS_METRIC_NAMES.get(k, k if "/" in k else f"policy/{k}"): v for k, v in means.items()})
         out["health/nonfinite_steps"] = float(self.nonfinite_total)
         return out
