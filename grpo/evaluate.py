@@ -76,13 +76,3 @@ def _majority_correct(answers: list[str | None], correct: list[bool]) -> bool:
     top = votes.most_common(1)[0][0]
     return correct[answers.index(top)]
 
-
-def evaluate_run(rollouts, prompts: PromptSet, reward_names: list[str]) -> dict[str, float]:
-    """`evaluate_prompts` during training: the run's engine (its weights brought up to date) and tools, its eval
-    settings; the numbers as eval/ metrics. `rollouts`: the run's grpo.training.rollout.Rollouts."""
-    cfg = rollouts.cfg
-    rollouts.ready_engine()
-    result = evaluate_prompts(rollouts.generator, rollouts.tokenizer, prompts, rollouts.rewards, reward_names,
-                              SamplingParams(cfg.max_completion_length, cfg.eval_temperature), seed=cfg.seed + 12345,
-                              k=cfg.eval_num_samples, agent=rollouts.agent)
-    return {f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float))}

@@ -50,6 +50,7 @@ os.environ.setdefault("ACCELERATE_TORCH_DEVICE", "cpu")
 accelerate.Accelerator.__init__ = _as_on_a_gpu_machine
 
 import grpo.training.checkpoint as ckpt  # noqa: E402 - after the patch
+import grpo.training.objective as objective_module  # noqa: E402
 import grpo.training.trainer as trainer_module  # noqa: E402
 from grpo.cli import main  # noqa: E402
 from grpo.training.sharded import local_bytes  # noqa: E402
@@ -73,7 +74,7 @@ def _hooks() -> None:
     Trainer.train_step = counted_step
     main_process = os.environ.get("RANK", "0") == "0"
     if point == "micro_step" and main_process:
-        policy_loss = trainer_module.policy_loss
+        policy_loss = objective_module.policy_loss
 
         def loss(*args, **kwargs):  # dies after the first micro-batch's backward of the step
             if current["step"] == int(step):
@@ -82,7 +83,7 @@ def _hooks() -> None:
                     die()
             return policy_loss(*args, **kwargs)
 
-        trainer_module.policy_loss = loss
+        objective_module.policy_loss = loss
     elif point == "save" and main_process:
         fsync_dir = ckpt._fsync_dir
 

@@ -62,9 +62,14 @@ def test_two_processes_match_one(tmp_path, tiny_model_dir):
     diff = max((one[k] - two[k]).abs().max().item() for k in one)
     # Same completions and gradients; only float summation order differs (all-reduce vs one batch): measured 1.3e-6.
     assert diff < 1e-4, diff
-    rewards = [[json.loads(line)["reward/total"] for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
-               for d in ("one", "two")]
-    assert rewards[0] == rewards[1]
+    rows = [[json.loads(line) for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+            for d in ("one", "two")]
+    assert [r["reward/total"] for r in rows[0]] == [r["reward/total"] for r in rows[1]]
+    # The loss's metrics are over every process's rows: the 2-process run logs the 1-process values (before the
+    # fix, the main process's rows alone: a KL and entropy of half the batch).
+    for a, b in zip(*rows):
+        for key in ("policy/kl_divergence", "policy/entropy", "policy/clip_frac", "train/loss"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), (key, a[key], b[key])
 
 
 DEEPSPEED = """\

@@ -32,7 +32,7 @@ except ImportError:
     deepspeed = None
 KINDS = ["fsdp2", pytest.param("zero3", marks=pytest.mark.skipif(deepspeed is None, reason="pip install deepspeed"))]
 HERE = Path(__file__).parent
-JOB = ["engine=transformers", "num_iterations=2"]
+JOB = ["engine=transformers", "num_iterations=2", "max_steps=6"]  # (3 rollouts of 2 optimizer steps each)
 LORA = ["use_peft=true", "lora_dropout=0"]  # (dropout draws from each process's own random stream)
 
 RECIPES = HERE.parent / "recipes" / "accelerate"
@@ -83,6 +83,11 @@ def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def rewards(rows: list[dict]) -> list[float]:
+    """reward/total of each rollout (logged with the first optimizer step it feeds)."""
+    return [r["reward/total"] for r in rows if "reward/total" in r]
+
+
 def max_diff(a: dict, b: dict) -> float:
     assert sorted(a) == sorted(b)
     return max((a[k] - b[k]).abs().max().item() for k in a)
@@ -118,7 +123,7 @@ def test_sharded_run_matches_one_process(runs, kind, lora):
     one, sharded = runs("one", lora), runs(kind, lora)
     # Same completions at every step (sampling seeds belong to rows), same gradients up to summation order.
     rows_one, rows = metrics(one), metrics(sharded)
-    assert [r["reward/total"] for r in rows] == [r["reward/total"] for r in rows_one]
+    assert len(rewards(rows_one)) == 3 and rewards(rows) == rewards(rows_one)
     for a, b in zip(rows_one, rows):
         assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-5)
     # Float summation order (reduce-scatter vs one batch), amplified by Adam where a gradient is near 0: measured
@@ -144,12 +149,14 @@ def test_each_process_holds_about_half_the_weights_and_optimizer_state(runs, kin
         assert (held["weights"] + held["optimizer"]) / (one["weights"] + one["optimizer"]) <= 0.6, held
 
 
-@pytest.mark.parametrize("kind,point", [("fsdp2", "micro_step:3"),
+@pytest.mark.parametrize("kind,point", [("fsdp2", "micro_step:4"),
                                         pytest.param("zero3", "save:2", marks=KINDS[1].marks)])
 def test_kill_and_resume_reaches_the_uninterrupted_weights(runs, tmp_path, kind, point):
-    """SIGKILL of the main process after the first micro-batch of step 3 (FSDP2), or while the checkpoint of step 2
-    is written (ZeRO-3, after every process wrote its part, before the rename); the launcher then stops the other.
-    Resume continues from the last complete checkpoint to the uninterrupted run's weights, bit for bit."""
+    """SIGKILL of the main process after the first micro-batch of step 4 (FSDP2: the second optimizer step of the
+    second rollout, so the last checkpoint, of step 3, holds each process's rows of a rollout still feeding a step),
+    or while the checkpoint of step 2 is written (ZeRO-3, after every process wrote its part, before the rename);
+    the launcher then stops the other. Resume continues from the last complete checkpoint to the uninterrupted
+    run's weights, bit for bit."""
     out = runs.base / f"killed-{kind}"
     killed = run(launch(runs.base, kind, "--main_process_port", str(free_port())), out,
                  {**runs.env, "GRPO_TEST_KILL": point}, succeed=False, overrides=[*JOB, "save_steps=1"])
@@ -160,10 +167,12 @@ def test_kill_and_resume_reaches_the_uninterrupted_weights(runs, tmp_path, kind,
     run(launch(runs.base, kind, "--main_process_port", str(free_port())), out, runs.env,
         overrides=[*JOB, "save_steps=1", "resume=true"])
     assert max_diff(final_weights(runs(kind)), final_weights(out)) == 0.0
-    assert [r["step"] for r in metrics(out)] == [1, 2, 3]
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4, 5, 6]
     from transformers import AutoModelForCausalLM
 
-    AutoModelForCausalLM.from_pretrained(out / "checkpoint-2")  # a checkpoint's top level is a model directory
+    from grpo.training.checkpoint import latest_checkpoint
+
+    AutoModelForCausalLM.from_pretrained(latest_checkpoint(out))  # a checkpoint's top level is a model directory
 
 
 def test_two_machines_train_as_one_launch(runs):
@@ -182,8 +191,7 @@ def test_two_machines_train_as_one_launch(runs):
         _, err = proc.communicate(timeout=600)
         assert proc.returncode == 0, err[-3000:]
     assert max_diff(final_weights(runs("fsdp2")), final_weights(out)) == 0.0
-    assert metrics(out) and [r["reward/total"] for r in metrics(out)] == [r["reward/total"]
-                                                                         for r in metrics(runs("fsdp2"))]
+    assert rewards(metrics(out)) and rewards(metrics(out)) == rewards(metrics(runs("fsdp2")))
 
 
 @pytest.mark.parametrize("kind", KINDS)

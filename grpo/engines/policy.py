@@ -57,11 +57,13 @@ class TransformersBackend:
         return completion_logprobs(model, input_ids, attention_mask, width, temperature, tile_kernels=self.tile_kernels)
 
     def loss_and_backward(self, micro: MicroBatch, temperature: float, loss_fn: LossFn,
-                          with_entropy: bool) -> tuple[torch.Tensor, LossOutput]:
-        """Backpropagate the micro-batch's loss; returns (its log-probs (n, width) detached, its LossOutput)."""
+                          with_entropy: bool, entropy_in_loss: bool = False) -> tuple[torch.Tensor, LossOutput]:
+        """Backpropagate the micro-batch's loss; returns (its log-probs (n, width) detached, its LossOutput).
+        `entropy_in_loss`: the loss uses the entropies (an entropy bonus or mask), so they keep their gradient."""
         out = completion_logprobs(self.model, micro.input_ids, micro.attention_mask, micro.width, temperature,
-                                  with_entropy=with_entropy, tile_kernels=self.tile_kernels)
-        logp, entropy = out if with_entropy else (out, None)
+                                  with_entropy=with_entropy or entropy_in_loss, tile_kernels=self.tile_kernels,
+                                  entropy_grad=entropy_in_loss)
+        logp, entropy = out if with_entropy or entropy_in_loss else (out, None)
         result = loss_fn(logp, slice(None), entropy)
         self.backward(result.loss)
         return logp.detach(), result
@@ -128,12 +130,12 @@ def _shared_prompt_hidden(model, input_ids: torch.Tensor, attention_mask: torch.
 
 
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
-                        temperature: float, with_entropy: bool = False, tile_kernels=None):
+                        temperature: float, with_entropy: bool = False, tile_kernels=None, entropy_grad: bool = False):
     """Log-probs (N, T) of the last T=completion_len tokens of each row under `model`, at the sampling temperature.
 
     input_ids (N, P+T): prompts left-padded to P, completions right-padded to T. Position j predicts token j+1, so
     the T completion tokens are predicted by positions P-1 .. P+T-2. With `with_entropy`, returns
-    (logp, entropy (N, T), detached) instead.
+    (logp, entropy (N, T), detached unless `entropy_grad`) instead.
 
     Fast path (a plain linear LM head, one process): the decoder's hidden states at those T positions go through
     `grpo.core.hidden_logprobs`, which applies the head one cache-sized tile of positions x vocabulary at a time and
@@ -151,13 +153,15 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
         logp, entropy = hidden_logprobs(hidden, head.weight, targets, temperature=temperature, bias=head.bias,
                                         with_entropy=with_entropy, weight_grad_in_place=head.weight.is_leaf,
                                         kernels=tile_kernels and tile_kernels(hidden.dtype, hidden.device))
-        return (logp, entropy.detach()) if with_entropy else logp
+        return (logp, entropy if entropy_grad else entropy.detach()) if with_entropy else logp
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
                 logits_to_keep=completion_len + 1, use_cache=False)
     logits = out.logits[:, :-1, :]  # (N, T, V)
     logp = token_logprobs(logits, targets, temperature=temperature)
     if not with_entropy:
         return logp
+    if entropy_grad:
+        return logp, token_entropy(logits, temperature=temperature)
     with torch.no_grad():
         return logp, token_entropy(logits.detach(), temperature=temperature)
 

@@ -38,12 +38,14 @@ def _dtype(model) -> torch.dtype:
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
-def choose_engine(requested: str, model, device: torch.device, processes: int, distributed: str) -> EngineChoice:
+def choose_engine(requested: str, model, device: torch.device, processes: int, distributed: str,
+                  mixed_precision: str = "no") -> EngineChoice:
     """The engine for `model` (loaded, not yet wrapped) trained on `device` by `processes` processes under
-    accelerate's `distributed` type ("NO", "MULTI_CPU", "MULTI_GPU", "FSDP", "DEEPSPEED", ...)."""
+    accelerate's `distributed` type ("NO", "MULTI_CPU", "MULTI_GPU", "FSDP", "DEEPSPEED", ...) and
+    `mixed_precision` ("no", "bf16", "fp16")."""
     dtype = str(_dtype(model)).removeprefix("torch.")
     arch = _architecture(model)
-    blockers = []
+    blockers = [f"{mixed_precision} mixed precision"] if mixed_precision != "no" else []
     if device.type != "cpu":
         blockers.append(f"the model trains on {device.type}")
     if dtype != "float32":

@@ -7,8 +7,8 @@ level (gathered whole on the main process, so `from_pretrained` loads it; with L
     sharded/            FSDP2: the model's and the optimizer's state, each process writing its own shards
                         (torch.distributed.checkpoint, which can also load them into another number of processes)
     deepspeed/          DeepSpeed: its own checkpoint (each process's partitions of weights and optimizer state)
-    rng-rank<R>.pt      each process's random state
-    trainer_state.pt    step, scheduler, prompt sampler and counters (the same on every process)
+    trainer_state.pt    step, scheduler, prompt sampler, counters, and each process's random state and rows of a
+                        rollout still feeding optimizer steps (grpo.training.state), gathered to the main process
     manifest.json       written last, by the main process, after every process has written its part
 
 Resume loads the sharded state, not the gathered copy, so weights and optimizer continue exactly. Every process
@@ -31,9 +31,6 @@ import torch
 from grpo.config import ConfigError
 from grpo.engines.sharding import hf_weights, is_peft, whole_tensors
 from grpo.training import checkpoint as ckpt
-
-STATE = "trainer_state.pt"
-
 
 def _backend(accelerator) -> str:
     return "deepspeed" if accelerator.distributed_type == "DEEPSPEED" else "sharded"
@@ -82,10 +79,11 @@ def save_final(accelerator, policy, tokenizer, path, merge: bool) -> None:
     accelerator.wait_for_everyone()
 
 
-def save(accelerator, model, policy, optimizer, tokenizer, output_dir, step: int, state: dict[str, Any],
-         keep: int) -> Path:
+def save(accelerator, model, policy, optimizer, tokenizer, output_dir, step: int, state: dict[str, Any] | None,
+         keep: int | None, write_json=None) -> Path:
     """Write checkpoint-<step> (see the module's docstring). `model` and `optimizer` as accelerate prepared them,
-    `policy` the unwrapped model, `state` the trainer's own state (no optimizer)."""
+    `policy` the unwrapped model, `state` the trainer's own state (grpo.training.state; None: the model only, as
+    save_only_model asks), `write_json(path)` writes trainer_state.json."""
     output_dir = Path(output_dir)
     final, tmp = output_dir / f"{ckpt.PREFIX}{step}", output_dir / f"{ckpt.PREFIX}{step}.tmp"
     main, backend = accelerator.is_main_process, _backend(accelerator)
@@ -95,17 +93,18 @@ def save(accelerator, model, policy, optimizer, tokenizer, output_dir, step: int
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     write_hf(accelerator, policy, tokenizer, tmp)
-    if backend == "deepspeed":
-        model.save_checkpoint(str(tmp / backend), tag="state", save_latest=False)
-    else:
-        import torch.distributed.checkpoint as dcp
+    if state is not None:
+        if backend == "deepspeed":
+            model.save_checkpoint(str(tmp / backend), tag="state", save_latest=False)
+        else:
+            import torch.distributed.checkpoint as dcp
 
-        dcp.save(_fsdp_state(model, optimizer), checkpoint_id=str(tmp / backend))
-    rng = tmp / f"rng-rank{accelerator.process_index}.pt"
-    torch.save(ckpt.rng_state(), rng)
-    _fsync(rng)
+            dcp.save(_fsdp_state(model, optimizer), checkpoint_id=str(tmp / backend))
     if main:
-        torch.save(state, tmp / STATE)
+        if state is not None:
+            torch.save(state, tmp / ckpt.STATE)
+        if write_json is not None:
+            write_json(tmp / "trainer_state.json")
     accelerator.wait_for_everyone()  # every process's part is on disk
     if main:
         for part in sorted(tmp.rglob("*")):  # (another process's writes, and the directories that hold them)
@@ -113,32 +112,23 @@ def save(accelerator, model, policy, optimizer, tokenizer, output_dir, step: int
                 _fsync(part)
             else:
                 ckpt._fsync_dir(part)
-        ckpt._write_json(tmp / ckpt.MANIFEST, {"step": step, "format": backend,
+        ckpt._write_json(tmp / ckpt.MANIFEST, {"step": step, "format": backend, "resumable": state is not None,
                                                "processes": accelerator.num_processes})
         ckpt._fsync_dir(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         ckpt._fsync_dir(output_dir)
-        ckpt._prune(output_dir, keep)
+        if keep is not None:
+            ckpt._prune(output_dir, keep)
     accelerator.wait_for_everyone()
     return final
 
 
-def load(accelerator, model, optimizer, output_dir) -> tuple[Path, dict[str, Any]] | None:
-    """Resume from the newest complete checkpoint in `output_dir`: the sharded weights and optimizer state into
-    `model` and `optimizer`, each process's random state; returns (path, the trainer's state), or None when there
-    is no complete checkpoint. The main process chooses (and removes a half-written one), the others follow."""
-    from accelerate.utils import broadcast_object_list
-
-    choice = [None]
-    if accelerator.is_main_process:
-        found = ckpt.latest_checkpoint(output_dir)
-        choice = [None if found is None else str(found)]
-    broadcast_object_list(choice)
-    if choice[0] is None:
-        return None
-    path = Path(choice[0])
+def load(accelerator, model, optimizer, path: Path) -> None:
+    """The sharded weights and optimizer state of checkpoint `path` into `model` and `optimizer` (as accelerate
+    prepared them). Collective; the trainer's own state is read by grpo.training.state."""
+    path = Path(path)
     manifest = json.loads((path / ckpt.MANIFEST).read_text())
     backend = _backend(accelerator)
     if manifest.get("format") != backend:
@@ -154,9 +144,6 @@ def load(accelerator, model, optimizer, output_dir) -> tuple[Path, dict[str, Any
             raise FileNotFoundError(f"resume: DeepSpeed found no checkpoint in {path / backend}")
     else:
         _load_fsdp(model, optimizer, path / backend)
-    rng = path / f"rng-rank{accelerator.process_index}.pt"
-    ckpt.set_rng_state(torch.load(rng if rng.exists() else path / "rng-rank0.pt", weights_only=False))
-    return path, torch.load(path / STATE, weights_only=False)
 
 
 def _fsdp_state(model, optimizer) -> dict[str, Any]:
