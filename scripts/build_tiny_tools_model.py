@@ -114,6 +114,14 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 SCHEMA = make_tool(calculator).schema
 
 
+def without_unk(path: Path) -> None:
+    """Write `unk_token: null` into a saved tokenizer's config: transformers 5 loads a qwen2 model's tokenizer as
+    Qwen2Tokenizer, whose default unknown token `<|endoftext|>` would otherwise be added on load as a token the
+    model has no row for (a byte-level vocabulary never needs one)."""
+    config = Path(path) / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "unk_token": None}, indent=2) + "\n")
+
+
 def prompt_ids(tokenizer, prompt: str) -> list[int]:
     """The prompt as a run renders it (grpo.training.data.render_prompt: a user message, the tools' schemas)."""
     text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tools=[SCHEMA], tokenize=False,
@@ -288,6 +296,7 @@ def build(out: Path, cfg: BuildConfig, argv: list[str], log=print) -> dict:
     seconds = time.time() - start
     n_params = sum(p.numel() for p in model.parameters())
     write_checkpoint(out, model, tokenizer, provenance(cfg, metrics, losses, n_params, seconds, argv))
+    without_unk(out)
     log(f"wrote {out} in {seconds / 60:.1f} min")
     return metrics
 

@@ -66,8 +66,10 @@ def tools_model_dir(tmp_path_factory):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     path = tmp_path_factory.mktemp("tools-model")
-    tok = load_script("build_tiny_tools_model").build_tokenizer()
+    script = load_script("build_tiny_tools_model")
+    tok = script.build_tokenizer()
     tok.save_pretrained(path)
+    script.without_unk(path)
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

@@ -115,7 +115,6 @@ def test_deepspeed_matches_one_process(tmp_path, tiny_model_dir):
         assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-4)
 
 
-
 TOOLS_RECIPE = """\
 model_name_or_path: {model}
 task: calculator
@@ -134,6 +133,7 @@ log_completions_steps: 0
 """
 
 
+@pytest.mark.slow
 def test_a_tool_run_on_two_processes_matches_one(tmp_path):
     """The shipped tiny-tools model calls its calculator (in each process's own worker processes): the two
     processes' rows together are the one process's trajectories, tool calls and rewards, and the weights agree."""

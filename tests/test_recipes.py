@@ -16,7 +16,10 @@ RECIPES = sorted((ROOT / "recipes").glob("*.yaml")) + [DEFAULT_RECIPE]
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
 def test_recipe_loads(recipe):
     cfg = GRPOConfig.load(recipe)
-    assert cfg.task == "arithmetic"
+    assert cfg.task == ("calculator" if recipe.name == "calculator_tools.yaml" else "arithmetic")
+    if cfg.task == "calculator":  # the tool task's model is the shipped tool-calling one, named from the repo root
+        assert cfg.tools == ["calculator"] and cfg.model_name_or_path == "grpo/assets/tiny-tools"
+        assert (ROOT / cfg.model_name_or_path / "config.json").is_file()
 
 
 @pytest.mark.parametrize("recipe", sorted((ROOT / "recipes" / "gpu").glob("*.yaml")), ids=lambda p: p.name)

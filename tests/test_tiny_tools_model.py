@@ -60,3 +60,50 @@ def test_build_script_end_to_end_at_miniature_size_is_deterministic(tmp_path):
     assert all(torch.equal(first[k], second[k]) for k in first)
     assert "| sampled, temperature 1.0 |" in (tmp_path / "a" / "PROVENANCE.md").read_text()
     assert get_task("calculator").tools == ("calculator",)
+
+
+def shipped_rollout(generator_of, n: int = 16, params=None):
+    """n calculator problems of the test split rolled out with the calculator on the shipped model, through the
+    rollout engine `generator_of(model, tokenizer)` makes."""
+    from grpo.agents import AgentRollout, AgentSpec
+    from grpo.agents.tools import calculator, make_tool
+    from grpo.engines.base import SamplingParams
+
+    script = load_script("build_tiny_tools_model")
+    tokenizer = AutoTokenizer.from_pretrained(ASSET, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(ASSET, local_files_only=True, dtype=torch.float32).eval()
+    rows = get_task("calculator").dataset("test", n=n, seed=0)
+    spec = AgentSpec([make_tool(calculator)], None, None)
+    try:
+        rollout = AgentRollout(spec, generator_of(model, tokenizer), tokenizer,
+                               lambda p, tools: script.prompt_ids(tokenizer, p), 128)
+        ids = [script.prompt_ids(tokenizer, p) for p in rows["prompt"]]
+        return rollout.generate(list(rows["prompt"]), ids, {}, params or SamplingParams(128, 1.0),
+                                list(range(100, 100 + n))), rows
+    finally:
+        spec.close()
+
+
+def test_tool_rollouts_are_the_same_through_our_sampler_and_the_compiled_cpu_engine():
+    """The multi-turn loop sits above the engine seam (generate(prompt_ids, params, seeds)): with the same seeds the
+    transformers sampler and the CPU engine sample the same conversations, calls, answers and masks."""
+    from grpo.engines.select import choose_engine, make_sampler
+
+    made = []
+
+    def engine(name):
+        def make(model, tokenizer):
+            made.append(make_sampler(choose_engine(name, model, torch.device("cpu"), 1, "NO"), model, tokenizer))
+            return made[-1]
+        return make
+
+    ours, rows = shipped_rollout(engine("transformers"))
+    cpu, _ = shipped_rollout(engine("cpu"))
+    assert [type(m).__name__ for m in made] == ["TransformersSampler", "CPUSampler"]
+    assert cpu.ids == ours.ids and cpu.model_mask == ours.model_mask and cpu.stats == ours.stats
+    assert max(abs(a - b) for x, y in zip(cpu.logprobs, ours.logprobs) for a, b in zip(x, y)) < 1e-4
+    calls = [s["calls"] for s in ours.stats]
+    assert 0 < sum(c > 0 for c in calls) < len(calls)  # the noisy teacher's mix: some rows call, some do not
+    answered = [m for m, s in zip(ours.completions, ours.stats) if s["calls"]]
+    assert all(any(m["role"] == "tool" for m in c) for c in answered)  # the calculator's answers are in the context
+

@@ -66,7 +66,11 @@ def test_trls_agent_arguments_are_implemented_rows():
     import inspect
 
     agent = {"tools", "environment_factory", "rollout_func"}
-    assert agent <= set(inspect.signature(trl.GRPOTrainer.__init__).parameters)
+    from grpo import GRPOTrainer
+
+    theirs = list(inspect.signature(trl.GRPOTrainer.__init__).parameters)
+    ours = list(inspect.signature(GRPOTrainer.__init__).parameters)
+    assert agent <= set(theirs) and ours[:len(theirs)] == theirs  # positional in TRL's order
     rows = {row.name: row for row in TABLE if row.source == "trainer"}
     assert set(rows) == agent and all(row.kind == "field" for row in rows.values())
     assert TRL_KEYS["max_tool_calling_iterations"].kind == "field"

@@ -254,3 +254,32 @@ def test_missing_vllm_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
     with pytest.raises(ImportError, match=r'pip install "grpo\[vllm\]".*bash scripts/vllm_env.sh'):
         engine_module.VLLMEngine(ASSET, eos_ids=[0])
+
+
+
+@needs_vllm
+def test_tool_rollouts_through_vllm_sample_from_the_whole_conversation():
+    """The multi-turn tool loop (grpo.agents) over the vLLM engine, on the shipped tool-calling model: rows call the
+    calculator, and every model token's vLLM log-prob is the one our model gives it after the whole conversation
+    so far (prompt, earlier turns and the calculator's answers): later turns were generated from that context."""
+    from test_tiny_tools_model import ASSET as TOOLS, shipped_rollout
+    from transformers import AutoModelForCausalLM
+
+    from grpo.engines.vllm import VLLMEngine
+
+    def vllm_engine(model, tokenizer):
+        return VLLMEngine(str(TOOLS), eos_ids=[tokenizer.eos_token_id], dtype=torch.float32, max_model_len=256,
+                          gpu_memory_utilization=0.1, enforce_eager=True, kv_cache_memory_bytes=32 << 20)
+
+    params = SamplingParams(128, 1.0)
+    t, _ = shipped_rollout(vllm_engine, n=16, params=params)
+    assert any(s["calls"] for s in t.stats) and t.logprobs is not None
+    model = AutoModelForCausalLM.from_pretrained(TOOLS, local_files_only=True, dtype=torch.float32).eval()
+    checked = 0
+    for prompt, ids, mask, logprobs, stats in zip(t.prompt_ids, t.ids, t.model_mask, t.logprobs, t.stats):
+        ref = recomputed_logprobs(model, prompt, ids, params)
+        for m, a, b in zip(mask, logprobs, ref.tolist()):
+            if m:
+                assert abs(a - b) < 1e-3
+        checked += stats["calls"] > 0 and sum(mask) < len(mask)  # a turn after a tool answer was checked
+    assert checked > 0
