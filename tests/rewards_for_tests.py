@@ -4,3 +4,8 @@
 def count_a(completions, **kwargs):
     """The share of 'a' characters in each completion: learnable from a random model in a few steps."""
     return [c.count("a") / max(1, len(c)) for c in completions]
+
+
+def called_a_tool(completions, **kwargs):
+    """1 for a multi-turn completion in which the model called a tool (a tool message follows its turn), else 0."""
+    return [float(isinstance(c, list) and any(m.get("role") == "tool" for m in c)) for c in completions]

@@ -118,13 +118,16 @@ def test_deepspeed_matches_one_process(tmp_path, tiny_model_dir):
 TOOLS_RECIPE = """\
 model_name_or_path: {model}
 task: calculator
+reward_funcs: ["math_accuracy", "rewards_for_tests:called_a_tool"]
 task_train_size: 64
 task_eval_size: 0
 num_generations: 4
 prompts_per_step: 4
 per_device_train_batch_size: 8
 max_completion_length: 128
+engine: transformers
 learning_rate: 1.0e-3
+adam_epsilon: 1.0e-4
 beta: 0.04
 max_steps: 2
 save_steps: 0
@@ -136,11 +139,16 @@ log_completions_steps: 0
 @pytest.mark.slow
 def test_a_tool_run_on_two_processes_matches_one(tmp_path):
     """The shipped tiny-tools model calls its calculator (in each process's own worker processes): the two
-    processes' rows together are the one process's trajectories, tool calls and rewards, and the weights agree."""
+    processes' rows together are the one process's trajectories, tool calls and rewards, and the weights agree.
+    Calling the tool is rewarded: the shipped model's answers are rarely right, and with no reward at all the
+    gradient would be float noise that Adam scales up to whole learning-rate steps (measured: 1.5e-3 apart).
+    adam_epsilon 1e-4 for the same reason: with 1e-8, gradient entries near 0 (float noise of the all-reduce's
+    summation order) still become steps of about lr (measured: 4e-4 apart on a few entries, grad norms equal to
+    2e-6 relative, every trajectory identical); with 1e-4 equal gradients give equal weights."""
     model = Path(__file__).resolve().parents[1] / "grpo" / "assets" / "tiny-tools"
     env = job(tmp_path, model)
     (tmp_path / "recipe.yaml").write_text(TOOLS_RECIPE.format(model=model))
-    run(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29519", "-m", "grpo.cli"],
+    run(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29541", "-m", "grpo.cli"],
         tmp_path / "two", env)
     run(["-m", "grpo.cli"], tmp_path / "one", env)
     one = load_file(str(tmp_path / "one" / "final" / "model.safetensors"))
@@ -151,4 +159,6 @@ def test_a_tool_run_on_two_processes_matches_one(tmp_path):
     keys = ["reward/total", "tools/calls_per_completion", "tools/turns_per_completion", "tools/model_token_frac",
             "completion/mean_length"]
     assert [[row[k] for k in keys] for row in logs[0]] == [[row[k] for k in keys] for row in logs[1]]
+    for a, b in zip(*logs):
+        assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-4)
     assert all(row["tools/calls_per_completion"] > 0 for row in logs[0])  # the runs did call the tool
