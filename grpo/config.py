@@ -43,6 +43,7 @@ ALIASES = {
     "dtype": "torch_dtype",  # transformers >= 4.56
     "num_epochs": "num_train_epochs",
     "vllm_importance_sampling_cap": "vllm_importance_sampling_clip_max",  # TRL's deprecated name
+    "ppo_max_token_len_per_gpu": "max_tokens_per_micro_batch",  # verl (with use_dynamic_bsz: true)
 }
 
 # Named starting points (`preset: dapo`); any key the recipe or command line sets wins over the preset's.
@@ -185,6 +186,16 @@ class GRPOConfig:
     max_steps: int = _f(-1, "Steps to train; a step is one rollout batch. -1: use num_train_epochs.")
     num_train_epochs: float = _f(1.0, "Passes over the training prompts (when max_steps is -1).")
     per_device_train_batch_size: int = _f(8, "Completions per forward/backward pass on one process (memory knob).")
+    max_tokens_per_micro_batch: int | None = _f(None, "Token-budget micro-batches (verl's use_dynamic_bsz with "
+                                                "ppo_max_token_len_per_gpu, an alias): fill each micro-batch of the "
+                                                "update and the reference pass with completions up to this many "
+                                                "tokens on one process, instead of per_device_train_batch_size "
+                                                "completions (null), so long and short completions cost what they "
+                                                "are. A completion longer than the budget goes alone.")
+    use_remove_padding: bool = _f(True, "Padding-free passes (verl's key): the update's and the reference pass's "
+                                  "sequences packed end to end, a group's prompt once where the attention takes a "
+                                  "custom mask (sdpa, eager), so the model computes real tokens only (docs/engines.md). "
+                                  "false: rows padded to the longest. The run prints which it took.")
     gradient_accumulation_steps: int = _f(1, "TRL compatibility: only sizes the default prompts_per_step.")
     num_iterations: int = _f(1, "Optimizer updates per rollout batch (mu in the paper).")
     num_threads: int | None = _f(None, "CPU threads for torch (null: torch's default). Small models on a busy "
@@ -391,6 +402,9 @@ def _validate(cfg: GRPOConfig) -> None:
         # Resolved into prompts_per_step, so the saved config has one source of truth.
         cfg.prompts_per_step, cfg.generation_batch_size = cfg.generation_batch_size // cfg.num_generations, None
     _check(cfg.per_device_train_batch_size >= 1, "per_device_train_batch_size", "must be >= 1.")
+    _check(cfg.max_tokens_per_micro_batch is None or cfg.max_tokens_per_micro_batch >= 1,
+           "max_tokens_per_micro_batch", "must be >= 1 tokens, or null (micro-batches of per_device_train_batch_size "
+           "completions).")
     _check(cfg.gradient_accumulation_steps >= 1, "gradient_accumulation_steps", "must be >= 1.")
     _check(cfg.max_completion_length >= 1, "max_completion_length", "must be >= 1.")
     _check(cfg.max_prompt_length is None or cfg.max_prompt_length >= 1, "max_prompt_length", "must be >= 1 or null.")

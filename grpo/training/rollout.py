@@ -32,17 +32,11 @@ class RolloutBatch:
     ref_logp: torch.Tensor | None = None  # (N, T) when beta > 0, on the model's device
     metrics: dict[str, float] = field(default_factory=dict)
     samples: list[dict] = field(default_factory=list)
+    plans: list | None = None  # its micro-batches (grpo.training.micro_batches.Plan), planned on the CPU
 
     @property
     def completion_width(self) -> int:
         return self.completion_mask.shape[1]
-
-    def micro_batches(self, size: int) -> list[tuple[slice, int]]:
-        """(rows, completion width) of each micro-batch of `size` rows: the width leaves out the trailing columns
-        that are padding in every row of it (computed here, on the CPU, so the device never waits)."""
-        n, prompt_width = self.input_ids.shape[0], self.input_ids.shape[1] - self.completion_width
-        lengths = self.attention_mask[:, prompt_width:].sum(1)
-        return [(slice(s, min(s + size, n)), max(1, int(lengths[s:s + size].max()))) for s in range(0, n, size)]
 
 
 @dataclass

@@ -23,6 +23,7 @@ def start_lines(trainer) -> list[str]:
             f"engine   {trainer.engine.name} ({trainer.engine.reason})"
             + (f"; rollouts from vLLM ({cfg.vllm_mode})" if cfg.use_vllm else ""),
             f"device   {device}",
+            f"passes   {trainer.micro.describe()}",
             f"steps    {trainer.total_steps} from step {trainer.step}, {trainer.B} prompts x {trainer.G} completions, "
             f"{cfg.num_iterations} update(s) each",
             f"output   {cfg.output_dir}"]

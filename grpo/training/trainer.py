@@ -27,11 +27,13 @@ import torch
 from grpo.config import GRPOConfig
 from grpo.core import engine_importance_weights, policy_loss
 from grpo.engines.base import SamplingParams
-from grpo.engines.policy import MicroBatch, reference_view
+from grpo.engines.packing import choose_packing
+from grpo.engines.policy import reference_view
 from grpo.engines.select import choose_engine, make_engine, make_vllm
 from grpo.training import checkpoint as ckpt
 from grpo.training.data import PromptSampler, build_prompt_set
 from grpo.training.health import HealthMonitor, nonfinite_messages
+from grpo.training.micro_batches import MicroBatches, Plan
 from grpo.training.model import (load_model, load_tokenizer, load_trainable_state, prepare_model, save_final,
                                  trainable_state)
 from grpo.training.rollout import Processes, RolloutBatch, Rollouts
@@ -111,6 +113,9 @@ class GRPOTrainer:
             generator = make_vllm(cfg, self.policy, self.tokenizer, self.accel)
         self.generator, self.backend = make_engine(self.engine, self.model, self.policy, self.accel, self.tokenizer,
                                                    self.params, self.reference, generator)
+        packing, why = choose_packing(self.policy, cfg.use_remove_padding)
+        self.micro = MicroBatches(cfg.per_device_train_batch_size, cfg.max_tokens_per_micro_batch, packing, self.procs,
+                                  why)
         self.sampler = PromptSampler(len(self.train_set), cfg.seed)
         self.rollouts = Rollouts(cfg, self.generator, self.policy, self.tokenizer, self.train_set, self.sampler,
                                  self.rewards, self.step_rewards, self.procs, self.B, self.G, self.params)
@@ -185,6 +190,7 @@ class GRPOTrainer:
     def rollout(self) -> RolloutBatch:
         batch = self.rollouts.make(self.step)
         t0 = time.perf_counter()
+        batch.plans = self.micro.plan(batch)
         self._score_logprobs(batch)
         batch.metrics.update({f"time/{k}": v for k, v in self.rollouts.times.items()})
         batch.metrics["time/logprobs"] = time.perf_counter() - t0
@@ -195,17 +201,17 @@ class GRPOTrainer:
         """The reference's log-probs (beta > 0). The sampling policy's come from the first update pass."""
         if self.cfg.beta <= 0:
             return
-        T, size, device = batch.completion_width, self.cfg.per_device_train_batch_size, self.accel.device
+        batch.ref_logp = torch.zeros(batch.completion_mask.shape, device=self.accel.device)
         with reference_view(self.policy, self.reference) as ref:
-            batch.ref_logp = torch.cat([
-                self.backend.logprobs(ref, batch.input_ids[s:s + size].to(device),
-                                      batch.attention_mask[s:s + size].to(device), T, self.cfg.temperature)
-                for s in range(0, batch.input_ids.shape[0], size)])
+            for plan in batch.plans or self.micro.plan(batch):
+                micro = plan.inputs(batch, self.accel.device)
+                batch.ref_logp[plan.rows, :plan.width] = self.backend.logprobs(
+                    ref, micro.input_ids, micro.attention_mask, plan.width, self.cfg.temperature, micro.packed)
 
     # ---- update: num_iterations optimizer steps over the rollout ------------------------------------------------
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         cfg = self.cfg
-        chunks = batch.micro_batches(cfg.per_device_train_batch_size)
+        plans = batch.plans = batch.plans or self.micro.plan(batch)
         # Normalizers over the whole step on all processes make micro-batching and multi-process exact.
         if cfg.loss_aggregation == "token_mean":
             normalizer = float(self.procs.gather(batch.completion_mask.sum().reshape(1)).sum())
@@ -216,13 +222,13 @@ class GRPOTrainer:
         for it in range(cfg.num_iterations):
             old_parts = []  # the first pass's log-probs: no optimizer step yet, so the sampling policy's
             self.optimizer.zero_grad(set_to_none=True)
-            for k, (rows, width) in enumerate(chunks):
-                sync = k == len(chunks) - 1
+            for k, plan in enumerate(plans):
+                sync = k == len(plans) - 1
                 if self.accel.distributed_type == "DEEPSPEED":  # its engine steps in backward unless told that
                     self.accel.gradient_state._set_sync_gradients(sync)  # more micro-batches follow
                 with self.accel.no_sync(self.model) if not sync else contextlib.nullcontext():
-                    logp, out, weight = self._micro_step(batch, rows, width, normalizer, with_entropy=it == 0)
-                old_parts.append((rows, width, logp))
+                    logp, out, weight = self._micro_step(batch, plan, normalizer, with_entropy=it == 0)
+                old_parts.append((plan.rows, plan.width, logp))
                 for key, value in out.metrics.items():
                     sums[key] = accumulate(key, sums.get(key), value.detach().double(), weight)
                     weights[key] = weights.get(key, 0.0) + weight
@@ -240,19 +246,11 @@ class GRPOTrainer:
         out["health/nonfinite_steps"] = float(self.nonfinite_total)
         return out
 
-    def _micro_step(self, batch: RolloutBatch, rows: slice, width: int, normalizer: float, with_entropy: bool):
+    def _micro_step(self, batch: RolloutBatch, plan: Plan, normalizer: float, with_entropy: bool):
         """One micro-batch's loss, backpropagated by the engine. Returns (log-probs, LossOutput, token count)."""
         cfg, device = self.cfg, self.accel.device
-        end = batch.input_ids.shape[1] - (batch.completion_width - width)  # no all-padding completion columns
-
-        def part(t: torch.Tensor | None) -> torch.Tensor | None:  # (n, width) of a per-token tensor, on the device
-            return None if t is None else t[rows, :width].to(device)
-
-        micro = MicroBatch(batch.input_ids[rows, :end].to(device), batch.attention_mask[rows, :end].to(device),
-                           width, old_logp=part(batch.old_logp), sampling_logp=part(batch.sampling_logp))
-        mask, ref = part(batch.completion_mask), part(batch.ref_logp)
-        adv = batch.advantages[rows].to(device)
-        adv = adv[:, :width] if adv.dim() == 2 else adv
+        micro = plan.inputs(batch, device)
+        mask, ref, adv = (plan.take(t, device) for t in (batch.completion_mask, batch.ref_logp, batch.advantages))
         correct = cfg.use_vllm and cfg.vllm_importance_sampling_correction and micro.sampling_logp is not None
 
         def loss_fn(logp, sub=slice(None), entropy=None):
