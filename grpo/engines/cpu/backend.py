@@ -59,7 +59,8 @@ class CPUBackend(TransformersBackend):
         # reference pass and the update hold no more memory than without it.
         self.lend_head_grad = (self.sampling_estimates and not self.frozen_head and head.weight.device.type == "cpu"
                                and head.weight.dtype == torch.float32 and torch.get_num_threads() == 1
-                               and native.library() is not None)  # (the packed copy is the compiled head's)
+                               and native.library() is not None  # (the packed copy is the compiled head's,
+                               and native.library().lean_wide_vectors())  # which sampling takes with AVX-512)
         self._head_grad_space: torch.Tensor | None = None  # the flat memory under the head's gradient, when lent
         self.sparse_embedding = False
         self.prepare()

@@ -181,10 +181,12 @@ def packed_head(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, spac
     either repacking costs less than 64 sampled tokens save. The weight changes at every optimizer step, so pack once
     per rollout. The compiled head packs into `space` when given (see native.CompiledHead): ~30 ms for the 155 MB
     head into memory already touched (the trainer hands over its last head gradient's), against 70-90 ms into a fresh
-    allocation, most of it page faults. Falls back to F.linear."""
+    allocation, most of it page faults. The compiled head needs the library's AVX-512 kernel: its plain-C kernel
+    ran 10-20x slower than oneDNN on a CPU without AVX-512 (Zen 3: 476 against 27 ms for W2's head, 1.4 against 0.08
+    ms for the default job's 263-token head). Falls back to F.linear."""
     cpu32 = weight.device.type == "cpu" and weight.dtype == torch.float32
     lib = native.library() if cpu32 and torch.get_num_threads() == 1 else None
-    if lib is not None:
+    if lib is not None and lib.lean_wide_vectors():
         return native.CompiledHead(lib, weight, bias, rows, space)
     reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
     if not cpu32 or reorder is None or not torch.backends.mkldnn.is_available():
