@@ -193,3 +193,26 @@ def test_hidden_loss_refuses_a_layout_that_does_not_match():
     with pytest.raises(ValueError, match=r"hidden_loss: need hidden \(n_tok, H\)"):
         hidden_loss(torch.zeros(1, 3, 4), torch.zeros(5, 4), torch.zeros(1, 3, dtype=torch.long),
                     lambda lp, r: lp.sum(), layout=layout)
+
+
+def test_a_sliding_window_model_packs_whole_sequences_with_the_padded_log_probs():
+    """Layers with a 4-token window: prompts are not shared (a custom mask would lose the window); whole sequences
+    are packed and transformers masks them, windows included, from the position ids: the padded pass's log-probs."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    sizes = dict(vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**sizes, use_sliding_window=True, sliding_window=4, max_window_layers=1))
+    packing, _ = choose_packing(model)
+    assert not packing.shared_prompts and packing.mask is None
+    ids, attention_mask, width = ragged_batch()
+    rows = pack(ids, attention_mask, width, packing)
+    want = completion_logprobs(model, ids, attention_mask, width, 1.0)
+    got = completion_logprobs(model, ids, attention_mask, width, 1.0, packed=rows)
+    real = rows.layout
+    torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5)
+    # the window matters here: with full attention the log-probs would differ
+    full = Qwen2ForCausalLM(Qwen2Config(**sizes))
+    full.load_state_dict(model.state_dict())
+    assert (completion_logprobs(full, ids, attention_mask, width, 1.0)[real] - want[real]).abs().max() > 1e-3

@@ -164,6 +164,15 @@ static void silu_times(int n, const float *restrict g, const float *restrict u, 
         const __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(positive, e, one), _mm512_add_ps(one, e));
         _mm512_mask_storeu_ps(a + j, k, _mm512_mul_ps(_mm512_mul_ps(gv, sig), _mm512_maskz_loadu_ps(k, u + j)));
     }
+#elif defined(GRPO_AVX2)
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; j + 8 <= n; j += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + j);
+        const __m256 e = exp8(_mm256_or_ps(gv, _mm256_set1_ps(-0.0f)));  /* exp(-|g|) */
+        const __m256 positive = _mm256_cmp_ps(gv, _mm256_setzero_ps(), _CMP_GE_OQ);
+        const __m256 sig = _mm256_div_ps(_mm256_blendv_ps(e, one, positive), _mm256_add_ps(one, e));
+        _mm256_storeu_ps(a + j, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + j)));
+    }
 #endif
     for (; j < n; j++) {
         const float e = exp_nonpositive(-fabsf(g[j]));
