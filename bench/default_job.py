@@ -10,7 +10,8 @@ training, saving): `grpo train [overrides]` with the default recipe, and `python
 reward functions; see its docstring). One torch thread on each side (the recipe's `num_threads`; OMP and MKL too).
 Then each final model is scored by the same command, `grpo eval --model DIR --task arithmetic --n N --k K` (not
 timed), whose accuracy averages K samples of each of N held-out problems; `*_accuracy_se` is its standard error
-over problems. The JSON line: each side's wall seconds, its accuracy, and `speedup` = TRL's seconds / grpo's.
+over problems. The JSON line: each side's wall and CPU seconds, its accuracy, and `speedup` = TRL's wall seconds /
+grpo's (`cpu_speedup` the same of CPU seconds, which a busy machine distorts less).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -40,19 +42,22 @@ def environment() -> dict[str, str]:
             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
-def run_side(side: str, work: Path, index: int, overrides: list[str]) -> float:
-    """Run one side's whole command; returns its wall seconds (the log goes to WORK/<side>-<index>.log)."""
+def run_side(side: str, work: Path, index: int, overrides: list[str]) -> tuple[float, float]:
+    """Run one side's whole command; returns its wall seconds and CPU seconds (user + system, all threads; on a
+    machine others share, the CPU seconds of a one-thread run stay near what its wall time would be on a quiet one).
+    The log goes to WORK/<side>-<index>.log."""
     out, log = work / f"{side}-{index}", work / f"{side}-{index}.log"
-    t0 = time.perf_counter()
+    t0, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     with open(log, "w") as log_file:
         done = subprocess.run(command(side, out, overrides), cwd=ROOT, env=environment(), stdout=log_file,
                               stderr=subprocess.STDOUT, check=False)
-    seconds = time.perf_counter() - t0
+    seconds, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if done.returncode != 0:
         raise SystemExit(f"bench.default_job: the {side} side failed (exit {done.returncode}); end of {log}:\n"
                          + log.read_text()[-3000:])
-    print(f"[bench.default_job] {side} run {index}: {seconds:.1f} s", file=sys.stderr, flush=True)
-    return seconds
+    print(f"[bench.default_job] {side} run {index}: {seconds:.1f} s, {cpu:.1f} CPU s", file=sys.stderr, flush=True)
+    return seconds, cpu
 
 
 def evaluate(model_dir: Path, n: int, k: int, work: Path) -> dict[str, float]:
@@ -69,17 +74,20 @@ def evaluate(model_dir: Path, n: int, k: int, work: Path) -> dict[str, float]:
     return {"accuracy": result["accuracy"], "accuracy_se": se, "format_rate": result.get("format_rate")}
 
 
-def summarize(walls: dict[str, list[float]], accuracy: dict[str, dict]) -> dict:
-    """The JSON record: per side its median wall seconds (and every run's), its first run's eval; the ratios."""
+def summarize(runs: dict[str, list[tuple[float, float]]], accuracy: dict[str, dict]) -> dict:
+    """The JSON record: per side its median wall and CPU seconds (and every run's), its first run's eval; the
+    ratios (`speedup` of wall times, `cpu_speedup` of CPU times)."""
     out: dict = {}
     for side in SIDES:
-        runs = walls.get(side, [])
-        out[f"{side}_wall_s"] = statistics.median(runs) if runs else None
-        out[f"{side}_wall_s_runs"] = runs
+        timed = runs.get(side, [])
+        out[f"{side}_wall_s"] = statistics.median(w for w, _ in timed) if timed else None
+        out[f"{side}_cpu_s"] = statistics.median(c for _, c in timed) if timed else None
+        out[f"{side}_wall_s_runs"] = [w for w, _ in timed]
         for key in ("accuracy", "accuracy_se", "format_rate"):
             out[f"{side}_{key}"] = accuracy.get(side, {}).get(key)
     both = out["grpo_wall_s"] is not None and out["trl_wall_s"] is not None
     out["speedup"] = out["trl_wall_s"] / out["grpo_wall_s"] if both else None
+    out["cpu_speedup"] = out["trl_cpu_s"] / out["grpo_cpu_s"] if both else None
     if both and out["grpo_accuracy"] is not None and out["trl_accuracy"] is not None:
         gap = out["grpo_accuracy"] - out["trl_accuracy"]
         noise = (out["grpo_accuracy_se"] ** 2 + out["trl_accuracy_se"] ** 2) ** 0.5
@@ -103,13 +111,13 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="grpo-default-job-") as tmp:
         work = (args.work_dir or Path(tmp)).resolve()
         work.mkdir(parents=True, exist_ok=True)
-        walls: dict[str, list[float]] = {s: [] for s in sides}
+        runs: dict[str, list[tuple[float, float]]] = {s: [] for s in sides}
         for r in range(args.rounds):
             for side in sides if r % 2 == 0 else sides[::-1]:
-                walls[side].append(run_side(side, work, r, args.overrides))
+                runs[side].append(run_side(side, work, r, args.overrides))
         final = {"grpo": lambda: work / "grpo-0" / "final", "trl": lambda: work / "trl-0" / "final"}
         accuracy = {side: evaluate(final[side](), args.eval_n, args.eval_k, work) for side in sides}
-    out = {**summarize(walls, accuracy), "overrides": args.overrides, "rounds": args.rounds, "eval_n": args.eval_n,
+    out = {**summarize(runs, accuracy), "overrides": args.overrides, "rounds": args.rounds, "eval_n": args.eval_n,
            "eval_k": args.eval_k, "load_average": os.getloadavg()[0]}
     print(json.dumps(out), flush=True)
     return out

@@ -181,12 +181,13 @@ def test_ragged_workload_model_ends_completions_at_its_last_token(tmp_path):
 def test_default_job_summary_speedup_and_accuracy_noise():
     from bench.default_job import summarize as summarize_job
 
-    # grpo 100 and 120 s (median 110), TRL 330 s: speedup 3. Accuracies 0.45 +- 0.02 and 0.40 +- 0.015: the gap
+    # grpo 100 and 120 s (median 110), TRL 330 s: speedup 3 (CPU seconds 90 and 100, median 95, against 285). Accuracies 0.45 +- 0.02 and 0.40 +- 0.015: the gap
     # 0.05 against sqrt(0.02^2 + 0.015^2) = 0.025, exactly two standard errors: the same accuracy, just.
-    out = summarize_job({"grpo": [100.0, 120.0], "trl": [330.0]},
+    out = summarize_job({"grpo": [(100.0, 90.0), (120.0, 100.0)], "trl": [(330.0, 285.0)]},
                         {"grpo": {"accuracy": 0.45, "accuracy_se": 0.02}, "trl": {"accuracy": 0.40,
                                                                                   "accuracy_se": 0.015}})
     assert out["grpo_wall_s"] == 110.0 and out["speedup"] == 3.0
+    assert out["grpo_cpu_s"] == 95.0 and out["cpu_speedup"] == 3.0  # CPU: medians 95 and 285
     assert out["accuracy_gap"] == pytest.approx(0.05) and out["accuracy_gap_se"] == pytest.approx(0.025)
     assert out["same_accuracy"]
 

@@ -18,7 +18,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
 import grpo.engines.cpu.sampler as generation
 from grpo.core import hidden_logprobs, hidden_loss
 from grpo.engines.base import SamplingParams
-from grpo.engines.cpu import native
+from grpo.engines.cpu import decoding, native
 from grpo.engines.cpu.decoding import LeanDecoder, packed_head
 from grpo.engines.cpu.native import CompiledHead, CompiledStep
 from grpo.engines.cpu.sampler import CPUSampler
@@ -175,7 +175,10 @@ def test_compiled_head_equals_linear(rows, with_bias, monkeypatch):
     torch.manual_seed(0)
     weight, h = torch.randn(37, 24), torch.randn(rows, 24)  # 37: the last panel of 16 entries is partial
     bias = torch.randn(37) if with_bias else None
-    # Sampling takes it where the build has the AVX-512 kernel (without, oneDNN's product is far faster).
+    # Sampling takes it for a head larger than _SMALL_HEAD where the build has the AVX-512 kernel (without it,
+    # oneDNN's product is far faster; a small head is multiplied as it is).
+    assert not isinstance(packed_head(weight, bias, rows), CompiledHead)
+    monkeypatch.setattr(decoding, "_SMALL_HEAD", 0)
     assert isinstance(packed_head(weight, bias, rows), CompiledHead) == bool(native.library().lean_wide_vectors())
     head = CompiledHead(native.library(), weight, bias, rows)
     torch.testing.assert_close(head(h), F.linear(h, weight, bias), atol=1e-5, rtol=1e-5)
@@ -304,6 +307,7 @@ def test_compiled_head_from_a_non_contiguous_weight_and_inside_generation(monkey
     head = CompiledHead(native.library(), weight, None, 5)
     torch.testing.assert_close(head(h), F.linear(h, weight), atol=1e-5, rtol=1e-5)
     heads = []
+    monkeypatch.setattr(decoding, "_SMALL_HEAD", 0)  # (the tiny model's head would be multiplied as it is)
     monkeypatch.setattr(generation, "packed_head", lambda *a: heads.append(packed_head(*a)) or heads[-1])
     model = tiny("qwen2")
     ids, params = [[5, 6, 7], [1, 2, 3, 4, 5], [9, 8, 7, 6]], SamplingParams(12, temperature=1.0)

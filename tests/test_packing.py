@@ -216,3 +216,58 @@ def test_a_sliding_window_model_packs_whole_sequences_with_the_padded_log_probs(
     full = Qwen2ForCausalLM(Qwen2Config(**sizes))
     full.load_state_dict(model.state_dict())
     assert (completion_logprobs(full, ids, attention_mask, width, 1.0)[real] - want[real]).abs().max() > 1e-3
+
+
+def test_the_grouped_attention_index_by_hand():
+    """One row: a unit with prompt at 0-2 and completions at 3-4 and 5 (lengths 2 and 1), a unit with prompt 6-7 and
+    one completion 8-10. Prompts (U=2, P=3): [0 1 2] and [6 7 7] (the last repeated, masked); completions (C=3, T=3):
+    [3 4 4], [5 5 5], [8 9 10], each against its prompt then itself."""
+    from grpo.engines.packing import prefix_index
+
+    idx = prefix_index([(0, 3, [(3, 2), (5, 1)]), (6, 2, [(8, 3)])])
+    assert idx.prompt_q.tolist() == [[0, 1, 2], [6, 7, 7]]
+    assert idx.comp_q.tolist() == [[3, 4, 4], [5, 5, 5], [8, 9, 10]]
+    assert idx.comp_k.tolist() == [[0, 1, 2, 3, 4, 4], [0, 1, 2, 5, 5, 5], [6, 7, 7, 8, 9, 10]]
+    # completion 0's second token (position 4) sees the prompt and positions 3, 4; completion 2's first (8) sees
+    # its 2-token prompt and itself
+    assert idx.comp_mask[0, 0, 1].tolist() == [True, True, True, True, True, False]
+    assert idx.comp_mask[2, 0, 0].tolist() == [True, True, False, True, False, False]
+    assert idx.prompt_mask[1, 0].tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+    # every position of the row once: prompts' real cells (0 1 2, 6 7), then completions' (3 4, 5, 8 9 10)
+    listed = [0, 1, 2, 6, 7, 3, 4, 5, 8, 9, 10]
+    assert [listed[i] for i in idx.order.tolist()] == list(range(11))
+
+
+def test_the_cpu_engines_grouped_attention_gives_the_padded_log_probs_and_gradients(tiny_model_dir):
+    """The CPU engine switches sdpa to its grouped attention (grpo/engines/cpu/attention.py): a packed micro-batch in
+    one row, each prompt attending to itself and each completion to its prompt and itself. Log-probs, entropies and
+    gradients equal the padded pass's (the tiny model has 4 query heads on 2 key-value heads); a padded pass through
+    the switched model is plain sdpa; restoring gives sdpa back."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo.engines.cpu import attention
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
+    ids, attention_mask, width = ragged_batch(vocab=model.config.vocab_size)
+    rows = pack(ids, attention_mask, width, Packing(True, "prefix", None))
+    real = rows.layout
+    weights = torch.linspace(-1, 1, real.numel()).reshape(real.shape) * real  # a loss of the real tokens only
+    results = []
+    for grouped in (False, True):
+        model.zero_grad()
+        if grouped:
+            assert attention.use_prefix_attention(model) and attention.switched(model)
+        logp, entropy = completion_logprobs(model, ids, attention_mask, width, 0.7, with_entropy=True,
+                                            packed=rows if grouped else None)
+        (weights * logp).sum().backward()
+        results.append((logp.detach(), entropy, [p.grad.clone() for p in model.parameters()]))
+    assert rows.input_ids.shape[0] == 1 and rows.tokens == int((rows.segments >= 0).sum())  # one row, no padding
+    (want, want_entropy, want_grads), (got, got_entropy, got_grads) = results
+    torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_entropy[real], want_entropy[real], atol=1e-5, rtol=1e-5)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, atol=1e-5 * float(w.abs().max()) + 1e-7, rtol=1e-4)
+    with torch.no_grad():  # without a prefix index the switched model runs sdpa, masks and all
+        torch.testing.assert_close(completion_logprobs(model, ids, attention_mask, width, 0.7), want)
+    attention.restore_attention(model)
+    assert model.config._attn_implementation == "sdpa" and not attention.switched(model)

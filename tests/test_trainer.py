@@ -113,12 +113,13 @@ def test_head_gradient_memory_is_lent_to_the_next_rollouts_packed_head(tiny_mode
     packs the head into it and lets it go (or to the next iteration's gradient, which takes it back); training gives
     the same weights, bit for bit, as without it (2 micro-batches, KL term; buffer, seeded and two-pass updates)."""
     import grpo.engines.cpu.backend as model_module
-    from grpo.engines.cpu import native
+    from grpo.engines.cpu import decoding, native
     from grpo.engines.policy import plain_head
 
     if native.library() is None or not native.library().lean_wide_vectors():
         pytest.skip("no C compiler, or a CPU without AVX-512: sampling takes oneDNN's head, no compiled one to pack")
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(decoding, "_SMALL_HEAD", 0)  # the tiny model's head is small enough to take as it is
     packed, grads, lent = [], [], []
     init = native.CompiledHead.__init__
     monkeypatch.setattr(native.CompiledHead, "__init__",

@@ -45,7 +45,8 @@ class Packing:
     linear in its length."""
 
     shared_prompts: bool
-    mask: str | None  # "bool" or "additive" with shared prompts; None: transformers' packed-sequence path
+    mask: str | None  # "bool" or "additive" with shared prompts ("prefix": the CPU engine's grouped attention, one
+    # row); None: transformers' packed-sequence path
     pair_cost: float | None
     reason: str = ""
 
@@ -126,6 +127,71 @@ def _layer_kinds(config) -> set[str] | None:
 
 
 @dataclass
+class PrefixIndex:
+    """Where the tokens of a one-row packed layout (N positions) go for the CPU engine's grouped attention
+    (grpo/engines/cpu/attention.py): each unit's prompt, and each completion with its prompt's keys before its own.
+    Padding cells repeat a real position; as keys they are masked, and their query rows (which see at least
+    themselves, so none is all masked) are dropped."""
+
+    prompt_q: torch.Tensor  # (U, P): each unit's prompt positions
+    prompt_mask: torch.Tensor  # (U, 1, P, P): causal among the real prompt positions
+    prompt_take: torch.Tensor  # (real prompt tokens,): the real cells of (U x P), flattened
+    comp_q: torch.Tensor  # (C, T): each completion's positions (those that enter the model)
+    comp_k: torch.Tensor  # (C, P + T): its unit's prompt positions, then its own
+    comp_mask: torch.Tensor  # (C, 1, T, P + T)
+    comp_take: torch.Tensor  # (real completion tokens,): the real cells of (C x T), flattened
+    order: torch.Tensor  # (N,): for each position of the row, its place among [real prompt cells, real completion
+    # cells] of (U x P) and (C x T) flattened (every position is exactly one of them)
+
+    def to(self, device, non_blocking: bool = False) -> "PrefixIndex":
+        return PrefixIndex(*(getattr(self, f.name).to(device, non_blocking=non_blocking)
+                             for f in dataclasses.fields(self)))
+
+
+def prefix_index(spans: list[tuple[int, int, list[tuple[int, int]]]]) -> PrefixIndex:
+    """The index of a one-row packed layout from its units: (prompt start, prompt length, [(completion start,
+    completion length), ...]) in positions of the row; completions of length 0 are left out."""
+    units = [(p0, p) for p0, p, _ in spans]
+    comps = [(p0, p, c0, c) for p0, p, cs in spans for c0, c in cs if c > 0]
+    P = max(p for _, p in units)
+    T = max((c for *_, c in comps), default=1)
+    ar_p, ar_t = torch.arange(P), torch.arange(T)
+    p_start, p_len = (torch.tensor(x) for x in zip(*units))
+    prompt_real = ar_p[None, :] < p_len[:, None]  # (U, P)
+    prompt_q = p_start[:, None] + torch.minimum(ar_p[None, :], p_len[:, None] - 1)
+    causal_p = ar_p[:, None] >= ar_p[None, :]  # (P, P)
+    prompt_mask = causal_p[None] & prompt_real[:, None, :]
+    prompt_mask = prompt_mask | torch.eye(P, dtype=torch.bool)[None]  # padding queries see themselves
+    if not comps:
+        empty = torch.zeros((0, T), dtype=torch.long)
+        return PrefixIndex(prompt_q, prompt_mask[:, None], _take(prompt_real), empty,
+                           torch.zeros((0, P + T), dtype=torch.long), torch.zeros((0, 1, T, P + T), dtype=torch.bool),
+                           _take(empty.bool()), _order(prompt_q, prompt_real, empty, empty.bool()))
+    cp0, cp, c0, cl = (torch.tensor(x) for x in zip(*comps))
+    comp_real = ar_t[None, :] < cl[:, None]  # (C, T)
+    comp_q = c0[:, None] + torch.minimum(ar_t[None, :], cl[:, None] - 1)
+    keys_prompt = cp0[:, None] + torch.minimum(ar_p[None, :], cp[:, None] - 1)  # (C, P)
+    comp_k = torch.cat([keys_prompt, comp_q], 1)
+    sees_prompt = (ar_p[None, :] < cp[:, None])[:, None, :].expand(-1, T, -1)  # (C, T, P)
+    sees_self = (ar_t[:, None] >= ar_t[None, :])[None] & comp_real[:, None, :]  # (C, T, T)
+    comp_mask = torch.cat([sees_prompt, sees_self], 2)
+    return PrefixIndex(prompt_q, prompt_mask[:, None], _take(prompt_real), comp_q, comp_k, comp_mask[:, None],
+                       _take(comp_real), _order(prompt_q, prompt_real, comp_q, comp_real))
+
+
+def _take(real: torch.Tensor) -> torch.Tensor:
+    return real.reshape(-1).nonzero()[:, 0]
+
+
+def _order(prompt_q, prompt_real, comp_q, comp_real) -> torch.Tensor:
+    """PrefixIndex.order: the inverse of the row's positions listed as [real prompt cells, real completion cells]."""
+    listed = torch.cat([prompt_q[prompt_real], comp_q[comp_real]])
+    order = torch.empty_like(listed)
+    order[listed] = torch.arange(listed.shape[0])
+    return order
+
+
+@dataclass
 class PackedRows:
     """One micro-batch in the packed layout (see the module docstring); built on the CPU by `pack`."""
 
@@ -139,10 +205,17 @@ class PackedRows:
     keep_columns: torch.Tensor  # (k,): the columns holding a scoring position (logits_to_keep of the logits path)
     kept_index: torch.Tensor  # (n_tok,): flat index into R x k of each scored token's logits on the logits path
     packing: Packing
+    prefix: PrefixIndex | None = None  # with Packing.mask "prefix": where each token goes for grouped attention
 
     def to(self, device) -> "PackedRows":
         return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device, non_blocking=True)
-                                            for f in dataclasses.fields(self) if f.name != "packing"})
+                                            for f in dataclasses.fields(self)
+                                            if f.name != "packing" and getattr(self, f.name) is not None})
+
+    def attention_kwargs(self) -> dict:
+        """Keyword arguments the model's forward passes on to its attention function: the grouped attention's index
+        (grpo/engines/cpu/attention.py) with Packing.mask "prefix", else none."""
+        return {} if self.prefix is None else {"grpo_prefix": self.prefix}
 
     def unpack(self, values: torch.Tensor) -> torch.Tensor:
         """(n_tok,) values of the scored tokens -> (n, W), 0 past each row's end; differentiable."""
@@ -157,6 +230,8 @@ class PackedRows:
         """The (R, 1, L, L) mask of shared prompts on the rows' device: position i sees position j <= i of its own
         unit when j is on the prompt or on i's own completion (boolean for sdpa; 0 / dtype's min added for eager);
         None for whole sequences, which transformers masks from the position ids."""
+        if self.packing.mask == "prefix":  # a 4D placeholder transformers passes on as it is; the grouped
+            return torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.segments.device)  # attention ignores it
         if not self.packing.shared_prompts:
             return None
         idx = torch.arange(self.segments.shape[1], device=self.segments.device)
@@ -250,6 +325,7 @@ def _layout(input_ids, plen, clen, prompt_width, width, units, sizes, rows, pack
     pieces: list[tuple[int, int, int, int, int, int]] = []
     predictor = [0] * len(clen)  # flat index of the position predicting each row's first completion token
     body_start = [0] * len(clen)  # flat index of its second token's predictor (its first token, packed)
+    spans = []  # per unit: (prompt start, prompt length, [(completion start, its length in the model)])
     src_width = input_ids.shape[1]
     for row_index, row in enumerate(rows):
         at = row_index * length
@@ -257,11 +333,13 @@ def _layout(input_ids, plen, clen, prompt_width, width, units, sizes, rows, pack
             owner, members = units[u]
             p = plen[owner]
             pieces.append((at, owner * src_width + prompt_width - p, p, 0, u, 0))
+            spans.append((at, p, []))
             at += p
             prompt_last = at - 1
             for k, r in enumerate(members, start=1):
                 predictor[r], body_start[r] = prompt_last, at
                 pieces.append((at, r * src_width + prompt_width, clen[r] - 1, p, u, k))
+                spans[-1][2].append((at, clen[r] - 1))
                 at += clen[r] - 1
     starts, sources, lens, pos0, segs, branches = (torch.tensor(col, dtype=torch.long) for col in zip(*pieces))
     total = int(lens.sum())
@@ -289,8 +367,9 @@ def _layout(input_ids, plen, clen, prompt_width, width, units, sizes, rows, pack
     columns = score_index % length
     keep = torch.unique(columns)
     kept_index = (score_index // length) * keep.numel() + torch.searchsorted(keep, columns)
+    prefix = prefix_index(spans) if packing.mask == "prefix" else None  # (one row: flat indices are positions)
     return PackedRows(ids.view(n_rows, length), positions.view(n_rows, length), segments.view(n_rows, length),
-                      branch.view(n_rows, length), score_index, targets, layout, keep, kept_index, packing)
+                      branch.view(n_rows, length), score_index, targets, layout, keep, kept_index, packing, prefix)
 
 
 def _pad_positions(is_pad: torch.Tensor) -> torch.Tensor:

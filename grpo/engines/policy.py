@@ -16,7 +16,7 @@ import torch
 
 from grpo.core import LossOutput, hidden_logprobs, token_entropy, token_logprobs
 from grpo.engines.kv_cache import distinct_rows, expand_cache, positions as position_ids, preallocated_cache
-from grpo.engines.packing import PackedRows
+from grpo.engines.packing import PackedRows, Packing, choose_packing
 
 
 @dataclass
@@ -47,6 +47,10 @@ class TransformersBackend:
 
     def __init__(self, model, accelerator):
         self.model, self.accel = model, accelerator
+
+    def packing(self, model, enabled: bool) -> tuple[Packing | None, str]:
+        """How this backend's passes pack micro-batches for `model` (None: padded, and why)."""
+        return choose_packing(model, enabled)
 
     def prepare(self) -> None:
         """Ready the model for training (the plain backend changes nothing)."""
@@ -140,7 +144,7 @@ def packed_hidden(model, packed: PackedRows) -> torch.Tensor:
     """The decoder's final hidden states (n_tok, H) at the positions that predict the scored tokens of a packed
     micro-batch (`PackedRows.score_index`)."""
     out = model.get_decoder()(input_ids=packed.input_ids, attention_mask=packed.attention_mask(_dtype(model)),
-                              position_ids=packed.position_ids, use_cache=False)
+                              position_ids=packed.position_ids, use_cache=False, **packed.attention_kwargs())
     hidden = out.last_hidden_state  # (R, L, H)
     return hidden.reshape(-1, hidden.shape[-1]).index_select(0, packed.score_index)
 
@@ -166,7 +170,8 @@ def _packed_logprobs(model, packed: PackedRows, temperature: float, with_entropy
                                         kernels=tile_kernels and tile_kernels(hidden.dtype, hidden.device))
     else:
         out = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask(_dtype(model)),
-                    position_ids=packed.position_ids, logits_to_keep=packed.keep_columns, use_cache=False)
+                    position_ids=packed.position_ids, logits_to_keep=packed.keep_columns, use_cache=False,
+                    **packed.attention_kwargs())
         logits = out.logits.reshape(-1, out.logits.shape[-1]).index_select(0, packed.kept_index)[None]  # (1, n_tok, V)
         logp = token_logprobs(logits, targets, temperature=temperature)
         with torch.no_grad():

@@ -211,9 +211,10 @@ class TransformersSampler:
         new_logprobs = torch.zeros((n, p.max_new_tokens), dtype=torch.float32, device=device)
         length = torch.zeros(n, dtype=torch.long, device=device)
         ended = torch.zeros(n, dtype=torch.bool, device=device)
-        # The batch's rows: `row[i]` is batch row i's row of the rollout; rows that have ended leave the batch once
-        # they are a quarter of it (_LEAVE_FRACTION), so a long completion does not keep the short ones computing.
-        row, done = torch.arange(n, device=device), torch.zeros(n, dtype=torch.bool, device=device)
+        # The batch's rows: `row[i]` is batch row i's row of the rollout (all of them, in order, until the first
+        # leave); rows that have ended leave the batch once they are a quarter of it (_LEAVE_FRACTION), so a long
+        # completion does not keep the short ones computing.
+        row, done = slice(None), torch.zeros(n, dtype=torch.bool, device=device)
         pos = pos[:, -1:]
         # The uniforms come from CPU generators, so the random streams do not depend on the device.
         uniforms = uniform_streams(rngs, p.max_new_tokens).to(device)
@@ -235,6 +236,7 @@ class TransformersSampler:
                 if finished == done.shape[0]:
                     break
                 if cache is not None and finished >= _LEAVE_FRACTION * done.shape[0]:
+                    row = torch.arange(n, device=device)[row]
                     ended[row[done]] = True
                     keep = (~done).nonzero()[:, 0]
                     row, token, pos, uniforms, done = (x[keep] for x in (row, token, pos, uniforms, done))
@@ -250,7 +252,7 @@ class TransformersSampler:
                 out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=pos,
                                  past_key_values=out.past_key_values, use_cache=True)
                 logits = out.logits[:, -1, :]
-        ended[row[done]] = True
+        ended[torch.arange(n, device=device)[row][done]] = True
         # One synchronisation for the whole rollout: everything comes to the host here.
         rows, lps, length, ended = new_tokens.cpu(), new_logprobs.cpu(), length.cpu(), ended.cpu().tolist()
         bad = ~torch.isfinite(lps) & (torch.arange(lps.shape[1]) < length[:, None])  # (see sample_rows)

@@ -27,7 +27,6 @@ import torch
 from grpo.config import GRPOConfig
 from grpo.core import engine_importance_weights, policy_loss
 from grpo.engines.base import SamplingParams
-from grpo.engines.packing import choose_packing
 from grpo.engines.policy import reference_view
 from grpo.engines.select import choose_engine, make_engine, make_vllm
 from grpo.training import checkpoint as ckpt
@@ -113,7 +112,7 @@ class GRPOTrainer:
             generator = make_vllm(cfg, self.policy, self.tokenizer, self.accel)
         self.generator, self.backend = make_engine(self.engine, self.model, self.policy, self.accel, self.tokenizer,
                                                    self.params, self.reference, generator)
-        packing, why = choose_packing(self.policy, cfg.use_remove_padding)
+        packing, why = self.backend.packing(self.policy, cfg.use_remove_padding)
         self.micro = MicroBatches(cfg.per_device_train_batch_size, cfg.max_tokens_per_micro_batch, packing, self.procs,
                                   why)
         self.sampler = PromptSampler(len(self.train_set), cfg.seed)

@@ -19,10 +19,10 @@ import torch
 from grpo.core import LossOutput, hidden_loss
 from grpo.engines import policy
 from grpo.engines.base import SamplingParams
-from grpo.engines.cpu import native
+from grpo.engines.cpu import attention, decoding, native
 from grpo.engines.cpu.fused import fuse_decoder_ops, unfuse_decoder_ops
 from grpo.engines.cpu.sampler import CPUSampler
-from grpo.engines.packing import PackedRows
+from grpo.engines.packing import PackedRows, Packing
 from grpo.engines.policy import LossFn, MicroBatch, TransformersBackend, dropout_active, plain_head
 
 
@@ -60,7 +60,8 @@ class CPUBackend(TransformersBackend):
         self.lend_head_grad = (self.sampling_estimates and not self.frozen_head and head.weight.device.type == "cpu"
                                and head.weight.dtype == torch.float32 and torch.get_num_threads() == 1
                                and native.library() is not None  # (the packed copy is the compiled head's,
-                               and native.library().lean_wide_vectors())  # which sampling takes with AVX-512)
+                               and native.library().lean_wide_vectors()  # which sampling takes with AVX-512
+                               and head.weight.numel() > decoding._SMALL_HEAD)  # for a head not kept as it is)
         self._head_grad_space: torch.Tensor | None = None  # the flat memory under the head's gradient, when lent
         self.sparse_embedding = False
         self.prepare()
@@ -69,16 +70,25 @@ class CPUBackend(TransformersBackend):
         return [self.model] + ([getattr(self.reference, "module", self.reference)] if self.reference is not None
                                else [])
 
+    def packing(self, model, enabled: bool) -> tuple[Packing | None, str]:
+        """Shared prompts in one row with the grouped attention (`attention.py`) where `prepare` switched the
+        model's attention to it; otherwise transformers' packing."""
+        if enabled and attention.switched(model):
+            return Packing(True, "prefix", None, "grouped sdpa"), ""
+        return super().packing(model, enabled)
+
     def prepare(self) -> None:
         self.sparse_embedding = sparse_tied_embedding_grad(self.model)
-        for module in self._modules():  # the MLP activations and RMSNorms as compiled passes
+        for module in self._modules():  # the MLP activations and RMSNorms as compiled passes; grouped attention
             fuse_decoder_ops(module)
+            attention.use_prefix_attention(module)
 
     def release(self) -> None:
         if self.sparse_embedding:
             sparse_tied_embedding_grad(self.model, sparse=False)
         for module in self._modules():
             unfuse_decoder_ops(module)
+            attention.restore_attention(module)
         self._head_grad_space = None
         if isinstance(self.sampler, CPUSampler):
             self.sampler.head_space = None
