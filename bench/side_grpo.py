@@ -2,7 +2,8 @@
 
 The phases are timed by wrapping, on the trainer instance, the generator's `generate` (sampling), the reward runner
 (reward functions) and `_score_logprobs` (the reference and old-policy log-probs), as bench/side_trl.py does on
-TRL's side; a step ends when `train_step` returns.
+TRL's side. Both count optimizer steps; a benchmark step is one rollout, which feeds num_iterations of them, so it
+ends when the num_iterations-th `train_step` of its rollout returns (as TRL's side closes a step).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ def settings(w: Workload, steps: int, run_dir: str) -> dict:
         prompts_per_step=w.prompts_per_step, num_generations=w.num_generations,
         max_completion_length=w.completion_length, temperature=1.0,
         per_device_train_batch_size=w.micro_batch, beta=w.beta, num_iterations=w.num_iterations,
-        learning_rate=w.learning_rate, lr_scheduler_type="constant", max_steps=steps,
+        learning_rate=w.learning_rate, lr_scheduler_type="constant", max_steps=steps * w.num_iterations,
         loss_type="dapo",  # TRL's default aggregation; with fixed-length completions every aggregation is equal
         save_steps=0, report_to=[], log_completions_steps=0, logging_steps=1,
     )
@@ -45,12 +46,15 @@ def train(w: Workload, model_dir: str, steps: int, run_dir: str, overrides: dict
                                        count=lambda out: sum(len(ids) for ids in out.ids))
     trainer.rollouts.rewards = timed(clock, "scoring", trainer.rollouts.rewards)
     trainer._score_logprobs = timed(clock, "logprobs", trainer._score_logprobs)
-    train_step = trainer.train_step
+    train_step, calls = trainer.train_step, [0]
 
     def timed_step():
-        clock.begin()
+        if calls[0] % w.num_iterations == 0:
+            clock.begin()
         metrics = train_step()
-        clock.end_step()
+        calls[0] += 1
+        if calls[0] % w.num_iterations == 0:
+            clock.end_step()
         return metrics
 
     trainer.train_step = timed_step

@@ -24,7 +24,7 @@ def build_char_tokenizer(path):
     return fast
 
 
-def build_tiny_model(path, hidden: int = 32, layers: int = 2, seed: int = 0):
+def build_tiny_model(path, hidden: int = 32, layers: int = 2, seed: int = 0, context: int = 256):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -32,7 +32,7 @@ def build_tiny_model(path, hidden: int = 32, layers: int = 2, seed: int = 0):
     torch.manual_seed(seed)
     config = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, tie_word_embeddings=True,
+                         max_position_embeddings=context, tie_word_embeddings=True,
                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
     model = Qwen2ForCausalLM(config)
     model.save_pretrained(path)
@@ -43,3 +43,20 @@ def build_tiny_model(path, hidden: int = 32, layers: int = 2, seed: int = 0):
 def tiny_model_dir(tmp_path_factory):
     """A 2-layer, 32-wide Qwen2 model and a byte tokenizer (258 tokens), saved to a temp directory."""
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny-model")))
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model_dir(tmp_path_factory):
+    """The tiny model with a chat template on its tokenizer (roles in <|...|>, one message a line), and a context of
+    1024 tokens for the default max_completion_length."""
+    from transformers import AutoTokenizer
+
+    path = build_tiny_model(tmp_path_factory.mktemp("tiny-chat-model"), context=1024)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    return str(path)

@@ -15,7 +15,7 @@ import sys
 from datasets import Dataset
 
 import grpo.training.checkpoint as ckpt
-import grpo.training.trainer as trainer_module
+import grpo.training.objective as objective_module
 from grpo import GRPOConfig, GRPOTrainer
 from rewards_for_tests import count_a
 
@@ -39,7 +39,7 @@ def main(config_path: str, point: str, kill_step: int) -> None:
 
         trainer.generator.generate = generate
     elif point == "micro_step":
-        real_loss, calls = trainer_module.policy_loss, []
+        real_loss, calls = objective_module.policy_loss, []
 
         def loss(*args, **kwargs):  # dies after the first micro-batch's backward of the step
             if at_step():
@@ -48,7 +48,7 @@ def main(config_path: str, point: str, kill_step: int) -> None:
                     die()
             return real_loss(*args, **kwargs)
 
-        trainer_module.policy_loss = loss
+        objective_module.policy_loss = loss
     elif point == "save":
         real_fsync_dir = ckpt._fsync_dir
 

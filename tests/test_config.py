@@ -42,7 +42,9 @@ def test_seed_aliases_and_trl_loss_type():
     # Seed 004's recipe keys: kl_penalty and clip_range are beta and epsilon.
     cfg = GRPOConfig.from_dict({"kl_penalty": 0.01, "clip_range": 0.3, "loss_type": "dr_grpo", "bf16": True})
     assert (cfg.beta, cfg.epsilon, cfg.epsilon_high) == (0.01, 0.3, 0.3)
-    assert cfg.loss_aggregation == "constant" and cfg.torch_dtype == "bfloat16"
+    # TRL's meanings: dr_grpo is a constant normalizer with the clip surrogate; bf16 is mixed precision over the
+    # weights' own dtype (torch_dtype sets that)
+    assert (cfg.loss_aggregation, cfg.surrogate) == ("constant", "clip") and cfg.torch_dtype == "float32" and cfg.bf16
     with pytest.raises(ConfigError, match="both 'kl_penalty' and 'beta' are set"):
         GRPOConfig.from_dict({"kl_penalty": 0.01, "beta": 0.02})
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from grpo.core import AGGREGATIONS, kl_penalty, policy_loss
+from grpo.core.loss import TOKEN_AGGREGATIONS
 
 
 def one_token(p_new, p_old, advantage, **kwargs):
@@ -222,7 +223,7 @@ def test_micro_batches_with_normalizer_sum_to_the_full_batch(aggregation):
     kwargs = {"aggregation": aggregation, "max_length": 5, "eps_high": 0.28}
     full = policy_loss(logp, old, adv, mask, **kwargs).loss
     (full_grad,) = torch.autograd.grad(full, logp)
-    normalizer = int(mask.sum()) if aggregation == "token_mean" else 6
+    normalizer = int(mask.sum()) if aggregation in TOKEN_AGGREGATIONS else 6
     parts = [policy_loss(logp[rows], old[rows], adv[rows], mask[rows], normalizer=normalizer, **kwargs).loss
              for rows in (slice(0, 2), slice(2, 6))]
     (parts_grad,) = torch.autograd.grad(sum(parts), logp)
@@ -330,8 +331,10 @@ def slow_policy_loss(logp, old, adv, mask, ref, beta, estimator, eps_low, eps_hi
         sequence_terms.append(sum(row_terms, zero) / max(len(valid), 1))
     if aggregation == "sequence_mean":
         loss = sum(sequence_terms, zero) / rows
-    elif aggregation == "token_mean":
+    elif aggregation in TOKEN_AGGREGATIONS:  # (one micro-batch: the micro-batch's and the rollout's tokens too)
         loss = sum(token_terms, zero) / max(len(token_terms), 1)
+    elif aggregation == "sequence_sum":
+        loss = sum(token_terms, zero) / rows
     else:
         loss = sum(token_terms, zero) / (rows * max_length)
     count = max(len(surrogates), 1)

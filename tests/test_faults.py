@@ -10,7 +10,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-import grpo.training.trainer as trainer_module
+import grpo.training.objective as objective_module
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.training.checkpoint import latest_checkpoint
 from grpo.rewards import RewardError
@@ -32,7 +32,7 @@ def data():
 
 def nan_loss_at(steps: set[int], trainer_ref: list):
     """Wrap policy_loss so its loss is NaN while the trainer is at one of `steps` (1-based)."""
-    real = trainer_module.policy_loss
+    real = objective_module.policy_loss
 
     def patched(*args, **kwargs):
         out = real(*args, **kwargs)
@@ -45,7 +45,7 @@ def nan_loss_at(steps: set[int], trainer_ref: list):
 
 def test_nan_loss_step_is_skipped_and_the_run_survives(tiny_model_dir, tmp_path, monkeypatch):
     ref: list = [None]
-    monkeypatch.setattr(trainer_module, "policy_loss", nan_loss_at({2}, ref))
+    monkeypatch.setattr(objective_module, "policy_loss", nan_loss_at({2}, ref))
     t = GRPOTrainer(model=tiny_model_dir, reward_funcs=[count_a], args=config(tmp_path), train_dataset=data())
     ref[0] = t
     t.train()
@@ -59,7 +59,7 @@ def test_nan_loss_step_is_skipped_and_the_run_survives(tiny_model_dir, tmp_path,
 
 def test_nan_streak_stops_with_last_checkpoint_intact(tiny_model_dir, tmp_path, monkeypatch):
     ref: list = [None]
-    monkeypatch.setattr(trainer_module, "policy_loss", nan_loss_at({3, 4, 5, 6}, ref))
+    monkeypatch.setattr(objective_module, "policy_loss", nan_loss_at({3, 4, 5, 6}, ref))
     cfg = config(tmp_path, max_steps=8, max_nonfinite_steps=2)
     t = GRPOTrainer(model=tiny_model_dir, reward_funcs=[count_a], args=cfg, train_dataset=data())
     ref[0] = t
@@ -103,7 +103,9 @@ def all_none(completions, **kwargs):
     (all_none, "every reward function (all_none) returned None for row 0"),
 ])
 def test_faulty_reward_stops_with_a_named_error(tiny_model_dir, tmp_path, func, message):
-    t = GRPOTrainer(model=tiny_model_dir, reward_funcs=[func], args=config(tmp_path), train_dataset=data())
+    # (a row no function scores stops the run with reward_on_all_none: raise; TRL's warning is the default)
+    t = GRPOTrainer(model=tiny_model_dir, reward_funcs=[func], args=config(tmp_path, reward_on_all_none="raise"),
+                    train_dataset=data())
     with pytest.raises(RewardError) as err:
         t.train()
     assert message in str(err.value), str(err.value)

@@ -31,8 +31,15 @@ def batch_of(prompts, completions):
 BATCH = ([[5, 6, 7], [5, 6, 7], [8, 9], [8, 9]], [[1, 2, 3, 4], [1, 2], [1, 2, 3, 4, 5], [1]])
 
 
-def cuts(planner, batch, rows=slice(None)):
-    return [(p.rows.start, p.rows.stop, p.tokens) for p in planner.plan(batch, rows)]
+def span(plan):
+    """(first row, last row + 1) of a micro-batch of consecutive rows."""
+    rows = plan.rows.tolist()
+    assert rows == list(range(rows[0], rows[-1] + 1))
+    return rows[0], rows[-1] + 1
+
+
+def cuts(planner, batch, rows=None):
+    return [(*span(p), p.tokens) for p in planner.plan(batch, rows)]
 
 
 def test_token_budget_cuts_by_hand():
@@ -42,7 +49,12 @@ def test_token_budget_cuts_by_hand():
     assert cuts(MicroBatches(64, 7, shared, OneProcess()), batch) == [(0, 2, 7), (2, 4, 6)]
     assert cuts(MicroBatches(64, 6, shared, OneProcess()), batch) == [(0, 1, 6), (1, 2, 4), (2, 4, 6)]
     assert cuts(MicroBatches(64, 1, shared, OneProcess()), batch) == [(0, 1, 6), (1, 2, 4), (2, 3, 6), (3, 4, 2)]
-    assert cuts(MicroBatches(64, 7, shared, OneProcess()), batch, slice(1, 4)) == [(1, 2, 4), (2, 4, 6)]
+    assert cuts(MicroBatches(64, 7, shared, OneProcess()), batch, torch.arange(1, 4)) == [(1, 2, 4), (2, 4, 6)]
+    # A step's rows in the order they come (a shuffled slice of the rollout), 3 0 1 2: row 3 first pays its prompt,
+    # 2+0; with row 0 (3+3) that is 8 > 7, so 3 alone; rows 0 and 1 share [5 6 7]: 6 + 0+1 = 7; row 2 alone, 2+4.
+    got = [(p.rows.tolist(), p.tokens) for p in MicroBatches(64, 7, shared, OneProcess()).plan(batch, torch.tensor(
+        [3, 0, 1, 2]))]
+    assert got == [([3], 2), ([0, 1], 7), ([2], 6)]
     # Whole sequences: every row pays its prompt (rows 0..3: 6, 4, 6, 2).
     assert cuts(MicroBatches(64, 10, Packing(False, None, 1e-3), OneProcess()), batch) == [(0, 2, 10), (2, 4, 8)]
     # Padded: rows x (prompt width 3 + the micro-batch's completion width - 1): rows 0-1 2 x 6, rows 2-3 2 x 7.
@@ -60,7 +72,7 @@ def test_every_process_runs_as_many_micro_batches_as_the_one_that_needs_most():
             return torch.cat([t, torch.tensor([4])])
 
     plans = MicroBatches(64, 7, Packing(True, "bool", None), TwoProcesses()).plan(batch_of(*BATCH))
-    assert [(p.rows.start, p.rows.stop) for p in plans] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert [span(p) for p in plans] == [(0, 1), (1, 2), (2, 3), (3, 4)]
 
 
 def test_the_token_budget_is_a_config_key_with_verls_name_as_alias():
@@ -146,6 +158,21 @@ def test_padding_free_training_is_the_padded_training(tiny_model_dir, tmp_path, 
     assert_same_training(*runs)
 
 
+@pytest.mark.parametrize("overrides", [
+    # two optimizer steps per rollout pass (generation_batch_size 24 = 2 x 12): shuffled slices, old log-probs from
+    # a scoring pass; TRL's bnpo normalizes by each micro-batch's tokens
+    dict(loss_type="bnpo", generation_batch_size=24),
+    dict(loss_type="cispo", top_entropy_quantile=0.5),  # the high-entropy token mask (a quantile over every token)
+    dict(loss_type="sapo", entropy_coef=0.05),  # the entropy bonus: its gradient through the packed entropies
+    dict(loss_type="luspo", delta=1.5, off_policy_mask_threshold=0.01, importance_sampling_level="sequence"),
+])
+def test_padding_free_training_is_the_padded_training_for_trls_losses(tiny_model_dir, tmp_path, overrides):
+    """TRL's loss family on packed rows: the same gradients, losses and weights as on padded ones."""
+    runs = [train(tiny_model_dir, tmp_path / str(pad), use_remove_padding=pad, **overrides) for pad in (True, False)]
+    assert runs[0][3].micro.packing is not None and runs[1][3].micro.packing is None
+    assert_same_training(*runs)
+
+
 def test_padding_free_training_with_lora_is_the_padded_training(tiny_model_dir, tmp_path):
     """With LoRA the reference is the policy with its adapters off, and the frozen head takes the one-pass loss's
     buffer: packed and padded passes give the same adapter gradients and weights, under gradient checkpointing."""
@@ -181,6 +208,6 @@ def test_token_budget_micro_batches_give_the_one_batch_training(tiny_model_dir, 
     budget = train(tiny_model_dir, tmp_path / "budget", per_device_train_batch_size=12, loss_aggregation="token_mean",
                    max_tokens_per_micro_batch=40)
     plans = budget[3].micro.plan(budget[3].rollout())
-    assert len(plans) >= 3 and len({p.rows.stop - p.rows.start for p in plans}) > 1
-    assert all(p.tokens <= 40 or p.rows.stop - p.rows.start == 1 for p in plans)
+    assert len(plans) >= 3 and len({len(p) for p in plans}) > 1
+    assert all(p.tokens <= 40 or len(p) == 1 for p in plans)
     assert_same_training(budget, one)

@@ -1,8 +1,10 @@
 """kill -9 at several points of a step, then resume: the final weights equal an uninterrupted run's, bit for bit.
 
 The matrix: kill during generation, between micro-steps (gradient accumulation on: 2 micro-batches per update),
-and during a checkpoint save; with num_iterations 1 and 2. Checkpoints are written every step, so each kill leaves
-a newest complete checkpoint (or a half-written `.tmp` one, which resume must skip) before the killed step.
+and during a checkpoint save; with num_iterations 1 and 2. Checkpoints are written every optimizer step, so each
+kill leaves a newest complete checkpoint (or a half-written `.tmp` one, which resume must skip) before the killed
+step. With num_iterations 2 a rollout feeds two optimizer steps, so the checkpoint of step 1 is taken inside a
+rollout: a kill at step 2 resumes from it, with the rollout it kept.
 """
 
 from __future__ import annotations
@@ -43,20 +45,20 @@ def read_rows(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("point", ["generation", "micro_step", "save"])
-def test_kill_and_resume_matches_uninterrupted(straight, tmp_path, point):
+@pytest.mark.parametrize("point, kill_step", [("generation", 3), ("micro_step", 3), ("save", 3), ("micro_step", 2)])
+def test_kill_and_resume_matches_uninterrupted(straight, tmp_path, point, kill_step):
     cfg, want, want_rows = straight
     cfg = {**cfg, "output_dir": str(tmp_path / "run")}
-    assert run_driver(cfg, tmp_path, point, kill_step=3) == -signal.SIGKILL
+    assert run_driver(cfg, tmp_path, point, kill_step=kill_step) == -signal.SIGKILL
     assert not (tmp_path / "run" / "final").exists()
     if point == "save":
-        assert (tmp_path / "run" / "checkpoint-3.tmp").exists()  # the half-written one, never to be resumed
+        assert (tmp_path / "run" / f"checkpoint-{kill_step}.tmp").exists()  # half-written, never to be resumed
     assert run_driver({**cfg, "resume": True}, tmp_path, "none", 0) == 0
     got = load_file(str(tmp_path / "run" / "final" / "model.safetensors"))
     diff = max((got[k] - want[k]).abs().max().item() for k in want)
     assert diff == 0.0, f"{point}: max |dtheta| = {diff}"
     rows = read_rows(tmp_path / "run")
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # the killed step's partial logs are dropped
-    keys = ("reward/total", "policy/loss", "train/grad_norm", "policy/kl_divergence")
-    differ = [r["step"] for r, w in zip(rows, want_rows) if any(r[k] != w[k] for k in keys)]
+    keys = ("reward/total", "policy/loss", "train/grad_norm", "policy/kl_divergence")  # (rewards: rollout steps)
+    differ = [r["step"] for r, w in zip(rows, want_rows) if any(r.get(k) != w.get(k) for k in keys)]
     assert differ == [], f"{point}: steps that differ from the uninterrupted run: {differ}"

@@ -8,6 +8,7 @@ import textwrap
 
 import pytest
 
+from grpo.rewards import r1_format
 from grpo.rewards import (
     ALIASES,
     BUILTINS,
@@ -60,7 +61,7 @@ def test_trl_and_open_r1_functions_run_unchanged():
     conversational = [[{"role": "assistant", "content": text}] for text in (" 7", "8", "7 ")]
     runner = RewardRunner([resolve_reward(open_r1_accuracy), resolve_reward("format")])
     out = runner(PROMPTS, conversational, IDS, {"solution": ["7", "7", "7"]})
-    assert out.per_func == {"open_r1_accuracy": [1.0, 0.0, 1.0], "think_format": [0.0, 0.0, 0.0]}
+    assert out.per_func == {"open_r1_accuracy": [1.0, 0.0, 1.0], "r1_format": [0.0, 0.0, 0.0]}
 
 
 def test_weights_and_none_follow_trl_nansum():
@@ -216,7 +217,9 @@ def test_runner_rejects_bad_setup():
 
 def test_resolve_builtins_aliases_and_settings():
     assert resolve_reward("think_format") == ("think_format", think_format)
-    assert resolve_reward("format") == ("think_format", think_format)
+    assert resolve_reward("format") == ("r1_format", r1_format)  # open-r1's format_reward, exactly
+    assert r1_format(["<think>\na\n</think>\n<answer>\n1\n</answer>", "<think>a</think>\n<answer>1</answer>"]) == \
+        [1.0, 0.0]
     assert resolve_reward("accuracy") == ("math_accuracy", math_accuracy)
     assert resolve_reward(countdown) == ("countdown", countdown)
     name, func = resolve_reward({"name": "countdown", "exact_use": True, "format_score": 0.1})

@@ -84,7 +84,7 @@ def test_seed_004_recipes_run(tmp_path, tiny_model_dir, math_100_samples, recipe
     assert code == 0
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "reward/total" in r] == [1, 2]
-    assert "reward/math_accuracy" in rows[-1] and "reward/think_format" in rows[-1]
+    assert "reward/math_accuracy" in rows[-1] and "reward/r1_format" in rows[-1]  # (open-r1's accuracy and format)
     assert (tmp_path / "out" / "final" / "config.json").exists()
 
 

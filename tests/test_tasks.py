@@ -188,3 +188,21 @@ def test_held_out_rows_are_distinct_problems():
     assert len(set(rows["expression"])) == 500
     with pytest.raises(ValueError, match="held-out problems are distinct"):
         get_task("arithmetic").dataset("test", n=200, seed=0, difficulty=1)  # ~49 held-out problems exist
+
+
+def test_a_task_data_file_takes_the_tasks_prefill_and_rewards(tmp_path):
+    """A data file in a built-in task's format trains with the task's <think> prefill and rewards when the task is
+    named beside it (without the prefill the shipped model scores zero); alone, it is plain data."""
+    from pathlib import Path
+
+    from grpo import GRPOConfig, GRPOTrainer
+
+    data = str(Path(__file__).parent.parent / "examples" / "data" / "arithmetic" / "train.jsonl")
+    with_task = GRPOTrainer(args=GRPOConfig(task="arithmetic", dataset_name=data, output_dir=str(tmp_path / "a"),
+                                            report_to=[]))
+    assert with_task.prefill == "<think>" and with_task.reward_names == ["math_accuracy", "think_format"]
+    think = with_task.tokenizer.encode("<think>", add_special_tokens=False)
+    assert with_task.train_set.prompt_ids[0][-len(think):] == think
+    plain = GRPOTrainer(args=GRPOConfig(dataset_name=data, reward_funcs=["math_accuracy"],
+                                        output_dir=str(tmp_path / "b"), report_to=[]))
+    assert plain.prefill == "" and plain.task is None

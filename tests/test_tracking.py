@@ -99,7 +99,7 @@ def test_new_run_starts_a_fresh_metrics_file(tmp_path):
 
 
 def test_unknown_report_to_lists_allowed_names(tmp_path):
-    with pytest.raises(ValueError, match=r"unknown \['mlflow'\]; allowed are \['tensorboard', 'wandb'\]"):
+    with pytest.raises(ValueError, match=r"unknown \['mlflow'\]; allowed are \['tensorboard', 'wandb', 'trackio'\]"):
         RunLogger(tmp_path, report_to=["tensorboard", "mlflow"])
 
 

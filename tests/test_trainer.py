@@ -3,6 +3,7 @@ recipes run. Nothing is downloaded."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 
@@ -89,7 +90,7 @@ def test_one_pass_loss_gradient_matches_the_two_pass_path(tiny_model_dir, tmp_pa
         kw["logp_estimate"] is not None) or hidden_loss(*a, **kw))
     runs = []
     for fused in (True, False):
-        cfg = base_config(tmp_path / str(fused), max_steps=3, beta=0.04, num_iterations=2,
+        cfg = base_config(tmp_path / str(fused), max_steps=6, beta=0.04, num_iterations=2,  # 3 rollouts
                           per_device_train_batch_size=16, importance_sampling_level=ratio_level,
                           loss_aggregation="sequence_mean")
         t = GRPOTrainer(model=tiny_model_dir, reward_funcs=[count_a], args=cfg, train_dataset=prompts())
@@ -140,8 +141,9 @@ def test_head_gradient_memory_is_lent_to_the_next_rollouts_packed_head(tiny_mode
             return norm
 
         t._optimizer_step = optimizer_step
-        for i in range(3):  # the first step through the row buffer; then seeded (a second iteration: two passes)
-            monkeypatch.setattr(model_module, "_FUSED_ELEMENTS", 10**9 if i == 0 else 1)
+        for i in range(3 * iterations):  # the first rollout through the row buffer; then seeded (a second
+            # iteration: two passes); one optimizer step per call
+            monkeypatch.setattr(model_module, "_FUSED_ELEMENTS", 10**9 if i < iterations else 1)
             t.train_step()
             t.step += 1
         runs.append({k: v.clone() for k, v in t.policy.state_dict().items()})
@@ -321,8 +323,8 @@ def test_lora_frozen_head_seeded_in_every_iteration_matches_the_two_pass_path(ti
         kw["logp_estimate"] is not None) or hidden_loss(*a, **kw))
     runs = []
     for fused in (True, False):
-        cfg = base_config(tmp_path / str(fused), max_steps=2, use_peft=True, lora_r=4, lora_alpha=8, beta=0.04,
-                          lora_dropout=0.1, num_iterations=2, per_device_train_batch_size=16)
+        cfg = base_config(tmp_path / str(fused), max_steps=4, use_peft=True, lora_r=4, lora_alpha=8, beta=0.04,
+                          lora_dropout=0.1, num_iterations=2, per_device_train_batch_size=16)  # 2 rollouts
         t = GRPOTrainer(model=tiny_model_dir, reward_funcs=[count_a], args=cfg, train_dataset=prompts())
         assert t.backend.frozen_head and t.backend.sampling_estimates
         t.backend.fused_loss = fused
@@ -414,6 +416,8 @@ def test_a_float16_loss_scale_is_undone_before_clipping(tiny_model_dir, tmp_path
         return t
 
     monkeypatch.setattr(Accelerator, "mixed_precision", property(lambda self: "fp16"))
+    # (only the scaler is emulated: float16 autocast on the CPU would round the scaled run's passes differently)
+    monkeypatch.setattr(Accelerator, "autocast", lambda self, *a, **kw: contextlib.nullcontext())
 
     plain, scaled = trainer("plain"), trainer("scaled", scale=2.0**10)
     norms = [plain.train_step()["train/grad_norm"], scaled.train_step()["train/grad_norm"]]

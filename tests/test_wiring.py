@@ -389,18 +389,19 @@ def test_process_and_outcome_weights_mix_token_advantages(tiny_model_dir, tmp_pa
 
 
 # ---- step metrics over num_iterations updates ---------------------------------------------------------------------
-def test_entropy_is_the_first_pass_mean_whatever_the_number_of_iterations(tiny_model_dir, tmp_path):
-    """The entropy is taken in the first pass over a rollout only: its logged mean is over that pass's tokens, so a
-    2-iteration step logs the entropy by hand of the rollout (it logged half of it when divided by both passes'
-    tokens), and the 1-iteration step the same."""
-    logged = {}
-    for mu in (1, 2):
-        t = make_trainer(tiny_model_dir, tmp_path / str(mu), num_iterations=mu)
-        start = weights(t)
-        batch = t.rollout()
-        logged[mu] = t.update(batch)["policy/entropy"]
-    with torch.no_grad():
-        entropy = token_entropy(forward_logits(fresh_model(tiny_model_dir, start), batch))
+def test_each_optimizer_step_logs_the_entropy_of_its_own_pass(tiny_model_dir, tmp_path):
+    """With num_iterations=2 a rollout feeds two optimizer steps; each logs the entropy of its own pass over the
+    rollout (as TRL does): the first at the sampling weights, the second at the weights after the first step."""
+    t = make_trainer(tiny_model_dir, tmp_path, num_iterations=2)
+    start = weights(t)
+    first = t.train_step()["policy/entropy"]
+    middle = weights(t)
+    second = t.train_step()["policy/entropy"]
+    batch = t.pending[0]
     mask = batch.completion_mask.bool()
-    assert_close(logged[2], float(entropy[mask].mean()), what="entropy, 2 iterations")
-    assert_close(logged[1], logged[2], what="entropy, 1 against 2 iterations")
+    with torch.no_grad():
+        want = [float(token_entropy(forward_logits(fresh_model(tiny_model_dir, w), batch))[mask].mean())
+                for w in (start, middle)]
+    assert_close(first, want[0], what="entropy, first pass")
+    assert_close(second, want[1], what="entropy, second pass")
+    assert_apart(want[0], want[1], rel=2e-4, what="the two passes' entropies")  # (twice assert_close's tolerance)

@@ -20,15 +20,24 @@ Where our defaults depart from the DeepSeekMath paper (arXiv:2402.03300, section
 
 Options the paper does not have, all off by default so the default loss is the paper's: asymmetric clipping
 (`eps_high`, DAPO), sequence-level ratios (`ratio_level="sequence"`, GSPO), batch or no std scaling
-(`scale="batch"/"none"`, Dr. GRPO), token-mean and constant aggregation (DAPO, Dr. GRPO), k1/k2 KL estimators,
-and a weighted mix of outcome and process advantages (`mix_advantages`).
+(`scale="batch"/"none"`, Dr. GRPO), token-mean, constant and TRL's other aggregations, k1/k2 KL estimators and the
+ratio-corrected KL (DeepSeek-V3.2), other surrogates (CISPO, SAPO, VESPO: `surrogates.py`), off-policy and
+high-entropy masks (`masks.py`), the entropy bonus (`entropy.py`), GDPO's decoupled normalization
+(`decoupled_advantages`), reference syncing (`reference.py`), and a weighted mix of outcome and process advantages
+(`mix_advantages`).
 """
 
-from grpo.core.advantages import ADVANTAGE_SCALES, group_advantages, mix_advantages, process_advantages
+from grpo.core.advantages import (ADVANTAGE_SCALES, decoupled_advantages, group_advantages, mix_advantages,
+                                   process_advantages)
+from grpo.core.entropy import adaptive_entropy_coef, applied_entropy_coef, entropy_bonus
 from grpo.core.head_loss import hidden_loss
 from grpo.core.importance import IMPORTANCE_SAMPLING_MODES, engine_importance_weights
 from grpo.core.logprobs import hidden_logprobs, token_entropy, token_logprobs
-from grpo.core.loss import AGGREGATIONS, KL_ESTIMATORS, RATIO_LEVELS, LossOutput, kl_penalty, policy_loss
+from grpo.core.loss import (AGGREGATIONS, KL_ESTIMATORS, RATIO_LEVELS, LossOutput, aggregation_normalizer,
+                            kl_penalty, policy_loss)
+from grpo.core.masks import entropy_threshold, high_entropy_mask, off_policy_mask
+from grpo.core.reference import sync_reference_
+from grpo.core.surrogates import SURROGATES, cispo_surrogate, clip_surrogate, sapo_surrogate, vespo_weights
 
 __all__ = [
     "ADVANTAGE_SCALES",
@@ -36,9 +45,23 @@ __all__ = [
     "IMPORTANCE_SAMPLING_MODES",
     "KL_ESTIMATORS",
     "RATIO_LEVELS",
+    "SURROGATES",
     "LossOutput",
+    "adaptive_entropy_coef",
+    "aggregation_normalizer",
+    "applied_entropy_coef",
+    "cispo_surrogate",
+    "clip_surrogate",
+    "decoupled_advantages",
     "engine_importance_weights",
+    "entropy_bonus",
+    "entropy_threshold",
     "group_advantages",
+    "high_entropy_mask",
+    "off_policy_mask",
+    "sapo_surrogate",
+    "sync_reference_",
+    "vespo_weights",
     "hidden_logprobs",
     "hidden_loss",
     "kl_penalty",

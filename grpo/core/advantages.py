@@ -94,6 +94,39 @@ def group_advantages(rewards: Tensor, scale: str = "group", eps: float = 1e-4, u
     return torch.where(keep, advantages, torch.zeros_like(advantages))
 
 
+def decoupled_advantages(rewards: Tensor, weights: Tensor, eps: float = 1e-4, unbiased: bool = True) -> Tensor:
+    """GDPO's "normalize then sum" (arXiv:2601.05242; TRL's multi_objective_aggregation="normalize_then_sum").
+
+    Each reward function k is normalized within its group, r~_k = (r_k - mean_group) / (std_group + eps); the
+    weighted sum s = sum_k w_k r~_k is then normalized over the whole batch, A = (s - mean(s)) / (std(s) + eps).
+
+    Args:
+        rewards: (B, G, K) one reward per completion and function; NaN where the function does not apply (it adds
+            nothing to that completion's sum). A completion with NaN for every function has no sum: it is left out
+            of the batch statistics and gets advantage 0.
+        weights: (K,) the functions' weights.
+        eps, unbiased: as in `group_advantages` (its "no signal" convention too: a function whose group has fewer
+            than two usable rewards, or all equal ones, contributes 0 to that group).
+
+    Returns:
+        (B, G) advantages.
+    """
+    if rewards.dim() != 3 or weights.shape != rewards.shape[2:]:
+        raise ValueError(f"decoupled_advantages: need rewards (B, G, K) and weights (K,), got "
+                         f"{tuple(rewards.shape)} and {tuple(weights.shape)}")
+    rewards = rewards.float()
+    num_groups, group_size, funcs = rewards.shape
+    per_func = torch.stack([group_advantages(rewards[:, :, k], "group", eps, unbiased) for k in range(funcs)], -1)
+    total = (per_func * weights.to(per_func.dtype)).sum(-1)  # (B, G); NaN rewards gave 0 above
+    scorable = ~torch.isnan(rewards).all(-1)  # (B, G)
+    flat = torch.where(scorable, total, torch.full_like(total, float("nan"))).reshape(-1)
+    mean, std, informative = _segment_stats(flat, torch.zeros(flat.shape[0], dtype=torch.long,
+                                                              device=flat.device), 1, unbiased)
+    advantages = (total - mean) / (std + eps)
+    keep = scorable & informative
+    return torch.where(keep, advantages, torch.zeros_like(advantages))
+
+
 def _check_steps(step_rewards: list, step_ends: list, mask: Tensor, group_size: int) -> None:
     """Raise ValueError naming the offending row if the process-supervision inputs do not fit together."""
     if mask.dim() != 2:

@@ -20,15 +20,45 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from grpo.core.surrogates import (SURROGATES, cispo_surrogate, clip_surrogate, sapo_surrogate, vespo_surrogate,
+                                  vespo_weights)
+
 RATIO_LEVELS = ("token", "sequence")
 """Allowed values of `policy_loss(ratio_level=...)`."""
 
-AGGREGATIONS = ("sequence_mean", "token_mean", "constant")
-"""Allowed values of `policy_loss(aggregation=...)`:
-  sequence_mean  1/N sum_i 1/|o_i| sum_t l_it          the paper (every completion weighs the same)
-  token_mean     1/(sum_i |o_i|) sum_i sum_t l_it      DAPO (every token weighs the same)
-  constant       1/(N * max_length) sum_i sum_t l_it   Dr. GRPO, arXiv:2503.20783 (no length normalisation)
+AGGREGATIONS = ("sequence_mean", "token_mean", "constant", "sequence_sum", "micro_batch_token_mean",
+                "rollout_token_mean")
+"""Allowed values of `policy_loss(aggregation=...)`. Over one optimizer step of N sequences (all micro-batches and
+processes):
+  sequence_mean           1/N sum_i 1/|o_i| sum_t l_it        the paper (every completion weighs the same)
+  token_mean              1/(sum_i |o_i|) sum_i sum_t l_it    DAPO (every token of the step weighs the same)
+  constant                1/(N * max_length) sum_i sum_t l_it Dr. GRPO, arXiv:2503.20783 (no length normalisation)
+  sequence_sum            1/N sum_i sum_t l_it                LUSPO (TRL's luspo: each sequence scaled by its length)
+  micro_batch_token_mean  each micro-batch's token mean, averaged over micro-batches and processes (TRL's bnpo)
+  rollout_token_mean      the token sum over the rollout's tokens / optimizer steps per rollout (TRL's dapo, cispo,
+                          vespo: their normalizer counts the whole generation batch)
+The trainer passes the `normalizer` that makes the micro-batches' losses add up to these (`aggregation_normalizer`).
 """
+
+TOKEN_AGGREGATIONS = ("token_mean", "micro_batch_token_mean", "rollout_token_mean")
+
+
+def aggregation_normalizer(aggregation: str, *, step_tokens: float, step_rows: float, micro_tokens: float,
+                           micro_batches: int, processes: int, rollout_tokens: float,
+                           steps_per_rollout: int) -> float:
+    """The `policy_loss(normalizer=...)` of one micro-batch, so that the micro-batches' losses, summed over the
+    optimizer step and every process, give the aggregation of AGGREGATIONS.
+
+    step_tokens / step_rows: completion tokens / sequences of the optimizer step, every process; micro_tokens: this
+    micro-batch's tokens; micro_batches: micro-batches per optimizer step on each process; rollout_tokens: tokens of
+    the whole rollout, every process; steps_per_rollout: optimizer steps each pass over the rollout takes."""
+    if aggregation == "token_mean":
+        return max(step_tokens, 1.0)
+    if aggregation == "micro_batch_token_mean":
+        return max(micro_tokens, 1.0) * micro_batches * processes
+    if aggregation == "rollout_token_mean":
+        return max(rollout_tokens, 1.0) / steps_per_rollout
+    return float(step_rows)
 
 
 # KL estimators from John Schulman, "Approximating KL divergence" (http://joschu.net/blog/kl-approx.html).
@@ -98,10 +128,11 @@ def _check_loss_tensors(logp, old_logp, advantages, mask, ref_logp, entropy) -> 
 
 
 def _check_loss_options(*, ratio_level, aggregation, kl_estimator, eps_low, eps_high, beta, has_ref, max_length,
-                        normalizer) -> None:
+                        normalizer, surrogate="clip") -> None:
     """Raise ValueError naming the option of `policy_loss` that is unknown or out of range."""
     for key, value, allowed in (("ratio_level", ratio_level, RATIO_LEVELS), ("aggregation", aggregation, AGGREGATIONS),
-                                ("kl_estimator", kl_estimator, tuple(KL_ESTIMATORS))):
+                                ("kl_estimator", kl_estimator, tuple(KL_ESTIMATORS)), ("surrogate", surrogate,
+                                                                                      SURROGATES)):
         if value not in allowed:
             raise ValueError(f"policy_loss: {key}={value!r} is not one of {allowed}")
     if not 0 <= eps_low < 1 or eps_high < 0:
@@ -130,17 +161,20 @@ def _importance_ratio(log_ratio: Tensor, mask: Tensor, ratio_level: str) -> Tens
 def _aggregate(per_token: Tensor, mask: Tensor, aggregation: str, max_length, normalizer) -> Tensor:
     """Reduce the (N, T) per-token loss to a scalar; see AGGREGATIONS and `policy_loss` for `normalizer`."""
     masked = torch.where(mask, per_token, torch.zeros_like(per_token))  # (N, T)
-    if aggregation == "token_mean":
+    if aggregation in TOKEN_AGGREGATIONS:
         return masked.sum() / (normalizer if normalizer is not None else mask.sum().clamp(min=1))
     sequences = normalizer if normalizer is not None else max(mask.shape[0], 1)
     if aggregation == "sequence_mean":
         per_sequence = masked.sum(-1) / mask.sum(-1).clamp(min=1)  # (N,)
         return per_sequence.sum() / sequences
+    if aggregation == "sequence_sum":
+        return masked.sum() / sequences
     return masked.sum() / (sequences * max_length)  # "constant"
 
 
 @torch.no_grad()
-def _loss_metrics(surrogate, ratio, adv, mask, eps_low, eps_high, kl, entropy) -> dict[str, Tensor]:
+def _loss_metrics(surrogate, ratio, adv, mask, eps_low, eps_high, kl, entropy, clip=True,
+                  per_sequence=False) -> dict[str, Tensor]:
     """Detached scalar metrics of `policy_loss`, each a masked mean over the (N, T) tokens of this micro-batch.
 
     A token counts as clipped when the clipped branch of the min is the active one, i.e. its gradient is cut:
@@ -151,13 +185,19 @@ def _loss_metrics(surrogate, ratio, adv, mask, eps_low, eps_high, kl, entropy) -
     adv_mean = _masked_mean(adv, mask)
     metrics = {
         "policy_loss": _masked_mean(surrogate, mask),
-        "clip_frac_low": _masked_mean(low.to(ratio.dtype), mask),
-        "clip_frac_high": _masked_mean(high.to(ratio.dtype), mask),
-        "clip_frac": _masked_mean((low | high).to(ratio.dtype), mask),
         "ratio_mean": _masked_mean(ratio, mask),
         "advantage_mean": adv_mean,
         "advantage_std": _masked_mean((adv - adv_mean) ** 2, mask).sqrt(),
     }
+    if clip and per_sequence:  # one ratio per sequence: the fractions are of sequences (as TRL counts them)
+        low_rows = ((adv[:, 0] < 0) & (ratio[:, 0] < 1 - eps_low)).to(ratio.dtype)  # (N,)
+        high_rows = ((adv[:, 0] > 0) & (ratio[:, 0] > 1 + eps_high)).to(ratio.dtype)
+        metrics.update({"clip_frac_low": low_rows.mean(), "clip_frac_high": high_rows.mean(),
+                        "clip_frac": (low_rows + high_rows).mean()})
+    elif clip:
+        metrics.update({"clip_frac_low": _masked_mean(low.to(ratio.dtype), mask),
+                        "clip_frac_high": _masked_mean(high.to(ratio.dtype), mask),
+                        "clip_frac": _masked_mean((low | high).to(ratio.dtype), mask)})
     if kl is not None:
         metrics["kl"] = _masked_mean(kl, mask)
     if entropy is not None:
@@ -182,6 +222,13 @@ def policy_loss(
     normalizer: float | None = None,
     entropy: Tensor | None = None,
     sampling_weights: Tensor | None = None,
+    surrogate: str = "clip",
+    delta: float | None = None,
+    sapo_temperatures: tuple[float, float] = (1.0, 1.05),
+    vespo_params: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0),
+    kl_ratio_correction: bool = False,
+    sequence_mask: Tensor | None = None,
+    token_mask: Tensor | None = None,
 ) -> LossOutput:
     """GRPO loss to minimise: -(clipped surrogate) + beta * KL per token, then aggregated.
 
@@ -209,7 +256,15 @@ def policy_loss(
         entropy: (B*G, T) per-token entropy of pi_theta (e.g. from `token_entropy`); only reported as a metric.
         sampling_weights: (B*G, T) weights of each token's surrogate (not of its KL term, as in TRL), detached: the
             correction for a rollout engine that samples from another distribution than pi_old
-            (`engine_importance_weights`). None: all 1.
+            (`engine_importance_weights`). None: all 1. With surrogate="vespo" they join its sequence weight instead.
+        surrogate: "clip" (the paper), "cispo", "sapo" or "vespo"; see grpo.core.surrogates.
+        delta: clip only: cap of the unclipped branch's ratio (two-sided clipping, INTELLECT-2). None: no cap.
+        sapo_temperatures: (tau_pos, tau_neg) of surrogate="sapo".
+        vespo_params: (k_pos, lambda_pos, k_neg, lambda_neg) of surrogate="vespo".
+        kl_ratio_correction: multiply the KL term by the importance ratio rho (with its gradient): the unbiased
+            reverse-KL gradient of DeepSeek-V3.2 (TRL's use_bias_correction_kl). The reported kl is this product.
+        sequence_mask: (B*G,) or (B*G, 1) 0/1 weights of each sequence's surrogate (`off_policy_mask`). None: all 1.
+        token_mask: (B*G, T) bool, the tokens whose surrogate counts (`high_entropy_mask`). None: all of `mask`.
 
     Returns:
         LossOutput(loss, metrics). `loss` is a scalar. `metrics` holds detached scalars, each a plain masked mean
@@ -222,7 +277,7 @@ def policy_loss(
     _check_loss_tensors(logp, old_logp, advantages, mask, ref_logp, entropy)
     _check_loss_options(ratio_level=ratio_level, aggregation=aggregation, kl_estimator=kl_estimator, eps_low=eps_low,
                         eps_high=eps_high, beta=beta, has_ref=ref_logp is not None, max_length=max_length,
-                        normalizer=normalizer)
+                        normalizer=normalizer, surrogate=surrogate)
     mask = mask.bool()
     zeros = torch.zeros_like(logp)
     logp = torch.where(mask, logp, zeros)  # (N, T)
@@ -230,22 +285,46 @@ def policy_loss(
     adv = advantages.detach().to(logp.dtype)
     adv = (adv[:, None] if adv.dim() == 1 else adv).expand_as(logp)  # (N, T)
 
-    ratio = _importance_ratio(logp - old_logp, mask, ratio_level)  # (N, T)
-    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
-    surrogate = -torch.minimum(ratio * adv, clipped * adv)  # (N, T); minus: we minimise
+    log_ratio = logp - old_logp
+    ratio = _importance_ratio(log_ratio, mask, ratio_level)  # (N, T)
+    weights = None
     if sampling_weights is not None:
         if sampling_weights.shape != logp.shape:
             raise ValueError(f"policy_loss: sampling_weights has shape {tuple(sampling_weights.shape)}, logp has "
                              f"{tuple(logp.shape)}")
-        surrogate = surrogate * torch.where(mask, sampling_weights.detach().to(logp.dtype), zeros)
-    per_token = surrogate
+        weights = torch.where(mask, sampling_weights.detach().to(logp.dtype), zeros)
+    extra = {}
+    if surrogate == "clip":
+        per_surrogate = clip_surrogate(ratio, adv, eps_low, eps_high, delta)  # (N, T); minus: we minimise
+    elif surrogate == "cispo":
+        per_surrogate = cispo_surrogate(ratio, adv, logp, eps_high)
+        extra["cispo_clip_frac"] = _masked_mean(((ratio > eps_high) & (adv > 0)).to(logp.dtype), mask).detach()
+    elif surrogate == "sapo":
+        per_surrogate = sapo_surrogate(ratio, adv, *sapo_temperatures)
+    else:  # vespo: the engine's weights go into the sequence weight
+        phi = vespo_weights(adv, log_ratio, mask, weights, *vespo_params)  # (N, 1)
+        per_surrogate = vespo_surrogate(phi, adv, logp)
+        extra["vespo_phi_mean"] = phi.mean().detach()
+        weights = None
+    if sequence_mask is not None:
+        per_surrogate = per_surrogate * sequence_mask.detach().reshape(-1, 1).to(logp.dtype)
+    if token_mask is not None:
+        per_surrogate = per_surrogate * token_mask.detach().to(logp.dtype)
+    if weights is not None:
+        per_surrogate = per_surrogate * weights
+    per_token = per_surrogate
     kl = None
     if ref_logp is not None:
         ref_logp = torch.where(mask, ref_logp.detach().to(logp.dtype), zeros)
         kl = kl_penalty(logp, ref_logp, kl_estimator)  # (N, T)
+        if kl_ratio_correction:
+            kl = kl * ratio
         if beta != 0:
-            per_token = surrogate + beta * kl
+            per_token = per_surrogate + beta * kl
     loss = _aggregate(per_token, mask, aggregation, max_length, normalizer)
 
-    metrics = _loss_metrics(surrogate, ratio, adv, mask, eps_low, eps_high, kl, entropy)
+    shown = ratio if delta is None or surrogate != "clip" else torch.clamp(ratio, max=delta)  # (TRL's metrics)
+    metrics = _loss_metrics(per_surrogate, shown, adv, mask, eps_low, eps_high, kl, entropy, clip=surrogate == "clip",
+                            per_sequence=ratio_level == "sequence")
+    metrics.update(extra)
     return LossOutput(loss=loss, metrics=metrics)

@@ -17,6 +17,7 @@ import torch
 from grpo.core import LossOutput, hidden_logprobs, token_entropy, token_logprobs
 from grpo.engines.kv_cache import distinct_rows, expand_cache, positions as position_ids, preallocated_cache
 from grpo.engines.packing import PackedRows, Packing, choose_packing
+from grpo.engines.sharding import is_peft, sharding
 
 
 @dataclass
@@ -66,11 +67,13 @@ class TransformersBackend:
                                    packed=packed)
 
     def loss_and_backward(self, micro: MicroBatch, temperature: float, loss_fn: LossFn,
-                          with_entropy: bool) -> tuple[torch.Tensor, LossOutput]:
-        """Backpropagate the micro-batch's loss; returns (its log-probs (n, width) detached, its LossOutput)."""
+                          with_entropy: bool, entropy_in_loss: bool = False) -> tuple[torch.Tensor, LossOutput]:
+        """Backpropagate the micro-batch's loss; returns (its log-probs (n, width) detached, its LossOutput).
+        `entropy_in_loss`: the loss uses the entropies (an entropy bonus or mask), so they keep their gradient."""
         out = completion_logprobs(self.model, micro.input_ids, micro.attention_mask, micro.width, temperature,
-                                  with_entropy=with_entropy, tile_kernels=self.tile_kernels, packed=micro.packed)
-        logp, entropy = out if with_entropy else (out, None)
+                                  with_entropy=with_entropy or entropy_in_loss, tile_kernels=self.tile_kernels,
+                                  entropy_grad=entropy_in_loss, packed=micro.packed)
+        logp, entropy = out if with_entropy or entropy_in_loss else (out, None)
         result = loss_fn(logp, slice(None), entropy)
         self.backward(result.loss)
         return logp.detach(), result
@@ -81,10 +84,6 @@ class TransformersBackend:
 
     def after_optimizer_step(self, stepped: bool) -> None:
         """Called after each optimizer step (`stepped` False: skipped for a non-finite gradient)."""
-
-
-def is_peft(model) -> bool:
-    return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
 
 
 @contextlib.contextmanager
@@ -156,7 +155,8 @@ def _dtype(model) -> torch.dtype:
     return weight.dtype if weight is not None and weight.is_floating_point() else torch.float32
 
 
-def _packed_logprobs(model, packed: PackedRows, temperature: float, with_entropy: bool, tile_kernels):
+def _packed_logprobs(model, packed: PackedRows, temperature: float, with_entropy: bool, tile_kernels,
+                     entropy_grad: bool = False):
     """`completion_logprobs` through the packed layout: (n, width) log-probs (and entropies), 0 past each row's end.
 
     With a plain head, the decoder's hidden states at the scoring positions (n_tok, H) go through the tiled head;
@@ -174,20 +174,23 @@ def _packed_logprobs(model, packed: PackedRows, temperature: float, with_entropy
                     **packed.attention_kwargs())
         logits = out.logits.reshape(-1, out.logits.shape[-1]).index_select(0, packed.kept_index)[None]  # (1, n_tok, V)
         logp = token_logprobs(logits, targets, temperature=temperature)
-        with torch.no_grad():
-            entropy = token_entropy(logits.detach(), temperature=temperature) if with_entropy else None
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = token_entropy(logits if entropy_grad else logits.detach(),
+                                    temperature=temperature) if with_entropy else None
     logp = packed.unpack(logp[0])
-    return (logp, packed.unpack(entropy[0].detach())) if with_entropy else logp
+    if not with_entropy:
+        return logp
+    return logp, packed.unpack(entropy[0] if entropy_grad else entropy[0].detach())
 
 
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
-                        temperature: float, with_entropy: bool = False, tile_kernels=None,
+                        temperature: float, with_entropy: bool = False, tile_kernels=None, entropy_grad: bool = False,
                         packed: PackedRows | None = None):
     """Log-probs (N, T) of the last T=completion_len tokens of each row under `model`, at the sampling temperature.
 
     input_ids (N, P+T): prompts left-padded to P, completions right-padded to T. Position j predicts token j+1, so
     the T completion tokens are predicted by positions P-1 .. P+T-2. With `with_entropy`, returns
-    (logp, entropy (N, T), detached) instead.
+    (logp, entropy (N, T), detached unless `entropy_grad`) instead.
 
     Fast path (a plain linear LM head, one process): the decoder's hidden states at those T positions go through
     `grpo.core.hidden_logprobs`, which applies the head one cache-sized tile of positions x vocabulary at a time and
@@ -200,7 +203,7 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     tokens only, and the result is the same (N, T), 0 past each row's end.
     """
     if packed is not None:
-        return _packed_logprobs(model, packed, temperature, with_entropy, tile_kernels)
+        return _packed_logprobs(model, packed, temperature, with_entropy, tile_kernels, entropy_grad)
     targets = input_ids[:, -completion_len:]  # (N, T)
     head = plain_head(model)
     if head is not None:
@@ -210,13 +213,15 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
         logp, entropy = hidden_logprobs(hidden, head.weight, targets, temperature=temperature, bias=head.bias,
                                         with_entropy=with_entropy, weight_grad_in_place=head.weight.is_leaf,
                                         kernels=tile_kernels and tile_kernels(hidden.dtype, hidden.device))
-        return (logp, entropy.detach()) if with_entropy else logp
+        return (logp, entropy if entropy_grad else entropy.detach()) if with_entropy else logp
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
                 logits_to_keep=completion_len + 1, use_cache=False)
     logits = out.logits[:, :-1, :]  # (N, T, V)
     logp = token_logprobs(logits, targets, temperature=temperature)
     if not with_entropy:
         return logp
+    if entropy_grad:
+        return logp, token_entropy(logits, temperature=temperature)
     with torch.no_grad():
         return logp, token_entropy(logits.detach(), temperature=temperature)
 
@@ -241,7 +246,7 @@ def plain_head(model):
     """
     from accelerate.utils import extract_model_from_parallel
 
-    if extract_model_from_parallel(model) is not model or not hasattr(model, "get_decoder"):
+    if extract_model_from_parallel(model) is not model or not hasattr(model, "get_decoder") or sharding(model):
         return None  # DDP, FSDP, DeepSpeed: their forward must run (gradient sync, parameter gathering)
     if is_peft(model) and getattr(model.active_peft_config, "is_prompt_learning", False):
         return None  # prefix/prompt tuning acts in the PEFT model's own forward

@@ -8,6 +8,8 @@ one-token step and the draw with compiled ones (`_decode_step`, `_draw`); the re
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from grpo.engines.base import Completions, SamplingParams
@@ -144,11 +146,15 @@ class TransformersSampler:
 
     `batch_size` bounds the rows sampled together (memory); `eos_ids` are the token ids that end a completion.
     Values stay on the device until the rollout ends: the host learns when every row has stopped once every
-    `_DONE_CHECK` tokens on an accelerator (every token on the CPU, where asking costs nothing).
+    `_DONE_CHECK` tokens on an accelerator (every token on the CPU, where asking costs nothing). `all_stopped(done)`
+    decides from the (N,) done flags whether to stop: every row here by default; every row of every process when
+    each forward is collective (sharded weights: `grpo.engines.sharding.all_processes_stopped`).
     """
 
-    def __init__(self, model, pad_id: int, eos_ids: list[int], batch_size: int | None = None):
+    def __init__(self, model, pad_id: int, eos_ids: list[int], batch_size: int | None = None,
+                 all_stopped: Callable[[torch.Tensor], bool] | None = None):
         self.model, self.pad_id, self.eos_ids, self.batch_size = model, pad_id, list(eos_ids), batch_size
+        self.all_stopped = all_stopped or (lambda done: bool(done.all()))
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seeds: list[int]) -> Completions:
@@ -229,13 +235,11 @@ class TransformersSampler:
             done = done | torch.isin(token, eos)
             if seen is not None:
                 seen[torch.arange(seen.shape[0], device=device), token] = True
-            if t == p.max_new_tokens - 1:
+            if t == p.max_new_tokens - 1 or ((t + 1) % check_every == 0 and self.all_stopped(done)):
                 break
-            if (t + 1) % check_every == 0:
-                finished = int(done.sum())
-                if finished == done.shape[0]:
-                    break
-                if cache is not None and finished >= _LEAVE_FRACTION * done.shape[0]:
+            if (t + 1) % check_every == 0 and cache is not None:
+                finished = int(done.sum())  # (all of them: other processes' rows still run, sharded weights)
+                if _LEAVE_FRACTION * done.shape[0] <= finished < done.shape[0]:
                     row = torch.arange(n, device=device)[row]
                     ended[row[done]] = True
                     keep = (~done).nonzero()[:, 0]

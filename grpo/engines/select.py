@@ -17,6 +17,7 @@ import torch
 from grpo.config import ConfigError
 from grpo.engines.policy import TransformersBackend
 from grpo.engines.sampling import TransformersSampler
+from grpo.engines.sharding import WholeWeightsSampler, all_processes_stopped, sharding
 
 ENGINES = ("auto", "transformers", "cpu")
 
@@ -37,12 +38,14 @@ def _dtype(model) -> torch.dtype:
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
-def choose_engine(requested: str, model, device: torch.device, processes: int, distributed: str) -> EngineChoice:
+def choose_engine(requested: str, model, device: torch.device, processes: int, distributed: str,
+                  mixed_precision: str = "no") -> EngineChoice:
     """The engine for `model` (loaded, not yet wrapped) trained on `device` by `processes` processes under
-    accelerate's `distributed` type ("NO", "MULTI_CPU", "MULTI_GPU", "FSDP", "DEEPSPEED", ...)."""
+    accelerate's `distributed` type ("NO", "MULTI_CPU", "MULTI_GPU", "FSDP", "DEEPSPEED", ...) and
+    `mixed_precision` ("no", "bf16", "fp16")."""
     dtype = str(_dtype(model)).removeprefix("torch.")
     arch = _architecture(model)
-    blockers = []
+    blockers = [f"{mixed_precision} mixed precision"] if mixed_precision != "no" else []
     if device.type != "cpu":
         blockers.append(f"the model trains on {device.type}")
     if dtype != "float32":
@@ -63,10 +66,10 @@ def choose_engine(requested: str, model, device: torch.device, processes: int, d
 
 
 def make_engine(choice: EngineChoice, model, policy, accelerator, tokenizer, params, reference=None,
-                generator=None):
+                generator=None, gather_for_generation: bool = True):
     """(rollout engine, update backend) for the choice. `model` is the policy as accelerate prepared it, `policy`
     the unwrapped module; `generator` a rollout engine of the caller's that replaces the built one."""
-    generator = generator or make_sampler(choice, policy, tokenizer)
+    generator = generator or make_sampler(choice, policy, tokenizer, model, gather_for_generation)
     if choice.name == "cpu":
         from grpo.engines.cpu import CPUBackend
 
@@ -111,10 +114,18 @@ def make_vllm(cfg, policy, tokenizer, accelerator):
         raise ConfigError(str(err)) from None
 
 
-def make_sampler(choice: EngineChoice, model, tokenizer):
-    """The choice's own rollout engine, sampling from `model` (unwrapped)."""
+def make_sampler(choice: EngineChoice, model, tokenizer, prepared=None, gather_for_generation: bool = True):
+    """The choice's own rollout engine, sampling from `model` (unwrapped). When `prepared` (the model as accelerate
+    prepared it) has sharded weights (FSDP2, ZeRO-3), it samples from whole weights gathered for each rollout and
+    released after (`gather_for_generation`), or through the sharded model, every process stepping until all have
+    stopped (each forward gathers: slower, within memory)."""
+    pad, eos = tokenizer.pad_token_id, [tokenizer.eos_token_id]
     if choice.name == "cpu":
         from grpo.engines.cpu import CPUSampler
 
-        return CPUSampler(model, tokenizer.pad_token_id, [tokenizer.eos_token_id])
-    return TransformersSampler(model, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+        return CPUSampler(model, pad, eos)
+    if prepared is None or sharding(prepared) is None:
+        return TransformersSampler(model, pad, eos)
+    if gather_for_generation:
+        return WholeWeightsSampler(TransformersSampler(model, pad, eos), prepared)
+    return TransformersSampler(model, pad, eos, all_stopped=all_processes_stopped)

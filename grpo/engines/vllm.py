@@ -10,11 +10,10 @@ vLLM is imported only when an engine is built. On a GPU: `pip install "grpo[vllm
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-
 import torch
 
 from grpo.engines.base import Completions, SamplingParams
+from grpo.engines.sharding import hf_weights
 
 INSTALL_HINT = ('vLLM is not installed: `pip install "grpo[vllm]"` on a GPU machine, or `bash scripts/vllm_env.sh` '
                 "for the CPU build (an environment of its own, see the script)")
@@ -110,8 +109,9 @@ class VLLMEngine:
 
     @torch.no_grad()
     def update_weights(self, model) -> None:
-        """Load the policy's current weights into the engine (a LoRA policy with its adapters merged) and forget
-        the cached prompt prefixes, whose keys and values the old weights computed."""
+        """Load the policy's current weights into the engine (a LoRA policy with its adapters merged; a sharded
+        policy gathered one tensor at a time, on every process) and forget the cached prompt prefixes, whose keys
+        and values the old weights computed."""
         self.load_weights(hf_weights(model))
 
     def load_weights(self, weights) -> None:
@@ -136,25 +136,3 @@ class VLLMEngine:
         if self.sleep_mode:
             self.llm.wake_up()
 
-
-def hf_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
-    """The policy's weights under the transformers names vLLM's `load_weights` expects. For a peft LoRA model:
-    each adapted weight plus its active adapters' delta (the policy itself is not merged, so training goes on
-    untouched), without the adapter tensors and with peft's `base_layer` / `modules_to_save` names undone."""
-    if not (hasattr(model, "get_base_model") and hasattr(model, "peft_config")):  # not a peft model
-        yield from model.state_dict().items()
-        return
-    base = model.get_base_model()  # the transformers model with peft's layers inside it: no "base_model.model."
-    modules = dict(base.named_modules())
-    for name, tensor in base.state_dict().items():
-        if "lora_" in name or ".original_module." in name:
-            continue  # adapter matrices; the frozen copy a modules_to_save wrapper keeps
-        layer = modules.get(name.removesuffix(".base_layer.weight"))
-        if name.endswith(".base_layer.weight") and hasattr(layer, "get_delta_weight") and not layer.merged:
-            for adapter in layer.active_adapters:
-                if adapter in layer.lora_A or adapter in layer.lora_embedding_A:
-                    tensor = tensor + layer.get_delta_weight(adapter).to(tensor.dtype)
-        name = name.replace(".base_layer.", ".")
-        for adapter in model.peft_config:
-            name = name.replace(f".modules_to_save.{adapter}.", ".")
-        yield name, tensor

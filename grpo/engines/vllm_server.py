@@ -120,10 +120,13 @@ class VLLMServerClient:
         return Completions(**self._call("/generate", json.dumps(body).encode()))
 
     def update_weights(self, model) -> None:
+        from grpo.engines.sharding import hf_weights, sharding
+
+        if not self.push and sharding(model) is not None:
+            for _ in hf_weights(model):  # gathering a sharded model is collective: every process takes part
+                pass
         if self.push:
             from safetensors.torch import save
-
-            from grpo.engines.vllm import hf_weights
 
             seen: set[int] = set()
             tensors = {}

@@ -5,6 +5,7 @@ unchanged, and every built-in accepts plain-string and conversational (message-l
 Built-ins (each a reward function as it stands; the parameterized ones also configure: `countdown.configure(
 exact_use=True)` or `Countdown(exact_use=True)`, or from a config `{"name": "countdown", "exact_use": true}`):
     think_format, tag_count, reasoning_steps     format of the completion (seeds; open-r1)
+    r1_format                                    open-r1's exact format_reward (its name `format`)
     countdown / Countdown                        equation from given numbers to a target (seeds, TinyZero)
     math_accuracy / MathAccuracy                 final answer vs gold, math-verify in a killable worker
     cosine_length / CosineLength                 length-scaled accuracy (open-r1)
@@ -18,7 +19,7 @@ Step rewards (process supervision) return per completion a list of (end char off
 from .base import ConfigurableReward
 from .coding import Code, code, code_syntax
 from .countdown import Countdown, countdown
-from .format import reasoning_steps, tag_count, think_format
+from .format import r1_format, reasoning_steps, tag_count, think_format
 from .math_accuracy import MathAccuracy, math_accuracy
 from .registry import ALIASES, BUILTINS, STEP_BUILTINS, resolve_reward, resolve_step_reward
 from .reward_model import RewardModel
@@ -56,4 +57,5 @@ __all__ = [
     "soft_overlong",
     "tag_count",
     "think_format",
+    "r1_format",
 ]

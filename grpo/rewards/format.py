@@ -54,3 +54,15 @@ def reasoning_steps(completions: list, **kwargs) -> list[float]:
     (B*G,) in, (B*G,) out.
     """
     return [min(1.0, len(_STEP_MARKERS.findall(text)) / 3) for text in completion_texts(completions)]
+
+
+# open-r1 `format_reward`, verbatim: the whole completion must be "<think>\n...\n</think>\n<answer>\n...\n</answer>"
+# (re.match with DOTALL and MULTILINE, as upstream). Stricter than think_format: the newlines are required.
+_R1_FORMAT = re.compile(r"^<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>$", re.DOTALL | re.MULTILINE)
+
+
+def r1_format(completions: list, **kwargs) -> list[float]:
+    """1.0 when the completion matches open-r1's format_reward pattern, else 0.0 (open-r1's `format`).
+
+    (B*G,) in, (B*G,) out."""
+    return [1.0 if _R1_FORMAT.match(text) else 0.0 for text in completion_texts(completions)]

@@ -19,7 +19,7 @@ from typing import Any
 from .base import ConfigurableReward
 from .coding import code, code_syntax
 from .countdown import countdown
-from .format import reasoning_steps, tag_count, think_format
+from .format import r1_format, reasoning_steps, tag_count, think_format
 from .math_accuracy import math_accuracy
 from .reward_model import RewardModel
 from .shaping import cosine_length, repetition_penalty, soft_overlong
@@ -29,6 +29,7 @@ BUILTINS: dict[str, Callable] = {
     "code": code,
     "code_syntax": code_syntax,
     "think_format": think_format,
+    "r1_format": r1_format,
     "countdown": countdown,
     "math_accuracy": math_accuracy,
     "tag_count": tag_count,
@@ -37,13 +38,51 @@ BUILTINS: dict[str, Callable] = {
     "repetition_penalty": repetition_penalty,
     "soft_overlong": soft_overlong,
 }
-ALIASES = {"accuracy": "math_accuracy", "format": "think_format"}
+ALIASES = {"accuracy": "math_accuracy", "format": "r1_format"}  # open-r1's names
 STEP_BUILTINS: dict[str, Callable] = {"arithmetic_steps": arithmetic_steps}
 
 
-def resolve_reward(spec: Any) -> tuple[str, Callable]:
-    """(name, function) for an outcome reward spec; `ValueError` listing the built-ins for an unknown name."""
+# open-r1's reward names (src/open_r1/rewards.py, get_reward_funcs) -> (our built-in, {its setting: open-r1 key or
+# a fixed value}): a recipe's open-r1 keys (cosine_max_len, ...) configure them as open-r1's script does.
+OPEN_R1_NAMES: dict[str, tuple[str, dict[str, Any]]] = {
+    "cosine": ("cosine_length", {"min_value_wrong": "cosine_min_value_wrong",
+                                 "max_value_wrong": "cosine_max_value_wrong",
+                                 "min_value_correct": "cosine_min_value_correct",
+                                 "max_value_correct": "cosine_max_value_correct", "max_len": "cosine_max_len"}),
+    "repetition_penalty": ("repetition_penalty", {"ngram_size": "repetition_n_grams",
+                                                  "max_penalty": "repetition_max_penalty"}),
+    "soft_overlong_punishment": ("soft_overlong", {"max_length": "max_completion_len",
+                                                   "cache_length": "soft_punish_cache"}),
+}
+OPEN_R1_ONLY = {"ioi_code": "ioi_code_reward", "cf_code": "cf_code_reward", "code_format": "get_code_format_reward",
+                "length": "len_reward"}
+
+
+def open_r1_spec(spec: str, settings: dict[str, Any]) -> Any:
+    """The spec an open-r1 reward name stands for, with `settings` (open-r1's keys) applied; other specs as given."""
+    if spec in OPEN_R1_NAMES:
+        name, keys = OPEN_R1_NAMES[spec]
+        return {"name": name, **{arg: settings[key] for arg, key in keys.items()}}
+    if spec in OPEN_R1_ONLY:
+        raise ValueError(f"{spec!r} is one of open-r1's rewards that grpo does not have; with open-r1 installed, give "
+                         f"it as 'open_r1.rewards:{OPEN_R1_ONLY[spec]}' (code rewards also need open-r1's sandbox "
+                         "servers), or use grpo's code / math_accuracy / cosine_length")
+    return spec
+
+
+def resolve_reward(spec: Any, tokenizer: Any = None) -> tuple[str, Callable]:
+    """(name, function) for an outcome reward spec; `ValueError` listing the built-ins for an unknown name. A loaded
+    sequence-classification model (TRL's form) becomes a `RewardModel`, scored with `tokenizer` (default: its own)."""
+    if _is_module(spec):
+        model = RewardModel(spec, tokenizer=tokenizer)
+        return model.__name__, model
     return _resolve(spec, BUILTINS, ALIASES, allow_model=True)
+
+
+def _is_module(spec: Any) -> bool:
+    import torch
+
+    return isinstance(spec, torch.nn.Module)
 
 
 def resolve_step_reward(spec: Any) -> tuple[str, Callable]:

@@ -17,8 +17,8 @@ class RewardModel:
     """Score (prompt, completion) pairs with a sequence-classification model from a local directory.
 
     Args:
-        path: checkpoint directory (`config.json` + weights).
-        tokenizer: tokenizer directory, if not the checkpoint's own.
+        path: checkpoint directory (`config.json` + weights), or the loaded model itself (TRL's form).
+        tokenizer: tokenizer directory or loaded tokenizer, if not the checkpoint's own.
         batch_size: pairs per forward pass.
         device: where the model runs ("cpu", "cuda", "cuda:1", ...).
         max_length: truncate longer inputs to this many tokens (None: no truncation).
@@ -26,8 +26,8 @@ class RewardModel:
 
     def __init__(
         self,
-        path: str,
-        tokenizer: str | None = None,
+        path: Any,
+        tokenizer: Any = None,
         batch_size: int = 8,
         device: str = "cpu",
         max_length: int | None = None,
@@ -36,13 +36,20 @@ class RewardModel:
 
         if batch_size < 1:
             raise ValueError(f"RewardModel: batch_size must be at least 1, got {batch_size}")
-        self.path = path
         self.batch_size = batch_size
-        self.device = torch.device(device)
         self.max_length = max_length
-        self.__name__ = os.path.basename(os.path.normpath(path))
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or path)
-        self.model = AutoModelForSequenceClassification.from_pretrained(path).to(self.device).eval()
+        if isinstance(path, torch.nn.Module):  # a loaded model: it stays where it is
+            self.model = path.eval()
+            self.path = getattr(path.config, "_name_or_path", "") or type(path).__name__
+            self.device = next(path.parameters()).device
+        else:
+            self.path = path
+            self.device = torch.device(device)
+            self.model = AutoModelForSequenceClassification.from_pretrained(path).to(self.device).eval()
+        self.__name__ = os.path.basename(os.path.normpath(self.path))
+        if tokenizer is None or isinstance(tokenizer, str):
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer or self.path)
+        self.tokenizer = tokenizer
         if self.tokenizer.pad_token is None:
             # TRL does the same: batching needs a pad token, and the eos token is the usual stand-in.
             self.tokenizer.pad_token = self.tokenizer.eos_token

@@ -7,8 +7,9 @@ skipping None (reliability.md 3.1, features.md section 3).
 
 Where TRL crashes or silently spoils a step (reliability.md 3.1, measured), this runner:
 - raises `RewardError` naming the function for a wrong-length or non-numeric return;
-- raises `RewardError` naming the row when every function returned None for it (TRL only logs a warning, and the
-  step trains on nothing);
+- a row every function returned None for: `on_all_none="warn"` (TRL's) logs a warning naming the row and gives it
+  a NaN total, which the advantages leave out of the group statistics and give advantage 0; `"raise"` raises
+  `RewardError` naming the row;
 - for a function that raises: `on_error="raise"` re-runs it row by row to name the failing row, then raises;
   `on_error="zero"` scores the failing rows 0.0, logs and counts them;
 - for NaN/inf (TRL: an inf zeroes the whole group's advantages without a warning): `on_nonfinite="raise"` raises
@@ -16,10 +17,19 @@ Where TRL crashes or silently spoils a step (reliability.md 3.1, measured), this
 `async def` reward functions run concurrently on an event loop, as TRL gathers them.
 
 With `timeout_s` set (TRL has no timeout: a hanging function blocks its run forever, reliability.md 3.4), each call
-has a deadline. A sync function runs on a daemon thread that is abandoned if it overruns (Python cannot kill a
-thread; a function that must be stopped belongs in a process, as `math_accuracy` and `code` do); an async one is
-cancelled. An overrun is a `RewardError` naming the function, or with `on_error="zero"` scores the whole batch 0
-for that function and is counted in `timeouts` (it is not re-run row by row, which would hang once per row).
+has a deadline. A sync function runs in the calling thread, as TRL runs it, so functions that need the main thread
+work (math-verify's `parse` arms `signal.alarm`, which Python allows only there: open-r1's rewards call it). On the
+main thread a watchdog thread sends it a signal of its own (a real-time signal, never SIGALRM, which math-verify
+re-arms and cancels) when the deadline passes, and the handler raises in the function; a function stuck in C code
+that never returns to Python cannot be interrupted this way (work that must be killable belongs in a process, as
+`math_accuracy` and `code` do). Off the main thread (a trainer run from a thread), signals cannot be used: the
+function runs on a daemon thread that is abandoned if it overruns. An async function is cancelled. An overrun is a
+`RewardError` naming the function, or with `on_error="zero"` scores the whole batch 0 for that function and is
+counted in `timeouts` (it is not re-run row by row, which would hang once per row).
+
+Besides the columns, every function may take TRL's `trainer_state` (a `transformers.TrainerState`), `log_extra(column,
+values)` (a column of the sample completions) and `log_metric(name, value)` (a metric averaged over the step), given
+as `extras`.
 """
 
 import asyncio
@@ -28,6 +38,7 @@ import inspect
 import logging
 import math
 import numbers
+import signal
 import threading
 from collections.abc import Callable, Iterable
 import dataclasses
@@ -38,9 +49,10 @@ from .text import completion_text
 
 logger = logging.getLogger(__name__)
 
-RESERVED = ("prompts", "completions", "completion_ids")
+RESERVED = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
 # Columns TRL does not pass as keywords: the prompt arrives as `prompts`, and the rest would clash.
 _NOT_PASSED = {"prompt", "completion", *RESERVED}
+EXTRAS = ("trainer_state", "log_extra", "log_metric")
 
 
 class RewardError(ValueError):
@@ -98,6 +110,7 @@ class RewardRunner:
         on_error: str = "raise",
         on_nonfinite: str = "raise",
         timeout_s: float | None = None,
+        on_all_none: str = "raise",
     ):
         if not funcs:
             raise ValueError("RewardRunner needs at least one reward function")
@@ -120,6 +133,9 @@ class RewardRunner:
             raise ValueError(f"on_nonfinite must be 'raise' or 'none', got {on_nonfinite!r}")
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s!r}")
+        if on_all_none not in ("raise", "warn"):
+            raise ValueError(f"on_all_none must be 'raise' or 'warn', got {on_all_none!r}")
+        self.on_all_none = on_all_none
         self.weights = weights
         self.timeout_s = timeout_s
         self.on_error = on_error
@@ -141,9 +157,11 @@ class RewardRunner:
             raise RewardError("\n".join(problems))
 
     def __call__(
-        self, prompts: list, completions: list, completion_ids: list[list[int]], columns: dict[str, list]
+        self, prompts: list, completions: list, completion_ids: list[list[int]], columns: dict[str, list],
+        extras: dict[str, Any] | None = None,
     ) -> RewardOutput:
-        """Score B*G completions. prompts, completion_ids and each column hold one entry per completion."""
+        """Score B*G completions. prompts, completion_ids and each column hold one entry per completion; `extras`
+        (trainer_state, log_extra, log_metric) are passed to every function that takes them."""
         n = len(completions)
         _check_lengths(n, {"prompts": prompts, "completion_ids": completion_ids, **columns})
         batch = {
@@ -151,6 +169,7 @@ class RewardRunner:
             "completions": list(completions),
             "completion_ids": list(completion_ids),
             **{key: list(value) for key, value in columns.items() if key not in _NOT_PASSED},
+            **{key: value for key, value in (extras or {}).items() if key in EXTRAS},
         }
         errors = {name: 0 for name in self.names}
         timeouts = {name: 0 for name in self.names}
@@ -182,7 +201,7 @@ class RewardRunner:
         values: list[float | None] = []
         failed = 0
         for row in range(len(batch["completions"])):
-            single = {key: value[row : row + 1] for key, value in batch.items()}
+            single = {key: value if key in EXTRAS else value[row : row + 1] for key, value in batch.items()}
             result = _call_all([func], single, self.timeout_s)[0]
             if not isinstance(result, Exception):
                 values.extend(_validate(name, result, 1))
@@ -228,10 +247,14 @@ class RewardRunner:
                 w * per_func[name][row] for name, w in zip(self.names, self.weights) if per_func[name][row] is not None
             ]
             if not terms:
-                raise RewardError(
-                    f"every reward function ({', '.join(self.names)}) returned None for row {row} "
-                    f"(completion {_preview(completions[row])}); at least one must apply to each sample"
-                )
+                message = (f"every reward function ({', '.join(self.names)}) returned None for row {row} "
+                           f"(completion {_preview(completions[row])})")
+                if self.on_all_none == "raise":
+                    raise RewardError(f"{message}; at least one must apply to each sample (or set "
+                                      "reward_on_all_none: warn to give such rows advantage 0, as TRL does)")
+                logger.warning("%s; it gets advantage 0", message)
+                total.append(math.nan)
+                continue
             total.append(sum(terms))
         return total
 
@@ -258,10 +281,59 @@ def _call_all(funcs: list[Callable], batch: dict, timeout_s: float | None = None
     return results
 
 
+class _Overrun(BaseException):
+    """Raised inside a reward function by the timeout signal (BaseException: `except Exception` does not catch it)."""
+
+
+_ARMED = threading.Event()  # set while a call on the main thread may be interrupted
+
+
+def _on_timeout_signal(signum, frame) -> None:
+    if _ARMED.is_set():
+        _ARMED.clear()
+        raise _Overrun()
+
+
+def _timeout_signal() -> int | None:
+    """The signal the watchdog sends the main thread: a real-time one nobody else uses (SIGALRM is math-verify's),
+    installed once with a handler that does nothing unless a call is armed. None where signals cannot be used."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_kill"):
+        return None
+    number = getattr(signal, "SIGRTMIN", None)
+    number = number + 3 if number is not None else signal.SIGUSR2
+    current = signal.getsignal(number)
+    if current is _on_timeout_signal:
+        return number
+    if current not in (signal.SIG_DFL, None):
+        return None  # someone else's handler: leave it, and use a thread
+    signal.signal(number, _on_timeout_signal)
+    return number
+
+
 def _call(func: Callable, kwargs: dict, timeout_s: float | None) -> Any:
-    """func(**kwargs), abandoned after timeout_s on a daemon thread (an async function returns its coroutine)."""
+    """func(**kwargs) with a deadline (an async function returns its coroutine): on the main thread, interrupted by
+    a signal; elsewhere, run on a daemon thread that is abandoned when it overruns."""
     if timeout_s is None or inspect.iscoroutinefunction(func):
         return func(**kwargs)
+    number = _timeout_signal()
+    if number is None:
+        return _call_on_thread(func, kwargs, timeout_s)
+    main = threading.main_thread().ident
+    timer = threading.Timer(timeout_s, lambda: _ARMED.is_set() and signal.pthread_kill(main, number))
+    timer.daemon = True
+    _ARMED.set()
+    timer.start()
+    try:
+        return func(**kwargs)
+    except _Overrun:
+        raise RewardTimeout() from None
+    finally:
+        _ARMED.clear()  # first: a signal that arrives from here on does nothing
+        timer.cancel()
+        timer.join()
+
+
+def _call_on_thread(func: Callable, kwargs: dict, timeout_s: float) -> Any:
     box: dict[str, Any] = {}
 
     def target() -> None:

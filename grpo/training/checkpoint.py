@@ -1,11 +1,13 @@
 """Atomic checkpoints: everything the next step depends on, written so a crash never leaves a half one behind.
 
-A checkpoint is written into `checkpoint-<step>.tmp` and renamed to `checkpoint-<step>` only after every file,
-`manifest.json` last, is written and flushed. Resume takes the newest directory that has a manifest; a leftover
-`.tmp` is ignored and removed. Checkpoints hold: trainable weights (safetensors), optimizer and scheduler state,
-the step counter, the prompt sampler's position, and every random state (Python, NumPy, torch; sampling seeds are
-derived from the step, see `grpo.engines.sampling.row_seed`). Steps end at rollout boundaries, so no rollout buffer is
-ever in flight when a checkpoint is written.
+`checkpoint-<step>/` is a Hugging Face model directory at its top level (what `save_pretrained` writes: config.json
+and model.safetensors, or for LoRA adapter_config.json and adapter_model.safetensors, plus the tokenizer's files),
+so `from_pretrained` loads it, and resume reads the weights from those files. Beside them: `trainer_state.pt`
+(optimizer, scheduler, prompt sampler, every random state, the step, and a rollout still feeding optimizer steps),
+`trainer_state.json` (transformers' TrainerState: the step and log_history callbacks read), and `manifest.json`,
+written last. Everything goes into `checkpoint-<step>.tmp`, each file flushed, and is renamed to `checkpoint-<step>`
+only then; resume takes the newest directory that has a manifest, and a leftover `.tmp` is ignored and removed.
+With save_only_model the directory holds the model and the manifest only (it cannot be resumed).
 """
 
 from __future__ import annotations
@@ -15,14 +17,15 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 MANIFEST = "manifest.json"
 PREFIX = "checkpoint-"
+STATE = "trainer_state.pt"
 
 
 def rng_state() -> dict[str, Any]:
@@ -55,28 +58,35 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
         os.fsync(fh.fileno())
 
 
-def save_checkpoint(output_dir: str | Path, step: int, weights: dict[str, torch.Tensor],
-                    trainer_state: dict[str, Any], keep: int) -> Path:
-    """Write checkpoint-<step> atomically; keep the newest `keep` complete ones. Returns the final path."""
+def save_checkpoint(output_dir: str | Path, step: int, write_model: Callable[[Path], None],
+                    trainer_state: dict[str, Any] | None, keep: int | None,
+                    write_json: Callable[[Path], None] | None = None) -> Path:
+    """Write checkpoint-<step> atomically: `write_model(dir)` writes the model directory's files, `trainer_state`
+    (None: save_only_model) goes to trainer_state.pt, `write_json(path)` writes trainer_state.json. Keeps the
+    newest `keep` complete checkpoints (None: all). Returns the final path."""
     output_dir = Path(output_dir)
     final = output_dir / f"{PREFIX}{step}"
     tmp = output_dir / f"{PREFIX}{step}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    # Cloned: tied weights (embeddings = LM head) share memory, which safetensors refuses to write twice.
-    save_file({k: v.detach().cpu().clone().contiguous() for k, v in weights.items()}, str(tmp / "weights.safetensors"))
-    torch.save(trainer_state, tmp / "trainer_state.pt")
-    for name in ("weights.safetensors", "trainer_state.pt"):
+    write_model(tmp)
+    if trainer_state is not None:
+        torch.save(trainer_state, tmp / STATE)
+    if write_json is not None:
+        write_json(tmp / "trainer_state.json")
+    files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+    for name in files:
         with open(tmp / name, "rb") as fh:
             os.fsync(fh.fileno())
-    _write_json(tmp / MANIFEST, {"step": step, "files": ["weights.safetensors", "trainer_state.pt"]})
+    _write_json(tmp / MANIFEST, {"step": step, "files": files, "resumable": trainer_state is not None})
     _fsync_dir(tmp)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_dir(output_dir)
-    _prune(output_dir, keep)
+    if keep is not None:
+        _prune(output_dir, keep)
     return final
 
 
@@ -97,11 +107,42 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def load_trainer_state(path: str | Path) -> dict[str, Any]:
+    """trainer_state.pt of a checkpoint; a ConfigError-worthy ValueError for one written with save_only_model."""
     path = Path(path)
-    weights = load_file(str(path / "weights.safetensors"))
-    state = torch.load(path / "trainer_state.pt", weights_only=False)
-    return weights, state
+    if not (path / STATE).is_file():
+        raise ValueError(f"{path} holds the model only (written with save_only_model): it cannot be resumed; "
+                         "load it with from_pretrained, or resume from a full checkpoint.")
+    return torch.load(path / STATE, weights_only=False)
+
+
+def model_weights(path: str | Path, adapters: bool) -> dict[str, torch.Tensor]:
+    """The tensors of a checkpoint's model files: the adapters (LoRA) or every shard of the model."""
+    path = Path(path)
+    if (path / "weights.safetensors").is_file():  # (checkpoints of grpo before the Hugging Face layout)
+        return load_file(str(path / "weights.safetensors"))
+    if adapters:
+        return load_file(str(path / "adapter_model.safetensors"))
+    index = path / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
+        ["model.safetensors"]
+    weights: dict[str, torch.Tensor] = {}
+    for name in files:
+        weights.update(load_file(str(path / name)))
+    return weights
+
+
+def resolve_resume(output_dir: str | Path, requested: Any) -> Path | None:
+    """The checkpoint a run continues from: True means the newest complete one in output_dir (None when there is
+    none), a path that directory (a ValueError when it is not a complete checkpoint), None/False none."""
+    if requested is None or requested is False:
+        return None
+    if requested is True:
+        return latest_checkpoint(output_dir)
+    path = Path(requested)
+    if not (path / MANIFEST).is_file():
+        raise ValueError(f"resume_from_checkpoint: {str(path)!r} is not a complete checkpoint (no {MANIFEST}).")
+    return path
 
 
 def _prune(output_dir: Path, keep: int) -> None:

@@ -1,8 +1,15 @@
 """Training data: load a dataset, find the prompt column, render prompts to token ids, and order them.
 
-Prompts are either plain text or a list of chat messages. Plain text is fed as `system_prompt + prompt + prefill`
-with no separator added (the dataset author controls the text); chat messages go through the tokenizer's chat
-template with the generation prompt, then the prefill. Every other column reaches the reward functions unchanged.
+Prompts are either plain text or a list of chat messages. Plain text without the chat template is fed as
+`system_prompt + "\n" + prompt + prefill` and tokenized as TRL does (the tokenizer's own special tokens, e.g. a
+BOS); chat messages go through the tokenizer's chat template with the generation prompt, then the prefill. A text
+prompt rendered through the chat template becomes a user message, preceded by the system prompt when one is set.
+
+What reward functions receive follows TRL: the prompt as the dataset has it, and completions in the same form
+(text, or one assistant message). With `system_prompt` and a chat template, a text prompt is first made into
+[system, user] messages, as open-r1's script builds its prompts (`make_conversation`), so the rewards then get
+messages and conversational completions. Every other column reaches the reward functions unchanged (none with
+remove_unused_columns).
 """
 
 from __future__ import annotations
@@ -88,7 +95,7 @@ def check_prompts(prompts: list[Any], column: str) -> None:
 class PromptSet:
     """The training prompts, rendered and tokenized once. `columns` holds every column for the rewards."""
 
-    prompts: list[Any]  # as in the dataset: str or list of messages (what reward functions receive)
+    prompts: list[Any]  # what reward functions receive: as in the dataset (str or messages), or made messages
     prompt_ids: list[list[int]]  # rendered and tokenized, left-truncated if allowed
     columns: dict[str, list[Any]]
 
@@ -100,11 +107,23 @@ class PromptSet:
                 {k: [v[i] for i in index] for k, v in self.columns.items()})
 
 
-def render_prompt(prompt: Any, tokenizer, cfg: GRPOConfig, prefill: str) -> str:
+def uses_template(tokenizer, cfg: GRPOConfig) -> bool:
     use_template = cfg.use_chat_template
     if use_template == "auto":
         use_template = getattr(tokenizer, "chat_template", None) is not None
-    if isinstance(prompt, str) and not use_template:
+    return bool(use_template)
+
+
+def as_messages(prompt: Any, tokenizer, cfg: GRPOConfig) -> Any:
+    """The prompt the rewards receive: a text prompt becomes [system, user] messages when a system prompt is set and
+    the chat template renders it (open-r1's make_conversation); anything else stays as the dataset has it."""
+    if isinstance(prompt, str) and cfg.system_prompt and uses_template(tokenizer, cfg):
+        return [{"role": "system", "content": cfg.system_prompt}, {"role": "user", "content": prompt}]
+    return prompt
+
+
+def render_prompt(prompt: Any, tokenizer, cfg: GRPOConfig, prefill: str) -> str:
+    if isinstance(prompt, str) and not uses_template(tokenizer, cfg):
         return (cfg.system_prompt + "\n" if cfg.system_prompt else "") + prompt + prefill
     if getattr(tokenizer, "chat_template", None) is None:
         raise ConfigError("use_chat_template: the dataset has chat messages (or use_chat_template is true) but the "
@@ -112,7 +131,8 @@ def render_prompt(prompt: Any, tokenizer, cfg: GRPOConfig, prefill: str) -> str:
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if cfg.system_prompt and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": cfg.system_prompt}] + messages
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         **(cfg.chat_template_kwargs or {}))
     return text + prefill
 
 
@@ -123,11 +143,18 @@ def build_prompt_set(dataset, tokenizer, cfg: GRPOConfig, prefill: str, name: st
     table = dataset[:]  # every column as a list at once (iterating a column reads row by row: ~1 s for 20k rows)
     prompts = table[column]
     check_prompts(prompts, column)
+    template = uses_template(tokenizer, cfg)
     texts = [render_prompt(p, tokenizer, cfg, prefill) for p in prompts]
-    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    # Text the template did not render is tokenized with the tokenizer's special tokens, as TRL does; a chat
+    # template writes its own.
+    plain = [isinstance(p, str) and not template for p in prompts]
+    if all(plain) or not any(plain):
+        ids = tokenizer(texts, add_special_tokens=all(plain))["input_ids"]
+    else:
+        ids = [tokenizer(t, add_special_tokens=bare)["input_ids"] for t, bare in zip(texts, plain)]
     ids = _limit_prompt_length(ids, cfg)
-    columns = {c: table[c] for c in dataset.column_names if c != column}
-    return PromptSet(prompts=prompts, prompt_ids=ids, columns=columns)
+    columns = {} if cfg.remove_unused_columns else {c: table[c] for c in dataset.column_names if c != column}
+    return PromptSet(prompts=[as_messages(p, tokenizer, cfg) for p in prompts], prompt_ids=ids, columns=columns)
 
 
 def _limit_prompt_length(ids: list[list[int]], cfg: GRPOConfig) -> list[list[int]]:
@@ -146,14 +173,17 @@ def _limit_prompt_length(ids: list[list[int]], cfg: GRPOConfig) -> list[list[int
 
 
 class PromptSampler:
-    """Shuffled prompt order, one epoch after another. Its whole state is (epoch, position), so resume is exact."""
+    """Shuffled prompt order (or the dataset's, with shuffle=False), one epoch after another. Its whole state is
+    (epoch, position), so resume is exact."""
 
-    def __init__(self, n: int, seed: int):
-        self.n, self.seed = n, seed
+    def __init__(self, n: int, seed: int, shuffle: bool = True):
+        self.n, self.seed, self.shuffle = n, seed, shuffle
         self.epoch, self.position = 0, 0
         self._order = self._make_order()
 
     def _make_order(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.n))
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
         return torch.randperm(self.n, generator=g).tolist()
 

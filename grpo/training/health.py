@@ -109,3 +109,16 @@ def nonfinite_messages(step: int, grad_norm: float, saved, in_a_row: int, limit:
         stop = (f"step {step}: {in_a_row} non-finite gradient norms in a row (max_nonfinite_steps={limit}); stopped "
                 f"with the last checkpoint intact. Inspect {saved}, lower learning_rate, or check the rewards.")
     return warning, stop
+
+
+def report_nonfinite(trainer, batch, grad_norm: float, stopped: type) -> None:
+    """A skipped non-finite step: its inputs saved, a warning printed, the run stopped (raising `stopped`) after
+    max_nonfinite_steps in a row."""
+    from grpo.training import checkpoint as ckpt
+
+    saved = ckpt.save_nonfinite_inputs(trainer.cfg.output_dir, trainer.step + 1, trainer.rank, batch)
+    warning, stop = nonfinite_messages(trainer.step + 1, grad_norm, saved, trainer.nonfinite_in_a_row,
+                                       trainer.cfg.max_nonfinite_steps, trainer.accel.distributed_type == "DEEPSPEED")
+    print(warning)
+    if stop:
+        raise stopped(stop)

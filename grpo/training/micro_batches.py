@@ -1,7 +1,7 @@
 """The micro-batches of the update and the reference pass: which rows go together, and the layout they run in.
 
-A step's rows (a whole rollout, or one mini-batch of it: `MicroBatches.plan(batch, rows)`) are cut into contiguous
-micro-batches, each one forward and backward pass:
+An optimizer step's rows (a slice of a rollout's rows, in the order `grpo.training.steps.rollout_plan` gives:
+`MicroBatches.plan(batch, rows)`) are cut into consecutive micro-batches, each one forward and backward pass:
 
 * by rows: `per_device_train_batch_size` completions each;
 * by tokens (`max_tokens_per_micro_batch`, verl's dynamic batch size): each filled with rows while its tokens stay
@@ -27,13 +27,16 @@ from grpo.engines.policy import MicroBatch
 
 @dataclass
 class Plan:
-    """One micro-batch: rows `rows` of the step's batch, their completion width (the trailing columns that are
-    padding in every row left out), their packed layout (None: padded passes) and the tokens it costs."""
+    """One micro-batch: rows `rows` (indices) of the rollout's batch, their completion width (the trailing columns
+    that are padding in every row left out), their packed layout (None: padded passes) and the tokens it costs."""
 
-    rows: slice
+    rows: torch.Tensor
     width: int
     packed: PackedRows | None
     tokens: int
+
+    def __len__(self) -> int:
+        return len(self.rows)
 
     def take(self, t: torch.Tensor | None, device) -> torch.Tensor | None:
         """This micro-batch's part of a per-row (N,) or per-token (N, T) tensor of the batch, on `device`."""
@@ -64,22 +67,23 @@ class MicroBatches:
         layout = self.packing.describe() if self.packing is not None else f"padded ({self.why})"
         return f"{layout}; micro-batches of {size}"
 
-    def plan(self, batch, rows: slice = slice(None)) -> list[Plan]:
-        """The micro-batches of rows `rows` of `batch` (a `RolloutBatch`), in order."""
-        start, stop, _ = rows.indices(batch.input_ids.shape[0])
+    def plan(self, batch, rows: torch.Tensor | None = None) -> list[Plan]:
+        """The micro-batches of rows `rows` (indices, in order; None: all) of `batch` (a `RolloutBatch`). Collective
+        with a token budget on several processes: every process calls it for the same step."""
+        order = list(range(batch.input_ids.shape[0])) if rows is None else rows.tolist()
         costs = _RowCosts(batch, self.packing is not None and self.packing.shared_prompts, self.packing is None)
         if self.max_tokens is None:
-            cuts = [range(s, min(s + self.rows, stop)) for s in range(start, stop, self.rows)]
+            cuts = [order[s:s + self.rows] for s in range(0, len(order), self.rows)]
         else:
-            cuts = costs.greedy(range(start, stop), self.max_tokens)
+            cuts = costs.greedy(order, self.max_tokens)
             if self.procs.world > 1:  # the same number on every process: the largest any needs
                 wanted = int(self.procs.gather(torch.tensor([len(cuts)])).max())
-                cuts = costs.exactly(range(start, stop), wanted) if wanted > len(cuts) else cuts
+                cuts = costs.exactly(order, wanted) if wanted > len(cuts) else cuts
         return [self._plan(batch, costs, cut) for cut in cuts]
 
-    def _plan(self, batch, costs: "_RowCosts", cut: range) -> Plan:
+    def _plan(self, batch, costs: "_RowCosts", cut: list[int]) -> Plan:
         width = max(1, max(costs.completion[r] for r in cut))
-        rows = slice(cut.start, cut.stop)
+        rows = torch.tensor(cut, dtype=torch.long)
         packed = None
         if self.packing is not None:
             end = batch.input_ids.shape[1] - (batch.completion_width - width)
@@ -102,7 +106,7 @@ class _RowCosts:
             keys = torch.cat([batch.input_ids[:, :self.prompt_width], batch.attention_mask[:, :self.prompt_width]], 1)
             self.key = [tuple(row) for row in keys.tolist()]
 
-    def cost(self, rows: range) -> int:
+    def cost(self, rows: list[int]) -> int:
         if self.padded:
             return len(rows) * (self.prompt_width + max(1, max(self.completion[r] for r in rows)) - 1)
         seen: set[tuple] = set()
@@ -115,26 +119,37 @@ class _RowCosts:
                     seen.add(self.key[r])
         return total
 
-    def greedy(self, rows: range, budget: int) -> list[range]:
-        """Contiguous micro-batches, each taking rows while its cost stays within `budget` (at least one row)."""
-        cuts, start = [], rows.start
+    def greedy(self, rows: list[int], budget: int) -> list[list[int]]:
+        """Consecutive micro-batches of `rows`, each taking rows while its cost stays within `budget` (at least
+        one row)."""
+        cuts, cut, seen, total, widest = [], [], set(), 0, 1  # (the cost of `cut` kept as rows join it)
         for r in rows:
-            if r > start and self.cost(range(start, r + 1)) > budget:
-                cuts.append(range(start, r))
-                start = r
-        if start < rows.stop:
-            cuts.append(range(start, rows.stop))
+            if self.padded:
+                new = (len(cut) + 1) * (self.prompt_width + max(widest, self.completion[r]) - 1)
+            else:
+                shared = self.shared and self.key[r] in seen
+                new = total + max(self.completion[r] - 1, 0) + (0 if shared else self.prompt[r])
+            if cut and new > budget:
+                cuts.append(cut)
+                cut, seen, widest, new = [], set(), 1, self.cost([r])
+            cut.append(r)
+            total, widest = new, max(widest, self.completion[r])
+            if self.shared:
+                seen.add(self.key[r])
+        if cut:
+            cuts.append(cut)
         return cuts
 
-    def exactly(self, rows: range, count: int) -> list[range]:
-        """`count` contiguous micro-batches whose largest cost is as small as greedy cuts make it (count <= rows)."""
-        low, high = max(self.cost(range(r, r + 1)) for r in rows), self.cost(rows)
+    def exactly(self, rows: list[int], count: int) -> list[list[int]]:
+        """`count` consecutive micro-batches whose largest cost is as small as greedy cuts make it
+        (count <= len(rows))."""
+        low, high = max(self.cost([r]) for r in rows), self.cost(rows)
         while low < high:  # the smallest budget that greedy cuts into at most `count` micro-batches
             mid = (low + high) // 2
             low, high = (low, mid) if len(self.greedy(rows, mid)) <= count else (mid + 1, high)
         cuts = self.greedy(rows, low)
         while len(cuts) < count:  # fewer: halve the micro-batch with the most rows
             i = max(range(len(cuts)), key=lambda k: len(cuts[k]))
-            half = cuts[i].start + len(cuts[i]) // 2
-            cuts[i:i + 1] = [range(cuts[i].start, half), range(half, cuts[i].stop)]
+            half = len(cuts[i]) // 2
+            cuts[i:i + 1] = [cuts[i][:half], cuts[i][half:]]
         return cuts

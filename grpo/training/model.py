@@ -16,14 +16,18 @@ import torch
 from grpo.config import ConfigError, GRPOConfig
 from grpo.engines.cpu.reference import DiskReference
 from grpo.engines.policy import is_peft
+from grpo.engines.sharding import sharding
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, cfg: GRPOConfig | None = None):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(path)
+    kwargs = {} if cfg is None else {"revision": cfg.model_revision, "trust_remote_code": cfg.trust_remote_code}
+    tok = AutoTokenizer.from_pretrained(path, **kwargs)
+    if cfg is not None and cfg.chat_template is not None:
+        tok.chat_template = cfg.chat_template  # open-r1's key: the recipe's template replaces the tokenizer's
     if tok.eos_token_id is None:
         raise ConfigError(f"model_name_or_path: the tokenizer of {path!r} has no EOS token; completions could "
                           "never end. Set tokenizer.eos_token and save it.")
@@ -35,23 +39,32 @@ def load_tokenizer(path: str):
     return tok
 
 
-def load_model(cfg: GRPOConfig):
+def load_model(cfg: GRPOConfig, quantization_config=None):
+    """The policy from model_name_or_path; model_init_kwargs (TRL's) are passed on and win over the separate keys."""
     from transformers import AutoModelForCausalLM
 
-    kwargs = {"dtype": DTYPES[cfg.torch_dtype]}
+    kwargs = {"dtype": DTYPES[cfg.torch_dtype], "revision": cfg.model_revision,
+              "trust_remote_code": cfg.trust_remote_code}
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
-    if cfg.load_in_4bit:
+    if quantization_config is None and cfg.load_in_4bit:
         if not torch.cuda.is_available():
             raise ConfigError("load_in_4bit: 4-bit (QLoRA) loading needs a CUDA GPU and bitsandbytes; this machine "
                               "has no GPU. Set load_in_4bit=false.")
         from transformers import BitsAndBytesConfig
 
-        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                           bnb_4bit_compute_dtype=torch.bfloat16)
+        quantization_config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=cfg.bnb_4bit_quant_type,
+                                                 bnb_4bit_use_double_quant=cfg.use_bnb_nested_quant,
+                                                 bnb_4bit_compute_dtype=torch.bfloat16)
+    if quantization_config is not None:
+        kwargs["quantization_config"] = quantization_config
+    extra = dict(cfg.model_init_kwargs or {})
+    if "torch_dtype" in extra:
+        extra["dtype"] = extra.pop("torch_dtype")
+    kwargs.update(extra)
     try:
         return AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, **kwargs)
-    except OSError as err:
+    except (OSError, ValueError, TypeError) as err:
         raise ConfigError(f"model_name_or_path: cannot load {cfg.model_name_or_path!r}: {err}") from None
 
 
@@ -59,7 +72,8 @@ def lora_config(cfg: GRPOConfig):
     from peft import LoraConfig
 
     return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=cfg.lora_target_modules, task_type="CAUSAL_LM")
+                      target_modules=cfg.lora_target_modules, modules_to_save=cfg.lora_modules_to_save,
+                      use_rslora=cfg.use_rslora, use_dora=cfg.use_dora, task_type="CAUSAL_LM")
 
 
 def prepare_model(model, cfg: GRPOConfig, peft_config=None, reference_dir: Path | None = None,
@@ -68,12 +82,16 @@ def prepare_model(model, cfg: GRPOConfig, peft_config=None, reference_dir: Path 
     reference is a `DiskReference` whose weights wait in a file of that directory between passes."""
     if cfg.use_peft and peft_config is None:
         peft_config = lora_config(cfg)
+    if cfg.use_liger_kernel:
+        apply_liger_kernels(model)
     if peft_config is not None:
         from peft import get_peft_model, prepare_model_for_kbit_training
 
         if cfg.load_in_4bit:
             model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
         model = get_peft_model(model, peft_config)
+    if cfg.disable_dropout:  # (after LoRA: its dropout too, as TRL disables it)
+        disable_dropout(model)
     if cfg.gradient_checkpointing:
         kwargs = cfg.gradient_checkpointing_kwargs or {"use_reentrant": False}
         # transformers >= 5.23 names it activation_checkpointing_enable; the old name goes in v6
@@ -83,32 +101,76 @@ def prepare_model(model, cfg: GRPOConfig, peft_config=None, reference_dir: Path 
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         model.config.use_cache = False
+    if peft_config is not None and cfg.sync_ref_model:
+        raise ConfigError("sync_ref_model: with LoRA the reference is the model with its adapters off, nothing to "
+                          "sync (TRL refuses it too); train all weights or turn it off.")
     reference = None
     if cfg.beta > 0 and peft_config is None:
-        if reference_dir is not None:
+        if reference_dir is not None and not cfg.sync_ref_model:  # (a synced reference changes: kept in memory)
             reference = DiskReference(model, reference_dir, reference_prefix)
         else:
-            reference = copy.deepcopy(model).eval()
+            reference = reference_copy(model, cfg).eval()
             reference.requires_grad_(False)
     return model, reference
 
 
-def trainable_state(model) -> dict[str, torch.Tensor]:
-    """The weights a checkpoint must hold: the adapters for LoRA, everything otherwise."""
-    if is_peft(model):
-        from peft import get_peft_model_state_dict
+def reference_copy(model, cfg: GRPOConfig):
+    """A frozen copy of `model` (loaded, not yet prepared) for the reference. Weights that DeepSpeed's ZeRO-3
+    partitioned as they loaded (zero3_init_flag) cannot be copied: the reference loads them again from
+    model_name_or_path."""
+    if sharding(model) != "zero3":
+        return copy.deepcopy(model)
+    if getattr(model, "name_or_path", None) != cfg.model_name_or_path:
+        raise ConfigError("model_name_or_path: under DeepSpeed ZeRO-3 the reference model is loaded from the "
+                          "policy's path; pass the model as a path (not a loaded model), or set beta=0.")
+    return load_model(cfg)
 
-        return get_peft_model_state_dict(model)
-    return model.state_dict()
+
+def disable_dropout(model) -> None:
+    """Every dropout off (TRL's disable_dropout): the update's log-probs then equal sampling's."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "attention_dropout", None):
+        config.attention_dropout = 0.0
 
 
-def load_trainable_state(model, weights: dict[str, torch.Tensor]) -> None:
+def apply_liger_kernels(model) -> None:
+    """Liger's layer kernels (RMSNorm, RoPE, SwiGLU), as TRL applies them: not its fused cross-entropy, which would
+    replace the LM head grpo reads its log-probs from."""
+    try:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    except ImportError:
+        raise ConfigError("use_liger_kernel: liger-kernel is not installed (pip install liger-kernel; its kernels "
+                          "need a CUDA GPU). Set use_liger_kernel=false.") from None
+    _apply_liger_kernel_to_instance(model=model, fused_linear_cross_entropy=False, cross_entropy=False)
+
+
+def save_model_files(model, tokenizer, path) -> None:
+    """What save_pretrained writes (config.json and model.safetensors, or for LoRA adapter_config.json and
+    adapter_model.safetensors) and the tokenizer: a directory from_pretrained loads. Tensors keep their dtype."""
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def load_model_files(model, path) -> None:
+    """The weights of `save_model_files` back into `model`, exactly: the adapters for LoRA, every tensor otherwise (a
+    tied weight, written once, comes back through the tensor it is tied to)."""
+    from grpo.training.checkpoint import model_weights
+
+    weights = model_weights(path, adapters=is_peft(model))
     if is_peft(model):
         from peft import set_peft_model_state_dict
 
         set_peft_model_state_dict(model, weights)
-    else:
-        model.load_state_dict(weights)
+        return
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    loaded = {p.data_ptr() for name, p in model.state_dict().items() if name in weights}
+    untied = [name for name in missing if model.state_dict()[name].data_ptr() not in loaded]
+    if unexpected or untied:
+        raise ValueError(f"checkpoint {path}: its weights do not fit the model (unexpected {unexpected[:3]}, "
+                         f"missing {untied[:3]}).")
 
 
 def save_final(model, tokenizer, path, merge: bool) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from grpo.core import group_advantages, mix_advantages, process_advantages
+from grpo.core import decoupled_advantages, group_advantages, mix_advantages, process_advantages
 from grpo.engines.base import SamplingParams, row_seed, sleep, update_weights, wake
 from grpo.engines.sampling import left_pad
 
@@ -32,11 +32,19 @@ class RolloutBatch:
     ref_logp: torch.Tensor | None = None  # (N, T) when beta > 0, on the model's device
     metrics: dict[str, float] = field(default_factory=dict)
     samples: list[dict] = field(default_factory=list)
-    plans: list | None = None  # its micro-batches (grpo.training.micro_batches.Plan), planned on the CPU
+    index: int = 0  # which rollout of the run (seeds its sampling and the order of its optimizer steps)
+    plans: list | None = None  # its optimizer steps (grpo.training.steps.StepPlan), planned on the CPU; not saved
 
     @property
     def completion_width(self) -> int:
         return self.completion_mask.shape[1]
+
+    def tensors(self) -> dict:
+        """What a checkpoint taken while this rollout still feeds optimizer steps keeps of it."""
+        names = ("input_ids", "attention_mask", "completion_mask", "advantages", "old_logp", "sampling_logp",
+                 "ref_logp")
+        return {**{n: None if getattr(self, n) is None else getattr(self, n).cpu() for n in names},
+                "metrics": self.metrics, "samples": self.samples, "index": self.index}
 
 
 @dataclass
@@ -141,6 +149,15 @@ class Processes:
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.world == 1 else self.accel.gather(t.to(self.accel.device)).cpu()
 
+    def gather_ragged(self, t: torch.Tensor) -> torch.Tensor:
+        """A 1-D tensor of each process, of any length, concatenated on every process (TRL pads with a sentinel)."""
+        if self.world == 1:
+            return t
+        local = t.to(self.accel.device)
+        padded = self.accel.pad_across_processes(local, dim=0, pad_index=-1e9)
+        gathered = self.accel.gather(padded)
+        return gathered[gathered != -1e9]
+
     def gather_objects(self, rows: list) -> list:
         if self.world == 1:
             return rows
@@ -162,6 +179,19 @@ class Rollouts:
         self.eos_ids = {tokenizer.eos_token_id}
         self.times: dict[str, float] = {}
         self.engine_stale = False  # the trainer sets it after an optimizer step: the engine's weights are older
+        self.trainer_state = None  # the trainer's transformers.TrainerState, passed to reward functions
+        self._logged_metrics: dict[str, list[float]] = {}  # from reward functions' log_metric
+        self._logged_columns: dict[str, list] = {}  # from reward functions' log_extra
+
+    def _extras(self) -> dict:
+        """TRL's reward-function extras: the trainer's state and the two logging callbacks."""
+        def log_extra(column: str, values: list) -> None:
+            self._logged_columns.setdefault(column, []).extend(values)
+
+        def log_metric(name: str, value: float) -> None:
+            self._logged_metrics.setdefault(name, []).append(float(value))
+
+        return {"trainer_state": self.trainer_state, "log_extra": log_extra, "log_metric": log_metric}
 
     def ready_engine(self) -> None:
         """Wake the rollout engine and hand it the policy's weights if an optimizer step changed them."""
@@ -170,19 +200,33 @@ class Rollouts:
             update_weights(self.generator, self.policy)
             self.engine_stale = False
 
-    def make(self, step: int) -> RolloutBatch:
+    def make(self, index: int) -> RolloutBatch:
+        """Rollout `index` of the run."""
         self.times = {"generation": 0.0, "scoring": 0.0}
+        self._logged_metrics, self._logged_columns = {}, {}
         self.ready_engine()
         if self.cfg.dynamic_sampling:
-            sampled, sampling_metrics = self._sample_dynamic(step)
+            sampled, sampling_metrics = self._sample_dynamic(index)
         else:
-            sampled, sampling_metrics = self._sample(self.prompts.next(self.B), step), {}
+            sampled, sampling_metrics = self._sample(self.prompts.next(self.B), index), {}
         sleep(self.generator)  # (vLLM's sleep mode: its memory is the update's until the next rollout)
         batch = self._assemble(sampled)
         batch.metrics.update(sampling_metrics)
+        batch.metrics.update(self._reward_logs())
+        batch.index = index
         return batch
 
-    def _sample(self, prompts_idx: list[int], step: int, round_: int = 0) -> Sampled:
+    def _reward_logs(self) -> dict[str, float]:
+        """What reward functions logged with log_metric, averaged over every call on every process (TRL's)."""
+        names = sorted(set(self.procs.gather_objects(sorted(self._logged_metrics))) | set(self._logged_metrics))
+        out = {}
+        for name in names:
+            values = self._logged_metrics.get(name, [])
+            stats = self.procs.gather(torch.tensor([[sum(values), len(values)]], dtype=torch.float64)).sum(0)
+            out[name] = float(stats[0] / stats[1]) if stats[1] > 0 else float("nan")
+        return out
+
+    def _sample(self, prompts_idx: list[int], index: int, round_: int = 0) -> Sampled:
         """Generate G completions for each prompt (this process's share of the rows) and score them."""
         G, world, rank = self.G, self.procs.world, self.procs.rank
         n_local = len(prompts_idx) * G // world
@@ -191,23 +235,23 @@ class Rollouts:
         prompts, prompt_ids, columns = self.train_set.rows(rows)
         t0 = time.perf_counter()
         # Seeds belong to rows; a dynamic-sampling refill round gets rows of its own.
-        seeds = [row_seed(self.cfg.seed, step, first + r + round_ * 1_000_000) for r in range(n_local)]
+        seeds = [row_seed(self.cfg.seed, index, first + r + round_ * 1_000_000) for r in range(n_local)]
         out = self.generator.generate(prompt_ids, self.params, seeds)
         t1 = time.perf_counter()
         texts = self.tokenizer.batch_decode([strip_eos(c, self.eos_ids) for c in out.ids], skip_special_tokens=False)
         completions = [as_completion(p, t) for p, t in zip(prompts, texts)]
-        scored = self.rewards(prompts, completions, out.ids, columns)
+        scored = self.rewards(prompts, completions, out.ids, columns, extras=self._extras())
         self.times["generation"] += t1 - t0
         self.times["scoring"] += time.perf_counter() - t1
         return Sampled(prompts, prompt_ids, columns, out.ids, out.truncated, texts, completions, scored.total,
                        scored.per_func, scored.errors, scored.timeouts, out.logprobs)
 
-    def _sample_dynamic(self, step: int) -> tuple[Sampled, dict[str, float]]:
+    def _sample_dynamic(self, index: int) -> tuple[Sampled, dict[str, float]]:
         """DAPO dynamic sampling: drop groups whose rewards are all equal, sample more prompts until the step has
         prompts_per_step groups or max_generation_rounds is reached (then it trains on the groups it has)."""
         G, kept, dropped, rounds, last = self.G, [], 0, 0, None
         while sum(len(k.total) for k in kept) < self.B * G and rounds < self.cfg.max_generation_rounds:
-            last = self._sample(self.prompts.next(self.B), step, rounds)
+            last = self._sample(self.prompts.next(self.B), index, rounds)
             rounds += 1
             rewards = torch.tensor(last.total).view(-1, G)
             varied = [g for g in range(rewards.shape[0]) if float(rewards[g].max() - rewards[g].min()) > 0]
@@ -226,8 +270,15 @@ class Rollouts:
         t0 = time.perf_counter()
         rewards = procs.gather(torch.tensor(s.total, dtype=torch.float32)).view(-1, G)
         mine = slice(procs.rank * n_local, (procs.rank + 1) * n_local)
-        outcome = group_advantages(rewards, scale=cfg.scale_rewards, eps=cfg.advantage_eps,
-                                   unbiased=cfg.unbiased_std).view(-1)[mine]
+        if cfg.multi_objective_aggregation == "normalize_then_sum":
+            per_func = torch.tensor([[float("nan") if v is None else v for v in s.per_func[n]] for n in s.per_func],
+                                    dtype=torch.float32).T  # (n_local, K)
+            per_func = procs.gather(per_func).view(-1, G, per_func.shape[1])
+            outcome = decoupled_advantages(per_func, torch.tensor(self.rewards.weights), eps=cfg.advantage_eps,
+                                           unbiased=cfg.unbiased_std).view(-1)[mine]
+        else:
+            outcome = group_advantages(rewards, scale=cfg.scale_rewards, eps=cfg.advantage_eps,
+                                       unbiased=cfg.unbiased_std).view(-1)[mine]
         keep = [not (cfg.mask_truncated_completions and t) for t in s.truncated]
         input_ids, attention, cmask = pack(s.prompt_ids, s.completion_ids, self.tokenizer.pad_token_id, keep)
         advantages, step_metrics = outcome, {}
@@ -242,10 +293,22 @@ class Rollouts:
                 batch.sampling_logp[i, :len(row)] = torch.tensor(row[:cmask.shape[1]], dtype=cmask.dtype)
         self.times["scoring"] += time.perf_counter() - t0
         batch.metrics = {**self._metrics(s, rewards, outcome), **step_metrics}
-        batch.samples = [{"prompt": p if isinstance(p, str) else p[-1]["content"], "completion": t,
-                          "reward": r, "advantage": float(a), **{f"reward/{k}": v[i] for k, v in s.per_func.items()}}
-                         for i, (p, t, r, a) in enumerate(zip(s.prompts, s.texts, s.total, outcome))][:16]
+        batch.samples = self._samples(s, outcome)
         return batch
+
+    def _samples(self, s: Sampled, outcome) -> list[dict]:
+        """Sample completions for the samples/ log: the first 16 rows (one per distinct prompt with
+        log_unique_prompts), with each reward, the advantage and the columns reward functions logged."""
+        rows, seen = [], set()
+        for i, (p, t, r, a) in enumerate(zip(s.prompts, s.texts, s.total, outcome)):
+            text = p if isinstance(p, str) else p[-1]["content"]
+            if self.cfg.log_unique_prompts and text in seen:
+                continue
+            seen.add(text)
+            extra = {k: v[i] for k, v in self._logged_columns.items() if i < len(v)}
+            rows.append({"prompt": text, "completion": t, "reward": r, "advantage": float(a),
+                         **{f"reward/{k}": v[i] for k, v in s.per_func.items()}, **extra})
+        return rows[:16]
 
     def _process_advantages(self, prompts, completions, ids, columns, outcome, cmask):
         """Step rewards -> token positions -> DeepSeekMath 4.1.3 process advantages, mixed with the outcome ones."""
@@ -280,13 +343,24 @@ class Rollouts:
         gather = self.procs.gather
         lengths_all = gather(torch.tensor([len(c) for c in scored.completion_ids], dtype=torch.float32))
         truncated = gather(torch.tensor(scored.truncated, dtype=torch.float32))
-        m = {"reward/total": float(rewards.nanmean()), "reward/total/std": float(rewards.std()),
+        scored_rows = rewards[~torch.isnan(rewards)]
+        ended = lengths_all[truncated == 0]
+        ended = ended if ended.numel() else torch.zeros(1)
+        m = {"reward/total": float(scored_rows.mean()) if scored_rows.numel() else float("nan"),
+             "reward/total/std": float(scored_rows.std()) if scored_rows.numel() > 1 else 0.0,
              "advantage/mean": float(outcome.mean()), "advantage/std": float(outcome.std()),
              "completion/mean_length": float(lengths_all.mean()), "completion/max_length": float(lengths_all.max()),
-             "completion/truncated_frac": float(truncated.mean())}
+             "completion/min_length": float(lengths_all.min()), "completion/truncated_frac": float(truncated.mean()),
+             "completion/mean_terminated_length": float(ended.mean()),
+             "completion/min_terminated_length": float(ended.min()),
+             "completion/max_terminated_length": float(ended.max()),
+             "completion/tokens": float(lengths_all.sum() + gather(torch.tensor(
+                 [len(p) for p in scored.prompt_ids], dtype=torch.float32)).sum())}
         for name, values in scored.per_func.items():
             vals = gather(torch.tensor([float("nan") if v is None else float(v) for v in values]))
+            applied = vals[~vals.isnan()]
             m[f"reward/{name}"] = float(vals.nanmean())
+            m[f"reward/{name}/std"] = float(applied.std()) if applied.numel() > 1 else float("nan")
             m[f"reward/{name}/none_frac"] = float(vals.isnan().float().mean())  # "does not apply" to these rows
         for name, count in scored.errors.items():
             m[f"reward/errors/{name}"] = float(count)

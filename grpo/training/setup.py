@@ -17,6 +17,31 @@ from grpo.config import ConfigError, GRPOConfig
 from grpo.training.data import load_dataset_any
 
 
+def config_of(args, unsupported: dict) -> GRPOConfig:
+    """GRPOTrainer's args as our config (a trl.GRPOConfig keeps TRL's values); TRL arguments grpo has not built
+    are refused by name."""
+    from grpo.config import from_trl
+
+    for name in unsupported:
+        raise TypeError(f"GRPOTrainer: {name!r} is not supported" + (
+            " (tool calling, custom rollout functions and environments are not built)"
+            if name in ("tools", "rollout_func", "environment_factory") else ""))
+    return args if isinstance(args, GRPOConfig) else from_trl(args) if args is not None else GRPOConfig()
+
+
+def tokenizer_for(cfg: GRPOConfig, processing_class, path: str):
+    """The given tokenizer (with the config's chat template and a pad token, as TRL sets one), else the model's."""
+    from grpo.training.model import load_tokenizer
+
+    if processing_class is None:
+        return load_tokenizer(path, cfg)
+    if cfg.chat_template is not None:
+        processing_class.chat_template = cfg.chat_template
+    if processing_class.pad_token is None:
+        processing_class.pad_token = processing_class.eos_token
+    return processing_class
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -32,11 +57,14 @@ def load_task(cfg: GRPOConfig):
         raise ConfigError(f"task: {err}") from None
 
 
-def make_reward_runner(cfg: GRPOConfig, reward_funcs, task):
+def make_reward_runner(cfg: GRPOConfig, reward_funcs, task, processing_classes=None):
+    """The run's rewards: the given ones (one spec or callable, a loaded reward model, or a list, as TRL takes
+    them; `processing_classes` are the tokenizers of loaded reward models, one or one per function), else the
+    config's, else the task's."""
     from grpo.rewards import RewardRunner, resolve_reward
 
     specs = reward_funcs if reward_funcs is not None else (cfg.reward_funcs or (task.reward_funcs if task else []))
-    if callable(specs) or isinstance(specs, (str, dict)):  # one reward, as TRL's quickstarts pass it
+    if not isinstance(specs, (list, tuple)):  # one reward, as TRL's quickstarts pass it
         specs = [specs]
     if not specs:
         raise ConfigError("reward_funcs: no reward function given; name at least one (e.g. reward_funcs: "
@@ -48,8 +76,9 @@ def make_reward_runner(cfg: GRPOConfig, reward_funcs, task):
         warnings.warn("reward_weights: every weight is 0, so every reward is 0 and nothing will be learned.")
     if weights is not None and len(weights) != len(specs):
         raise ConfigError(f"reward_weights: {len(weights)} weights for {len(specs)} reward functions.")
+    tokenizers = _reward_tokenizers(processing_classes, len(specs))
     try:
-        funcs = [resolve_reward(s) for s in specs]
+        funcs = [resolve_reward(_with_settings(s, cfg), tokenizer=tok) for s, tok in zip(specs, tokenizers)]
     except (ValueError, ImportError) as err:
         raise ConfigError(f"reward_funcs: {err}") from None
     if cfg.overlong_buffer_ratio > 0:
@@ -61,8 +90,32 @@ def make_reward_runner(cfg: GRPOConfig, reward_funcs, task):
         weights = (list(weights) if weights is not None else [1.0] * (len(funcs) - 1)) + [1.0]
     names = [name for name, _ in funcs]
     runner = RewardRunner(funcs, weights, on_error=cfg.reward_on_error, on_nonfinite=cfg.reward_on_nonfinite,
-                          timeout_s=cfg.reward_timeout)
+                          timeout_s=cfg.reward_timeout, on_all_none=cfg.reward_on_all_none)
     return runner, names
+
+
+def _reward_tokenizers(processing_classes, count: int) -> list:
+    if processing_classes is None:
+        return [None] * count
+    if not isinstance(processing_classes, (list, tuple)):
+        processing_classes = [processing_classes]
+    if len(processing_classes) != count:
+        raise ConfigError(f"reward_processing_classes: {len(processing_classes)} for {count} reward functions; give "
+                          "one per function (None for those that are not models), as TRL takes them.")
+    return list(processing_classes)
+
+
+def _with_settings(spec, cfg: GRPOConfig):
+    """An open-r1 reward name with the recipe's settings for it (open-r1's get_reward_funcs does the same)."""
+    from grpo.rewards.registry import open_r1_spec
+
+    return open_r1_spec(spec, {**_open_r1_defaults(), **cfg.open_r1_rewards}) if isinstance(spec, str) else spec
+
+
+def _open_r1_defaults() -> dict:
+    from grpo.config.trl_keys import REWARD_SETTINGS
+
+    return dict(REWARD_SETTINGS)
 
 
 def check_reward_columns(rewards, columns: list[str]) -> None:
@@ -106,20 +159,6 @@ def _level(cfg: GRPOConfig) -> dict:
     return {} if cfg.task_difficulty is None else {"difficulty": cfg.task_difficulty}
 
 
-def batch_layout(cfg: GRPOConfig, world: int) -> tuple[int, int]:
-    if cfg.dynamic_sampling and world > 1:
-        raise ConfigError("dynamic_sampling: runs on one process for now; with several processes the refilled "
-                          "groups would need moving between processes. Turn it off or run one process.")
-    G = cfg.num_generations
-    B = cfg.prompts_per_step
-    if B is None:
-        B = max(1, cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world // G)
-    if (B * G) % world:
-        raise ConfigError(f"prompts_per_step: {B} prompts x {G} generations = {B * G} completions cannot be split "
-                          f"evenly over {world} processes; choose prompts_per_step so that B x G divides by {world}.")
-    return B, G
-
-
 def check_sizes(cfg: GRPOConfig, n_prompts: int, B: int, prompt_ids: list[list[int]], model_config=None) -> None:
     """Enough prompts for one step, and prompt + completion within the model's context (reliability.md 4.2)."""
     if n_prompts < B:
@@ -142,24 +181,27 @@ def check_sizes(cfg: GRPOConfig, n_prompts: int, B: int, prompt_ids: list[list[i
                           "max_prompt_length.")
 
 
-def total_steps(cfg: GRPOConfig, n_prompts: int, B: int) -> int:
-    if cfg.max_steps > 0:
-        return cfg.max_steps
-    return max(1, math.ceil(cfg.num_train_epochs * n_prompts / B))
-
-
 def make_schedule(cfg: GRPOConfig, total: int) -> Callable[[int], float]:
-    warmup = cfg.warmup_steps or int(cfg.warmup_ratio * total)
+    """The learning-rate factor of optimizer step `step` of `total`, after linear warmup (warmup_steps, a fraction
+    of the steps below 1, else warmup_ratio), as transformers' schedules of the same names."""
+    steps = cfg.warmup_steps
+    warmup = math.ceil(steps * total) if 0 < steps < 1 else int(steps) or int(cfg.warmup_ratio * total)
+    kwargs = cfg.lr_scheduler_kwargs or {}
+    cycles = kwargs.get("num_cycles", 0.5)
+    floor = kwargs["min_lr"] / cfg.learning_rate if "min_lr" in kwargs else kwargs.get("min_lr_rate", 0.0)
 
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / (warmup + 1)
-        if cfg.lr_scheduler_type == "constant":
+        if cfg.lr_scheduler_type in ("constant", "constant_with_warmup"):
             return 1.0
         progress = (step - warmup) / max(1, total - warmup)
         if cfg.lr_scheduler_type == "linear":
             return max(0.0, 1.0 - progress)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        cosine = 0.5 * (1.0 + math.cos(math.pi * 2.0 * cycles * min(1.0, progress)))
+        if cfg.lr_scheduler_type == "cosine_with_min_lr":
+            return floor + (1.0 - floor) * cosine
+        return max(0.0, cosine)
 
     return factor
 
@@ -176,14 +218,45 @@ def make_optimizer(model, cfg: GRPOConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, fused=True if fusable else None, **kwargs)
 
 
-def check_accelerator(accelerator) -> None:
-    """Refuse what this trainer cannot run, before any model loads."""
-    if accelerator.distributed_type == "DEEPSPEED" and accelerator.state.deepspeed_plugin.zero_stage == 3:
-        # ZeRO-3 shards every weight (transformers loads them sharded); sampling, the reference and saving here
-        # read whole weights. Measured: sampling read the sharded head and the reference's embedding.
-        raise ConfigError("DeepSpeed ZeRO-3 is not supported (sampling, the reference model and saving read "
-                          "whole weights): use ZeRO-2 (recipes/accelerate/zero2.yaml), which shards the "
-                          "optimizer state and gradients, or DDP (recipes/accelerate/ddp.yaml).")
+def make_accelerator(cfg: GRPOConfig):
+    """accelerate's Accelerator for the config: mixed precision (bf16, fp16) and the CPU when asked or without a GPU."""
+    from accelerate import Accelerator
+
+    cuda = torch.cuda.is_available() and not cfg.use_cpu
+    if cfg.fp16 and not cuda:
+        raise ConfigError("fp16: float16 mixed precision needs a CUDA GPU (its loss scaler); use bf16 on the CPU.")
+    precision = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "no"
+    from accelerate.state import AcceleratorState
+
+    state = AcceleratorState._shared_state
+    if state and (AcceleratorState().mixed_precision != precision or (AcceleratorState().device.type == "cpu") != (
+            not cuda)):
+        # An earlier trainer of this process (a notebook, a test) set another precision: accelerate keeps one per
+        # process, so its state is reset (the process group, if any, is kept).
+        AcceleratorState._reset_state(reset_partial_state=False)
+    return Accelerator(cpu=not cuda, mixed_precision=precision)
+
+
+def configure_process(cfg: GRPOConfig) -> None:
+    """Process-wide settings the config asks for: threads, log levels, determinism, TF32."""
+    import logging
+
+    if cfg.num_threads is not None:
+        torch.set_num_threads(cfg.num_threads)
+    if cfg.log_level != "passive":
+        from transformers.utils import logging as hf_logging
+
+        level = getattr(logging, cfg.log_level.upper())
+        logging.getLogger("grpo").setLevel(level)
+        hf_logging.set_verbosity(level)
+    if cfg.full_determinism:
+        import os
+
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    if cfg.tf32 is not None and torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
+        torch.backends.cudnn.allow_tf32 = cfg.tf32
 
 
 def fill_deepspeed_auto(accelerator, cfg: GRPOConfig) -> None:

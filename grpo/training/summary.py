@@ -1,6 +1,41 @@
-"""What a run says at its start (what it is about to do) and at its end (what it did), a few lines each."""
+"""What a run says and writes at its start (what it is about to do), at each logged step, and at its end."""
 
 from __future__ import annotations
+
+from pathlib import Path
+
+from grpo.engines.sharding import whole_numel
+from grpo.training.sharded import describe
+
+
+class TrainResult(dict):
+    """The last step's metrics (a dict, as `train()` returned before), with TRL's TrainOutput fields:
+    `global_step`, `training_loss` and `metrics`."""
+
+    def __init__(self, metrics: dict[str, float], global_step: int):
+        super().__init__(metrics)
+        self.global_step = global_step
+        self.training_loss = metrics.get("train/loss", float("nan"))
+        self.metrics = dict(metrics)
+
+
+def write_run_files(trainer, out: Path) -> None:
+    """The run directory's config.yaml (the resolved config) and layout.yaml (the resolved batch layout)."""
+    import yaml
+
+    out.mkdir(parents=True, exist_ok=True)
+    trainer.cfg.save(out / "config.yaml")
+    (out / "layout.yaml").write_text(yaml.safe_dump(trainer.layout.to_dict(), sort_keys=False))
+
+
+def log_step(trainer, logger, display, step: int, metrics: dict[str, float]) -> None:
+    """Log one step's metrics under the names metric_names asks for, show them, and tell the callbacks."""
+    from grpo.training.metric_names import named
+
+    logs = named(metrics, trainer.cfg.metric_names, trainer.reward_names)
+    logger.log(step, logs)
+    display.update(step, metrics)
+    trainer.control.logged(step, logs)
 
 
 def _count(n: int) -> str:
@@ -9,14 +44,15 @@ def _count(n: int) -> str:
 
 def start_lines(trainer) -> list[str]:
     cfg, policy = trainer.cfg, trainer.policy
-    total = sum(p.numel() for p in policy.parameters())
-    trained = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    total = sum(whole_numel(p) for p in policy.parameters())
+    trained = sum(whole_numel(p) for p in policy.parameters() if p.requires_grad)
     params = _count(total) + ("" if trained == total else f", {_count(trained)} trained (LoRA)")
     data = (f"task {cfg.task}" if trainer.task is not None else cfg.dataset_name or "the given train_dataset")
     evals = f", {len(trainer.eval_set)} eval" if trainer.eval_set is not None else ""
     weights = trainer.rewards.weights
     rewards = ", ".join(f"{n} x{w:g}" for n, w in zip(trainer.reward_names, weights))
     device = f"{trainer.accel.device}, {trainer.world} process" + ("es" if trainer.world > 1 else "")
+    device += describe(trainer.accel, cfg)
     return [f"model    {cfg.model_name_or_path} ({params} parameters)",
             f"data     {data}: {len(trainer.train_set)} prompts{evals}",
             f"rewards  {rewards}",
@@ -24,8 +60,9 @@ def start_lines(trainer) -> list[str]:
             + (f"; rollouts from vLLM ({cfg.vllm_mode})" if cfg.use_vllm else ""),
             f"device   {device}",
             f"passes   {trainer.micro.describe()}",
-            f"steps    {trainer.total_steps} from step {trainer.step}, {trainer.B} prompts x {trainer.G} completions, "
-            f"{cfg.num_iterations} update(s) each",
+            f"steps    {trainer.total_steps} optimizer steps from step {trainer.step}; rollouts of {trainer.B} prompts "
+            f"x {trainer.G} completions, each feeding {trainer.layout.rollout_steps} step(s) of "
+            f"{trainer.layout.step_completions} completions",
             f"output   {cfg.output_dir}"]
 
 

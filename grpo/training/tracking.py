@@ -32,7 +32,7 @@ from typing import Any, Iterable
 
 import torch
 
-REPORT_TO_CHOICES = ("tensorboard", "wandb")
+REPORT_TO_CHOICES = ("tensorboard", "wandb", "trackio")
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_DIR = "samples"
 TENSORBOARD_DIR = "tensorboard"
@@ -195,7 +195,7 @@ class NullLogger:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Do nothing."""
 
-    def log_samples(self, step: int, rows: list[dict]) -> None:
+    def log_samples(self, step: int, rows: list[dict], print_rows: int | None = None) -> None:
         """Do nothing."""
 
     def close(self) -> None:
@@ -227,6 +227,7 @@ class RunLogger:
         config: dict | None = None,
         run_name: str | None = None,
         resume_step: int | None = None,
+        options: Any = None,
     ) -> None:
         names = check_report_to(report_to)
         self.output_dir = Path(output_dir)
@@ -237,14 +238,17 @@ class RunLogger:
         self.metrics_path.touch()
         remove_samples_after(self.output_dir / SAMPLES_DIR, last_step)
         self._last_step = last_step
+        self.options = options  # the run's config: logging_dir, project, wandb_entity, wandb_run_group
         self._tensorboard = self._open_tensorboard(config, last_step + 1) if "tensorboard" in names else None
         self._wandb = self._open_wandb(config, run_name, resume_step is not None) if "wandb" in names else None
+        self._trackio = self._open_trackio(config, run_name, resume_step is not None) if "trackio" in names else None
 
     def _open_tensorboard(self, config: dict | None, purge_step: int) -> Any:
         # Imported here so that `import grpo.training.tracking` stays light when TensorBoard is not asked for.
         from torch.utils.tensorboard import SummaryWriter
 
-        writer = SummaryWriter(str(self.output_dir / TENSORBOARD_DIR), purge_step=purge_step)
+        logging_dir = getattr(self.options, "logging_dir", None)
+        writer = SummaryWriter(logging_dir or str(self.output_dir / TENSORBOARD_DIR), purge_step=purge_step)
         if config is not None:
             writer.add_text("config", "    " + json.dumps(config, indent=2, default=str).replace("\n", "\n    "))
         return writer
@@ -260,7 +264,9 @@ class RunLogger:
         id_path = self.output_dir / WANDB_ID_FILE
         run_id = id_path.read_text(encoding="utf-8").strip() if resume and id_path.exists() else None
         run = wandb.init(
-            project=os.environ.get("WANDB_PROJECT", "grpo"),
+            project=getattr(self.options, "wandb_project", None) or os.environ.get("WANDB_PROJECT", "grpo"),
+            entity=getattr(self.options, "wandb_entity", None),
+            group=getattr(self.options, "wandb_run_group", None),
             name=run_name,
             config=config,
             dir=str(self.output_dir),
@@ -269,6 +275,15 @@ class RunLogger:
         )
         id_path.write_text(run.id, encoding="utf-8")
         return run
+
+    def _open_trackio(self, config: dict | None, run_name: str | None, resume: bool) -> Any:
+        try:
+            import trackio
+        except ImportError as err:
+            raise ImportError("report_to contains 'trackio' but the trackio package is not installed; run "
+                              "`pip install trackio`, or drop 'trackio' from report_to") from err
+        project = getattr(self.options, "project", None) or "huggingface"
+        return trackio.init(project=project, name=run_name, config=config, resume="allow" if resume else "never")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Append one row {"step": step, **metrics} to metrics.jsonl and send the metrics to the other sinks."""
@@ -290,10 +305,16 @@ class RunLogger:
             self._tensorboard.flush()
         if self._wandb is not None:
             self._wandb.log(numbers, step=step)
+        if self._trackio is not None:
+            self._trackio.log(numbers, step=step)
 
-    def log_samples(self, step: int, rows: list[dict]) -> None:
+    def log_samples(self, step: int, rows: list[dict], print_rows: int | None = None) -> None:
         """Write sample completions of `step` to samples/step_{step:06d}.jsonl, one JSON object per row
-        (e.g. prompt, completion, reward per function, advantage); also to TensorBoard text and a W&B table."""
+        (e.g. prompt, completion, reward per function, advantage); also to TensorBoard text and a W&B table.
+        `print_rows`: also print that many of them (TRL's num_completions_to_print)."""
+        for row in rows[:print_rows or 0]:
+            print(f"step {step}  reward {row.get('reward')}  advantage {row.get('advantage')}\n"
+                  f"  prompt: {str(row.get('prompt'))[-200:]!r}\n  completion: {str(row.get('completion'))[:400]!r}")
         encoded, lines = [], []
         for i, row in enumerate(rows):
             if not isinstance(row, dict):
@@ -326,6 +347,9 @@ class RunLogger:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+        if self._trackio is not None:
+            self._trackio.finish()
+            self._trackio = None
 
 
 def extreme(key: str) -> bool:
@@ -341,3 +365,33 @@ def accumulate(key: str, total, value, weight):
     if extreme(key):
         return torch.minimum(total, value) if key.endswith("_min") else torch.maximum(total, value)
     return total + value * weight
+
+
+class MetricSums:
+    """A step's metrics over its micro-batches (`accumulate`), kept on the device until `means()`."""
+
+    def __init__(self):
+        self.sums: dict[str, torch.Tensor] = {}
+        self.weights: dict[str, float] = {}
+
+    def add(self, key: str, value: torch.Tensor, weight: float) -> None:
+        self.sums[key] = accumulate(key, self.sums.get(key), value.detach().double(), weight)
+        self.weights[key] = self.weights.get(key, 0.0) + weight
+
+    def means(self, skip: str | None = None, gather_objects=None) -> dict[str, float]:
+        """Each metric's weighted mean (least or greatest for *_min / *_max) over the micro-batches, and over every
+        process's when `gather_objects` (grpo.training.rollout.Processes') is given: one host transfer and, with
+        several processes, one object gather per step."""
+        names = [k for k in self.sums if skip is None or not k.startswith(skip)]
+        values = torch.stack([self.sums[k] for k in names]).tolist() if names else []
+        parts = [{k: (v, self.weights[k]) for k, v in zip(names, values)}]
+        if gather_objects is not None:
+            parts = gather_objects(parts)
+        out = {}
+        for key in dict.fromkeys(k for part in parts for k in part):  # (in order; a key some process lacks too)
+            seen = [part[key] for part in parts if key in part]
+            if extreme(key):
+                out[key] = (min if key.endswith("_min") else max)(v for v, _ in seen)
+            else:
+                out[key] = sum(v for v, _ in seen) / max(sum(w for _, w in seen), 1e-9)
+        return out

@@ -1,17 +1,19 @@
 """`GRPOTrainer`: the GRPO loop, readable top to bottom.
 
-    for each step:
-        prompts      <- the next B prompts (same on every process)
-        completions  <- G samples per prompt from the rollout engine (this process's share of the B*G rows)
-        rewards      <- every reward function, weighted and summed; gathered so group statistics see all G
-        advantages   <- (r - group mean) / group std   [+ process-supervision advantages from step rewards]
-        old/ref      <- log-probs of the sampling policy (when num_iterations > 1) and of the reference (beta > 0)
-        update       <- num_iterations AdamW steps on the clipped surrogate + beta * KL, in micro-batches
-        log, eval, checkpoint
+    for each optimizer step:
+        if the last rollout has fed all its steps, a new rollout:
+            prompts      <- the next B prompts (same on every process)
+            completions  <- G samples per prompt from the rollout engine (this process's share of the B*G rows)
+            rewards      <- every reward function, weighted and summed; gathered so group statistics see all G
+            advantages   <- (r - group mean) / group std   [+ process-supervision advantages from step rewards]
+            old/ref      <- log-probs of the sampling policy (when it feeds several steps) and of the reference
+        update           <- one AdamW step on the surrogate + beta * KL over this step's rows, in micro-batches
+        log, eval, checkpoint, callbacks
 
-A step is one rollout batch. Checkpoints are written between steps, so resume never needs a half-used rollout.
-The math lives in `grpo.core`, generation and the passes through the model in an engine (`grpo.engines`), the
-rollout's bookkeeping in `grpo.training.rollout`; this file moves tensors between them.
+A rollout feeds steps_per_generation / gradient_accumulation_steps optimizer steps per pass, num_iterations passes
+(TRL's counting; grpo.training.steps). Checkpoints may fall inside a rollout: they keep it, so resume is exact.
+The math lives in `grpo.core` (put together in `grpo.training.objective`), generation and the passes through the
+model in an engine (`grpo.engines`), the rollout's bookkeeping in `grpo.training.rollout`; this file moves tensors.
 """
 
 from __future__ import annotations
@@ -24,23 +26,27 @@ from typing import Any
 
 import torch
 
-from grpo.config import GRPOConfig
-from grpo.core import engine_importance_weights, policy_loss
+from grpo.core import aggregation_normalizer, sync_reference_
 from grpo.engines.base import SamplingParams
 from grpo.engines.policy import reference_view
 from grpo.engines.select import choose_engine, make_engine, make_vllm
-from grpo.training import checkpoint as ckpt
+from grpo.training import sharded_checkpoint as sharded_ckpt
+from grpo.training.control import RunControl
 from grpo.training.data import PromptSampler, build_prompt_set
-from grpo.training.health import HealthMonitor, nonfinite_messages
+from grpo.training.health import HealthMonitor, report_nonfinite
+from grpo.training.hub import start_hub
 from grpo.training.micro_batches import MicroBatches, Plan
-from grpo.training.model import (load_model, load_tokenizer, load_trainable_state, prepare_model, save_final,
-                                 trainable_state)
+from grpo.training.model import load_model, prepare_model, save_final
+from grpo.training.objective import MicroInputs, Objective
 from grpo.training.rollout import Processes, RolloutBatch, Rollouts
-from grpo.training.setup import (batch_layout, check_accelerator, check_reward_columns, check_sizes,
-                                 fill_deepspeed_auto, load_task, make_datasets, make_optimizer, make_reward_runner,
-                                 make_schedule, make_step_rewards, seed_everything, total_steps)
-from grpo.training.summary import end_lines, finish_run, start_lines
-from grpo.training.tracking import accumulate, extreme
+from grpo.training.sharded import check_sharding, place_reference
+from grpo.training.state import checkpoint_to_resume, restore, save_checkpoint, trainer_state
+from grpo.training.setup import (check_reward_columns, check_sizes, config_of, configure_process,
+                                 fill_deepspeed_auto, load_task, make_accelerator, make_datasets, make_optimizer,
+                                 make_reward_runner, make_schedule, make_step_rewards, seed_everything, tokenizer_for)
+from grpo.training.steps import StepPlan, resolve_layout, rollout_plan
+from grpo.training.summary import TrainResult, end_lines, finish_run, log_step, start_lines, write_run_files
+from grpo.training.tracking import MetricSums
 
 # grpo.core metric -> logged name (the seed tutorial's names where it has one).
 LOSS_METRIC_NAMES = {"policy_loss": "policy/loss", "kl": "policy/kl_divergence"}
@@ -51,119 +57,127 @@ class TrainingStopped(RuntimeError):
 
 
 class GRPOTrainer:
-    """Train a causal LM with GRPO.
+    """Train a causal LM with GRPO; TRL's `GRPOTrainer` arguments, in TRL's order.
 
     model: a path / hub name, or a loaded `transformers` model (then `processing_class` is its tokenizer).
-    reward_funcs: one reward spec or callable (TRL signature), or a list; default: the config's, else the task's.
+    reward_funcs: one reward (a callable of TRL's signature, a name, a loaded reward model) or a list of them;
+        default: the config's, else the task's. reward_processing_classes: loaded reward models' tokenizers.
+    args: our GRPOConfig, or TRL's (`trl.GRPOConfig`, whose values and meaning are kept).
     train_dataset / eval_dataset: `datasets.Dataset`; default: the config's dataset or built-in task.
-    peft_config: a `peft.LoraConfig` (or set `use_peft` in the config).
-    generator: a rollout engine (`grpo.engines.base.RolloutEngine`); default: the chosen engine's sampler.
+    callbacks: `transformers.TrainerCallback`s (or classes); optimizers: (optimizer, lr scheduler) or (None, None).
+    peft_config: a `peft.LoraConfig` (or set `use_peft`). generator: a rollout engine (`grpo.engines.base`).
     """
 
-    def __init__(self, model: Any = None, reward_funcs: Any = None, args: GRPOConfig | None = None,
-                 train_dataset=None, eval_dataset=None, peft_config=None, processing_class=None,
-                 generator=None, step_reward_funcs: list | None = None):
-        from accelerate import Accelerator
-
-        self.cfg = cfg = args or GRPOConfig()
-        self.accel = Accelerator(cpu=not torch.cuda.is_available())
-        check_accelerator(self.accel)
+    def __init__(self, model: Any = None, reward_funcs: Any = None, args: Any = None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
+                 optimizers=(None, None), quantization_config=None, peft_config=None, *, generator=None,
+                 step_reward_funcs: list | None = None, **unsupported):
+        self.cfg = cfg = config_of(args, unsupported)
+        self.accel = make_accelerator(cfg)
+        check_sharding(self.accel, cfg)
+        self.sharded = self.accel.distributed_type in ("FSDP", "DEEPSPEED")  # its state saved in shards
         self.procs = Processes(self.accel)
         self.world, self.rank = self.procs.world, self.procs.rank
-        if cfg.num_threads is not None:
-            torch.set_num_threads(cfg.num_threads)
+        configure_process(cfg)
         seed_everything(cfg.seed)
-        self.task = load_task(cfg) if train_dataset is None and cfg.dataset_name is None else None
+        self.hub = start_hub(cfg) if cfg.push_to_hub and self.accel.is_main_process else None  # (up front)
+        self.task = load_task(cfg) if cfg.task is not None and (train_dataset is None or "task" in
+                                                                 cfg.__dict__.get("_explicit", ())) else None
         self.prefill = cfg.prefill if cfg.prefill is not None else (self.task.prefill if self.task else "")
-        self.rewards, self.reward_names = make_reward_runner(cfg, reward_funcs, self.task)
+        self.rewards, self.reward_names = make_reward_runner(cfg, reward_funcs, self.task, reward_processing_classes)
         self.step_rewards = make_step_rewards(cfg, step_reward_funcs)
         train_dataset, eval_dataset = make_datasets(cfg, self.task, train_dataset, eval_dataset)
         check_reward_columns(self.rewards, list(train_dataset.column_names))  # before any model load
-        self.B, self.G = batch_layout(cfg, self.world)
 
         from_path = model is None or isinstance(model, (str, Path))
         if from_path and model is not None:
             cfg.model_name_or_path = str(model)
-        self.tokenizer = processing_class or load_tokenizer(cfg.model_name_or_path if from_path else model.name_or_path)
+        self.tokenizer = tokenizer_for(cfg, processing_class, cfg.model_name_or_path if from_path else
+                                       model.name_or_path)
         # Tokenize and check the data before the weights load: a bad row or length fails in seconds.
         self.train_set = build_prompt_set(train_dataset, self.tokenizer, cfg, self.prefill, "dataset_name")
         self.eval_set = (build_prompt_set(eval_dataset, self.tokenizer, cfg, self.prefill, "eval_dataset_name")
                          if eval_dataset is not None else None)
+        self.layout = resolve_layout(cfg, self.world, len(self.train_set))
+        self.B, self.G = self.layout.prompts_per_rollout, cfg.num_generations
         check_sizes(cfg, len(self.train_set), self.B, self.train_set.prompt_ids, None if from_path else model.config)
         if from_path:
-            model = load_model(cfg)
-        self.engine = choose_engine(cfg.engine, model, self.accel.device, self.world, self.accel.distributed_type)
+            model = load_model(cfg, quantization_config)
+        self.engine = choose_engine(cfg.engine, model, self.accel.device, self.world, self.accel.distributed_type,
+                                    self.accel.mixed_precision)
         on_disk = cfg.reference_weights == "disk" or (cfg.reference_weights == "auto" and self.engine.name == "cpu")
         model, self.reference = prepare_model(model, cfg, peft_config, Path(cfg.output_dir) if on_disk else None,
                                               reference_prefix=f".reference-rank{self.rank}-")
-        self.total_steps = total_steps(cfg, len(self.train_set), self.B)
-        self.optimizer = make_optimizer(model, cfg)
-        # The schedule counts optimizer updates: num_iterations of them per step.
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, make_schedule(cfg, self.total_steps * cfg.num_iterations))
+        self.total_steps = self.layout.total_steps
+        self.optimizer = optimizers[0] or make_optimizer(model, cfg)
+        self.scheduler = optimizers[1] or torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, make_schedule(cfg, self.total_steps))
         fill_deepspeed_auto(self.accel, cfg)
         self.model, self.optimizer = self.accel.prepare(model, self.optimizer)
-        if self.reference is not None:
-            self.reference.to(self.accel.device)
+        self.reference = place_reference(self.reference, self.accel)  # (sharded as the policy is, under FSDP2, ZeRO-3)
         self.policy = self.accel.unwrap_model(self.model)
         self.params = SamplingParams(cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p,
                                      cfg.repetition_penalty)
         if generator is None and cfg.use_vllm:
             generator = make_vllm(cfg, self.policy, self.tokenizer, self.accel)
         self.generator, self.backend = make_engine(self.engine, self.model, self.policy, self.accel, self.tokenizer,
-                                                   self.params, self.reference, generator)
+                                                   self.params, self.reference, generator,
+                                                   gather_for_generation=cfg.ds3_gather_for_generation)
         packing, why = self.backend.packing(self.policy, cfg.use_remove_padding)
         self.micro = MicroBatches(cfg.per_device_train_batch_size, cfg.max_tokens_per_micro_batch, packing, self.procs,
                                   why)
-        self.sampler = PromptSampler(len(self.train_set), cfg.seed)
+        self.sampler = PromptSampler(len(self.train_set), cfg.seed if cfg.data_seed is None else cfg.data_seed,
+                                     cfg.shuffle_dataset)
         self.rollouts = Rollouts(cfg, self.generator, self.policy, self.tokenizer, self.train_set, self.sampler,
                                  self.rewards, self.step_rewards, self.procs, self.B, self.G, self.params)
+        self.objective = Objective(cfg, self.procs)
+        self.control = RunControl(cfg, callbacks, self.layout, self.accel.is_main_process)
+        self.rollouts.trainer_state = self.control.state
         self.health = HealthMonitor(accuracy=self.reward_names[0],
                                     format=next((n for n in self.reward_names if "format" in n), None))
-        self.step = 0
-        self.nonfinite_in_a_row = 0
-        self.nonfinite_total = 0
+        self.step = self.rollout_count = self.nonfinite_in_a_row = self.nonfinite_total = 0
+        self.num_tokens, self.pending = 0.0, None  # pending: (rollout, its optimizer steps still to take)
+        self.control.event("on_init_end")
+
+    # ---- TRL's trainer surface ---------------------------------------------------------------------------------
+    @property
+    def state(self):
+        """The transformers.TrainerState callbacks and reward functions read (global_step, log_history, ...)."""
+        return self.control.state
+
+    def add_callback(self, callback) -> None:
+        self.control.add(callback)
+
+    def pop_callback(self, callback):
+        return self.control.pop(callback)
+
+    def remove_callback(self, callback) -> None:
+        self.control.pop(callback)
 
     # ---- the loop ----------------------------------------------------------------------------------------------
-    def train(self) -> dict[str, float]:
+    def train(self, resume_from_checkpoint: Any = None) -> TrainResult:
         from grpo.training.display import LiveDisplay, NullDisplay
         from grpo.training.tracking import NullLogger, RunLogger
 
-        cfg, out = self.cfg, Path(self.cfg.output_dir)
-        main = self.accel.is_main_process
-        if cfg.resume:
-            self._resume()
+        cfg, out, main = self.cfg, Path(self.cfg.output_dir), self.accel.is_main_process
+        path = checkpoint_to_resume(cfg, resume_from_checkpoint, self.procs)
+        if path is not None:
+            self._resume(path)
         if main:
-            out.mkdir(parents=True, exist_ok=True)
-            cfg.save(out / "config.yaml")
+            write_run_files(self, out)
             print("\n".join(start_lines(self)))
-        report = [r for r in cfg.report_to if r != "none"]
-        logger = RunLogger(out, report, cfg.to_dict(), resume_step=self.step) if main else NullLogger()
-        display = LiveDisplay(self.total_steps) if main else NullDisplay()
+        logger = RunLogger(out, cfg.report_to, cfg.to_dict(), run_name=cfg.run_name, resume_step=self.step,
+                           options=cfg) if main else NullLogger()
+        display = LiveDisplay(self.total_steps) if main and not cfg.disable_tqdm else NullDisplay()
         last: dict[str, float] = {}
         started = time.perf_counter()
         self.backend.prepare()  # (again, when train() is called a second time)
+        self.control.event("on_train_begin")
         try:
-            if self.step == 0 and self.eval_set is not None and cfg.eval_steps > 0:
-                logger.log(0, self.evaluate())
-            while self.step < self.total_steps:
-                metrics = self.train_step()
-                self.step += 1
-                health, alarms = self.health.check(metrics)
-                metrics.update(health)
-                for name, message in alarms:
-                    display.alarm(name, message)
-                if self.eval_set is not None and (
-                        (cfg.eval_steps and self.step % cfg.eval_steps == 0) or self.step == self.total_steps):
-                    metrics.update(self.evaluate())
-                if self.step % cfg.logging_steps == 0 or self.step == self.total_steps or "eval/accuracy" in metrics:
-                    logger.log(self.step, metrics)
-                    display.update(self.step, metrics)
-                if cfg.log_completions_steps and self.step % cfg.log_completions_steps == 0:
-                    logger.log_samples(self.step, self._last_samples)
-                if cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < self.total_steps:
-                    self.save_checkpoint()
-                last = metrics
+            if self.step == 0 and self.control.cadence.evaluate_first(self.eval_set is not None):
+                log_step(self, logger, display, 0, self.evaluate())
+            while self.step < self.total_steps and not self.control.control.should_training_stop:
+                last = self._step_and_report(logger, display)
         finally:
             display.close()
             logger.close()
@@ -172,24 +186,49 @@ class GRPOTrainer:
         if main:
             finish_run(out)
             print("\n".join(end_lines(self, last, time.perf_counter() - started)))
-        return last
+        self.control.event("on_train_end")
+        if self.hub is not None:
+            self.hub.finished(out / "final", self.step)
+        return TrainResult(last, global_step=self.step)
+
+    def _step_and_report(self, logger, display) -> dict[str, float]:
+        """One optimizer step, its health alarms, then what the cadence and the callbacks ask for."""
+        self.control.event("on_step_begin")
+        metrics = self.train_step()
+        self.step += 1
+        health, alarms = self.health.check(metrics)
+        metrics.update(health)
+        for name, message in alarms:
+            display.alarm(name, message)
+        self.control.after_step(self, metrics, logger, display)  # eval, log, samples, checkpoint, as flagged
+        return metrics
 
     def train_step(self) -> dict[str, float]:
+        """One optimizer step, with a rollout first when the last one has fed all its steps."""
         t0 = time.perf_counter()
-        batch = self.rollout()
+        fresh = self.pending is None or not self.pending[1]
+        if fresh:
+            batch = self.rollout()
+            self.pending = (batch, list(batch.plans))
+        batch, plans = self.pending
         t1 = time.perf_counter()
-        metrics = self.update(batch)
-        metrics.update(batch.metrics)
-        metrics["time/update"] = time.perf_counter() - t1
-        metrics["time/step"] = time.perf_counter() - t0
-        self._last_samples = batch.samples
+        metrics = self._optimize(batch, [plans.pop(0)])
+        if fresh:
+            metrics.update(batch.metrics)
+            self.num_tokens += batch.metrics.get("completion/tokens", 0.0)
+            self._last_samples = batch.samples
+        metrics.update({"train/num_tokens": self.num_tokens,
+                        "train/epoch": (self.step + 1) / self.layout.steps_per_epoch,
+                        "time/update": time.perf_counter() - t1, "time/step": time.perf_counter() - t0})
         return metrics
 
     # ---- rollout: generate, score, advantages; old and reference log-probs -------------------------------------
     def rollout(self) -> RolloutBatch:
-        batch = self.rollouts.make(self.step)
+        with self.accel.autocast():
+            batch = self.rollouts.make(self.rollout_count)
+        self.rollout_count += 1
         t0 = time.perf_counter()
-        batch.plans = self.micro.plan(batch)
+        batch.plans = self._plan(batch)
         self._score_logprobs(batch)
         batch.metrics.update({f"time/{k}": v for k, v in self.rollouts.times.items()})
         batch.metrics["time/logprobs"] = time.perf_counter() - t0
@@ -197,84 +236,90 @@ class GRPOTrainer:
 
     @torch.no_grad()
     def _score_logprobs(self, batch: RolloutBatch) -> None:
-        """The reference's log-probs (beta > 0). The sampling policy's come from the first update pass."""
-        if self.cfg.beta <= 0:
-            return
-        batch.ref_logp = torch.zeros(batch.completion_mask.shape, device=self.accel.device)
-        with reference_view(self.policy, self.reference) as ref:
-            for plan in batch.plans or self.micro.plan(batch):
-                micro = plan.inputs(batch, self.accel.device)
-                batch.ref_logp[plan.rows, :plan.width] = self.backend.logprobs(
-                    ref, micro.input_ids, micro.attention_mask, plan.width, self.cfg.temperature, micro.packed)
+        """The reference's log-probs (beta > 0); the sampling policy's when the rollout feeds several optimizer steps
+        per pass (with one, they come from the first pass, before any step). In the update's micro-batches of the
+        first pass, which hold every row once."""
+        device = self.accel.device
+        micro = [m for step in batch.plans or self._plan(batch) if step.iteration == 0 for m in step.micro_batches]
 
-    # ---- update: num_iterations optimizer steps over the rollout ------------------------------------------------
+        def score(model) -> torch.Tensor:
+            out = torch.zeros(batch.completion_mask.shape, device=device)
+            with self.accel.autocast():
+                for m in micro:
+                    x = m.inputs(batch, device)
+                    out[m.rows, :m.width] = self.backend.logprobs(model, x.input_ids, x.attention_mask, m.width,
+                                                                  self.cfg.temperature, x.packed)
+            return out
+        if self.layout.steps_per_rollout > 1:
+            batch.old_logp = score(self.policy)
+        if self.cfg.beta > 0:
+            with reference_view(self.policy, self.reference) as ref:
+                batch.ref_logp = score(ref)
+
+    # ---- update: optimizer steps over a rollout's rows -----------------------------------------------------------
+    def _plan(self, batch: RolloutBatch) -> list[StepPlan]:
+        """The rollout's optimizer steps, each step's rows cut into micro-batches (by rows or tokens, packed)."""
+        return rollout_plan(self.layout, batch.input_ids.shape[0], self.cfg.seed, batch.index,
+                            cut=lambda rows: self.micro.plan(batch, rows))
+
     def update(self, batch: RolloutBatch) -> dict[str, float]:
-        cfg = self.cfg
-        plans = batch.plans = batch.plans or self.micro.plan(batch)
-        # Normalizers over the whole step on all processes make micro-batching and multi-process exact.
-        if cfg.loss_aggregation == "token_mean":
-            normalizer = float(self.procs.gather(batch.completion_mask.sum().reshape(1)).sum())
-        else:
-            normalizer = float(batch.input_ids.shape[0] * self.world)
-        sums: dict[str, torch.Tensor] = {}  # metric sums weighted by tokens, kept on the device until the end
-        weights: dict[str, torch.Tensor] = {}  # each metric's own tokens (entropy is taken in the first pass only)
-        for it in range(cfg.num_iterations):
-            old_parts = []  # the first pass's log-probs: no optimizer step yet, so the sampling policy's
+        """Every optimizer step the rollout feeds; their metrics merged (the gradient norm is the last step's)."""
+        return self._optimize(batch, batch.plans or self._plan(batch))
+
+    def _optimize(self, batch: RolloutBatch, plans: list[StepPlan]) -> dict[str, float]:
+        record_old = batch.old_logp is None and self.layout.rollout_steps > 1  # (one slice, several passes)
+        per_row = self.cfg.importance_sampling_level == "sequence"
+        rollout_tokens = float(self.procs.gather(batch.completion_mask.sum().reshape(1)).sum())
+        sums, out = MetricSums(), {}  # loss metrics weighted by tokens over the steps' micro-batches
+        for plan in plans:
             self.optimizer.zero_grad(set_to_none=True)
-            for k, plan in enumerate(plans):
-                sync = k == len(plans) - 1
+            step_tokens = sum(batch.completion_mask[m.rows].sum() for m in plan.micro_batches).reshape(1)
+            counts = dict(step_tokens=float(self.procs.gather(step_tokens).sum()), step_rows=plan.rows * self.world,
+                          micro_batches=len(plan.micro_batches), processes=self.world, rollout_tokens=rollout_tokens,
+                          steps_per_rollout=self.layout.steps_per_rollout)  # (aggregation_normalizer's)
+            old_parts, loss = [], torch.zeros((), device=self.accel.device)
+            for k, micro in enumerate(plan.micro_batches):
+                sync = k == len(plan.micro_batches) - 1
                 if self.accel.distributed_type == "DEEPSPEED":  # its engine steps in backward unless told that
                     self.accel.gradient_state._set_sync_gradients(sync)  # more micro-batches follow
                 with self.accel.no_sync(self.model) if not sync else contextlib.nullcontext():
-                    logp, out, weight = self._micro_step(batch, plan, normalizer, with_entropy=it == 0)
-                old_parts.append((plan.rows, plan.width, logp))
-                for key, value in out.metrics.items():
-                    sums[key] = accumulate(key, sums.get(key), value.detach().double(), weight)
-                    weights[key] = weights.get(key, 0.0) + weight
-            if it == 0 and cfg.num_iterations > 1:
+                    logp, result, tokens = self._micro_step(batch, micro, counts)
+                old_parts.append((micro, logp))
+                loss = loss + result.loss.detach()
+                for key, value in result.metrics.items():  # (a sequence-level ratio's clip fractions are of rows)
+                    sums.add(key, value, float(len(micro)) if per_row and key.startswith("clip_frac") else tokens)
+            if record_old and plan.iteration == 0:  # no optimizer step yet: these are the sampling policy's
                 batch.old_logp = torch.zeros(batch.completion_mask.shape, device=self.accel.device)
-                for rows, width, old in old_parts:
-                    batch.old_logp[rows, :width] = old
-            grad_norm = self._optimizer_step(batch)
-        names = [k for k in sums if not k.startswith("advantage")]  # advantages are logged once per rollout
-        means = [sums[k] if extreme(k) else sums[k] / weights[k].clamp(min=1e-9) for k in names]
-        values = torch.stack(means).tolist() if names else []
-        out = {LOSS_METRIC_NAMES.get(k, k if "/" in k else f"policy/{k}"): v for k, v in zip(names, values)}
-        out["train/grad_norm"] = grad_norm
-        out["train/learning_rate"] = self.scheduler.get_last_lr()[0]
+                for micro, old in old_parts:
+                    batch.old_logp[micro.rows, :micro.width] = old
+            out["train/loss"] = float(self.procs.gather(loss.reshape(1).cpu()).sum())  # (each process's share)
+            out["train/learning_rate"] = self.scheduler.get_last_lr()[0]  # the rate this step takes
+            out["train/grad_norm"] = self._optimizer_step(batch)
+            out.update(self.objective.end_step())
+        means = sums.means(skip="advantage", gather_objects=self.procs.gather_objects)  # (advantages: per rollout)
+        out.update({LOSS_METRIC_NAMES.get(k, k if "/" in k else f"policy/{k}"): v for k, v in means.items()})
         out["health/nonfinite_steps"] = float(self.nonfinite_total)
         return out
 
-    def _micro_step(self, batch: RolloutBatch, plan: Plan, normalizer: float, with_entropy: bool):
+    def _micro_step(self, batch: RolloutBatch, plan: Plan, counts: dict):
         """One micro-batch's loss, backpropagated by the engine. Returns (log-probs, LossOutput, token count)."""
-        cfg, device = self.cfg, self.accel.device
-        micro = plan.inputs(batch, device)
-        mask, ref, adv = (plan.take(t, device) for t in (batch.completion_mask, batch.ref_logp, batch.advantages))
-        correct = cfg.use_vllm and cfg.vllm_importance_sampling_correction and micro.sampling_logp is not None
-
-        def loss_fn(logp, sub=slice(None), entropy=None):
-            # First pass over this rollout (no old log-probs yet): no optimizer step has happened, so the policy's
-            # own log-probs are the sampling policy's.
-            old = logp.detach() if micro.old_logp is None else micro.old_logp[sub]
-            weights, engine_metrics = None, {}
-            if correct:  # vLLM sampled from its own copy: weigh each token by pi_old / pi_vllm
-                weights, engine_metrics = engine_importance_weights(
-                    old, micro.sampling_logp[sub], mask[sub], mode=cfg.vllm_importance_sampling_mode,
-                    clip_max=cfg.vllm_importance_sampling_clip_max, clip_min=cfg.vllm_importance_sampling_clip_min)
-            out = policy_loss(logp, old, adv[sub], mask[sub], ref_logp=None if ref is None else ref[sub],
-                              beta=cfg.beta, kl_estimator=cfg.kl_estimator, eps_low=cfg.epsilon,
-                              eps_high=cfg.epsilon_high, ratio_level=cfg.importance_sampling_level,
-                              aggregation=cfg.loss_aggregation, max_length=cfg.max_completion_length,
-                              normalizer=normalizer, entropy=entropy, sampling_weights=weights)
-            out.metrics.update({f"sampling/importance_{k}": v for k, v in engine_metrics.items()})
-            return out
-
-        logp, out = self.backend.loss_and_backward(micro, cfg.temperature, loss_fn, with_entropy)
-        return logp, out, mask.sum().double()
+        device = self.accel.device
+        micro = plan.inputs(batch, device)  # (no all-padding completion columns; packed when padding-free)
+        tokens = float(batch.completion_mask[plan.rows, :plan.width].sum())  # (on the CPU: the device never waits)
+        mask, adv, ref = (plan.take(t, device) for t in (batch.completion_mask, batch.advantages, batch.ref_logp))
+        normalizer = aggregation_normalizer(self.cfg.loss_aggregation, micro_tokens=tokens, **counts)
+        inputs = MicroInputs(mask, adv, micro.old_logp, micro.sampling_logp, ref, normalizer, counts["micro_batches"])
+        in_loss = self.objective.entropy_in_loss
+        with self.accel.autocast():
+            logp, out = self.backend.loss_and_backward(
+                micro, self.cfg.temperature, lambda lp, sub=slice(None), entropy=None:
+                self.objective.loss(lp, entropy, inputs, sub), True, entropy_in_loss=in_loss)  # (entropy: TRL's metric)
+        return logp, out, tokens
 
     def _optimizer_step(self, batch: RolloutBatch) -> float:
         params = [p for p in self.model.parameters() if p.requires_grad]
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
+        self.control.event("on_pre_optimizer_step")
         # accelerate's: a float16 loss scaler's gradients unscaled first; under DeepSpeed the norm its engine took
         # when it stepped, in the last micro-batch's backward, clipping by its config's gradient_clipping
         norm = self.accel.clip_grad_norm_(params, max_norm)
@@ -288,6 +333,9 @@ class GRPOTrainer:
         self.optimizer.zero_grad(set_to_none=True)  # no gradient buffers held through the next rollout
         self.backend.after_optimizer_step(stepped=True)
         self.rollouts.engine_stale = True
+        self.control.event("on_optimizer_step")
+        if self.cfg.sync_ref_model and (self.step + 1) % self.cfg.ref_model_sync_steps == 0:
+            sync_reference_(self.reference.state_dict(), self.policy.state_dict(), self.cfg.ref_model_mixup_alpha)
         return grad_norm
 
     def _skip_nonfinite_step(self, batch: RolloutBatch, grad_norm: float) -> None:
@@ -296,14 +344,8 @@ class GRPOTrainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.backend.after_optimizer_step(stepped=False)
-        self.nonfinite_total += 1
-        self.nonfinite_in_a_row += 1
-        saved = ckpt.save_nonfinite_inputs(self.cfg.output_dir, self.step + 1, self.rank, batch)
-        warning, stop = nonfinite_messages(self.step + 1, grad_norm, saved, self.nonfinite_in_a_row,
-                                           self.cfg.max_nonfinite_steps, self.accel.distributed_type == "DEEPSPEED")
-        print(warning)
-        if stop:
-            raise TrainingStopped(stop)
+        self.nonfinite_total, self.nonfinite_in_a_row = self.nonfinite_total + 1, self.nonfinite_in_a_row + 1
+        report_nonfinite(self, batch, grad_norm, TrainingStopped)
 
     # ---- eval, save, resume ---------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
@@ -311,37 +353,25 @@ class GRPOTrainer:
 
         params = SamplingParams(self.cfg.max_completion_length, self.cfg.eval_temperature)
         self.rollouts.ready_engine()
-        result = evaluate_prompts(self.generator, self.tokenizer, self.eval_set, self.rewards, self.reward_names,
-                                  params, seed=self.cfg.seed + 12345, k=self.cfg.eval_num_samples)
+        with self.accel.autocast():
+            result = evaluate_prompts(self.generator, self.tokenizer, self.eval_set, self.rewards, self.reward_names,
+                                      params, seed=self.cfg.seed + 12345, k=self.cfg.eval_num_samples,
+                                      batch_size=self.cfg.per_device_eval_batch_size)
         return {f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float))}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "sampler": self.sampler.state_dict(), "rng": ckpt.rng_state(),
-                "nonfinite_total": self.nonfinite_total}
+        return trainer_state(self)
 
     def save_checkpoint(self) -> Path | None:
-        if not self.accel.is_main_process:
-            return None
-        return ckpt.save_checkpoint(self.cfg.output_dir, self.step, trainable_state(self.policy), self.state_dict(),
-                                    self.cfg.save_total_limit)
+        return save_checkpoint(self)  # (collective: every process calls it)
 
-    def _resume(self) -> None:
-        path = ckpt.latest_checkpoint(self.cfg.output_dir)
-        if path is None:
-            print(f"resume: no complete checkpoint in {self.cfg.output_dir}; starting from step 0.")
-            return
-        weights, state = ckpt.load_checkpoint(path)
-        load_trainable_state(self.policy, weights)
-        self.rollouts.engine_stale = True
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.sampler.load_state_dict(state["sampler"])
-        ckpt.set_rng_state(state["rng"])
-        self.step, self.nonfinite_total = state["step"], state["nonfinite_total"]
+    def _resume(self, path: Path) -> None:
+        restore(self, path)
         print(f"resume: continuing from {path} (step {self.step}).")
 
     def save_model(self, path: str | Path) -> None:
         self.accel.wait_for_everyone()
-        if self.accel.is_main_process:
+        if self.sharded:  # gathered on the main process
+            sharded_ckpt.save_final(self.accel, self.policy, self.tokenizer, path, self.cfg.merge_lora_on_save)
+        elif self.accel.is_main_process:
             save_final(self.policy, self.tokenizer, path, merge=self.cfg.merge_lora_on_save)

@@ -94,9 +94,9 @@ class CPUBackend(TransformersBackend):
             self.sampler.head_space = None
 
     def loss_and_backward(self, micro: MicroBatch, temperature: float, loss_fn: LossFn,
-                          with_entropy: bool) -> tuple[torch.Tensor, LossOutput]:
-        if not self.fused_loss:
-            return super().loss_and_backward(micro, temperature, loss_fn, with_entropy)
+                          with_entropy: bool, entropy_in_loss: bool = False) -> tuple[torch.Tensor, LossOutput]:
+        if not self.fused_loss or entropy_in_loss:  # (the one-pass loss takes no entropy term)
+            return super().loss_and_backward(micro, temperature, loss_fn, with_entropy, entropy_in_loss)
         # An estimate of the log-probs: the sampler's in the first pass; for a frozen head, the last pass's.
         sampled = micro.sampling_logp if self.sampling_estimates else None
         estimate = None

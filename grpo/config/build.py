@@ -1,0 +1,101 @@
+"""Constructing a `GRPOConfig`: aliases, TRL's keys, the preset for every key not given, then the fields.
+
+`GRPOConfig(...)`, `from_dict`, `load` and a `trl.GRPOConfig` passed as `args` (`trl_values`) all come here, so a key
+means the same whichever way it arrives. The keys given are remembered (`_explicit`): a preset fills only the others,
+and `loss_type` yields to an aggregation or surrogate set by hand.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+from typing import Any
+
+from grpo.config.base import ConfigError
+from grpo.config.presets import ALIASES, PRESETS
+from grpo.config.trl_keys import TRL_KEYS, canonical, split_keys
+
+
+def construct(cfg, args: tuple, kwargs: dict[str, Any]) -> None:
+    if args:  # TRL's GRPOConfig takes output_dir first
+        if len(args) > 1 or "output_dir" in kwargs:
+            raise TypeError("GRPOConfig takes output_dir as its only positional argument; give the rest by name")
+        kwargs = {"output_dir": args[0], **kwargs}
+    fields = {f.name: f for f in dataclasses.fields(type(cfg))}
+    values = _own_aliases(dict(kwargs))
+    values, extras, rewards = split_keys(values, set(fields))
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ConfigError(f"unknown config key {unknown[0]!r}" + _suggest(unknown[0], set(fields) | set(TRL_KEYS)) +
+                          "; `grpo train --help-config` lists every key (docs/from_trl.md: TRL's and open-r1's).")
+    explicit = frozenset(values)
+    preset = values.get("preset")
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ConfigError(f"preset: unknown value {preset!r}; choose one of {', '.join(PRESETS)}.")
+        hand_loss = bool({"loss_aggregation", "surrogate"} & explicit)
+        for key, value in PRESETS[preset].items():
+            if key not in values and not (key == "loss_type" and hand_loss):
+                values[key] = copy.deepcopy(value)
+    if rewards:
+        values["open_r1_rewards"] = {**(values.get("open_r1_rewards") or {}), **rewards}
+    cfg.__dict__["_explicit"] = explicit
+    cfg.__dict__["_trl_extras"] = extras
+    for name, f in fields.items():
+        if name in values:
+            value = values[name]
+        elif f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()
+        else:
+            value = f.default
+        setattr(cfg, name, canonical(value))
+    cfg.__post_init__()
+
+
+def _own_aliases(values: dict[str, Any]) -> dict[str, Any]:
+    for alias, key in ALIASES.items():
+        if alias in values:
+            if key in values:
+                raise ConfigError(f"both {alias!r} and {key!r} are set; they are the same setting, keep one.")
+            values[key] = values.pop(alias)
+    return values
+
+
+def _suggest(name: str, known: set[str]) -> str:
+    close = difflib.get_close_matches(name, sorted(known), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def trl_values(args, ours: set[str]) -> dict[str, Any]:
+    """The keys of a `trl.GRPOConfig` (or a subclass, such as open-r1's) to build ours from (`GRPOConfig.from_trl`),
+    TRL's values and meaning winning; `ours` are our config's field names.
+
+    Every key is passed as given, except those TRL's own `__post_init__` derived rather than the user set (its
+    `generation_batch_size`, `dataloader_pin_memory` under use_cpu, `accelerator_config`, ...): a fresh object of
+    the same class built from the same few settings shows what TRL derives, and keys equal to it are left out
+    (then grpo derives them the same way)."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
+    seeds = ("output_dir", "use_cpu", "bf16", "fp16", "per_device_train_batch_size", "gradient_accumulation_steps",
+             "num_generations", "gradient_checkpointing")
+    reference = type(args)(**{k: values[k] for k in seeds if k in values})
+    # TRL resolves generation_batch_size = per_device_train_batch_size x processes x steps_per_generation in
+    # either direction: steps_per_generation alone says it.
+    values.pop("generation_batch_size", None)
+    kept = {}
+    for key, value in values.items():
+        derived = _same_value(value, getattr(reference, key, object()))
+        if derived and (key not in ours or key == "steps_per_generation"):
+            continue  # derived by TRL (or TRL's default): grpo derives it the same way
+        kept[key] = value
+    return kept
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    a, b = canonical(a), canonical(b)
+    if hasattr(a, "to_dict") and hasattr(b, "to_dict"):
+        return a.to_dict() == b.to_dict()
+    try:
+        return bool(a == b) and type(a) is type(b)
+    except Exception:  # noqa: BLE001 - objects without a usable ==
+        return False

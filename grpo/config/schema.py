@@ -1,0 +1,359 @@
+"""`GRPOConfig`: every setting of a run, its default and its one-line meaning.
+
+Key names follow TRL's `GRPOConfig` (and `TrainingArguments`, `ModelConfig`, open-r1's recipes) where those exist,
+with TRL's meaning; TRL's keys that grpo does not implement are accepted at TRL's default and refused otherwise
+(grpo.config.trl_keys, docs/from_trl.md). Construction (`GRPOConfig(...)`, `from_dict`, `load`) applies aliases,
+checks TRL's keys, fills a `preset`'s values into every key not given, coerces types and validates once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from grpo.config.base import DEFAULT_MODEL, _f
+
+
+@dataclass(init=False)
+class GRPOConfig:
+    # ---- model -------------------------------------------------------------------------------------------------
+    model_name_or_path: str = _f(DEFAULT_MODEL, "Model to train: a local Hugging Face directory or a hub name. "
+                                 "Default: the tiny arithmetic model shipped in the package.")
+    model_revision: str = _f("main", "Revision (branch, tag or commit) of a hub model (TRL ModelConfig).")
+    model_init_kwargs: dict | None = _f(None, "Further keyword arguments for from_pretrained (TRL's), e.g. "
+                                        "{device_map: auto}; dtype, revision and attn_implementation here win.")
+    trust_remote_code: bool = _f(False, "Allow models and tokenizers that ship their own Python code.")
+    torch_dtype: str = _f("float32", "Weights dtype.", ("float32", "bfloat16", "float16", "auto"))
+    bf16: bool | None = _f(False, "bfloat16 mixed precision (TRL's meaning: autocast over float32 weights unless "
+                    "torch_dtype says otherwise; null: true unless fp16).")
+    fp16: bool = _f(False, "float16 mixed precision with a loss scaler (a CUDA GPU).")
+    tf32: bool | None = _f(None, "Allow TF32 matmuls on Ampere or newer GPUs (null: torch's default).")
+    use_cpu: bool = _f(False, "Train on the CPU even when a GPU is present.")
+    attn_implementation: str | None = _f(None, "Attention kernel passed to from_pretrained (eager, sdpa, "
+                                         "flash_attention_2). Default: transformers' choice.")
+    gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory (slower).")
+    gradient_checkpointing_kwargs: dict | None = _f(None, "Passed to gradient_checkpointing_enable().")
+    disable_dropout: bool = _f(False, "Turn every dropout off, so the update's log-probs match sampling's.")
+    use_liger_kernel: bool = _f(False, "Patch the model's layers with Liger's Triton kernels (pip install "
+                                "liger-kernel; CUDA), as TRL does: the log-probs still come from grpo's own head.")
+    load_in_4bit: bool = _f(False, "QLoRA: load the base model in 4 bits through bitsandbytes (needs a CUDA GPU).")
+    bnb_4bit_quant_type: str = _f("nf4", "4-bit quantization type.", ("nf4", "fp4"))
+    use_bnb_nested_quant: bool = _f(False, "Quantize the 4-bit quantization constants too.")
+    use_peft: bool = _f(False, "Train LoRA adapters (peft) instead of all weights.")
+    lora_r: int = _f(16, "LoRA rank.")
+    lora_alpha: int = _f(32, "LoRA alpha (scaling = alpha / r).")
+    lora_dropout: float = _f(0.05, "LoRA dropout.")
+    lora_target_modules: Any = _f("all-linear", "Modules that get adapters: a list of names or 'all-linear'.")
+    lora_modules_to_save: list | None = _f(None, "Modules trained in full beside the adapters (e.g. [lm_head]).")
+    use_rslora: bool = _f(False, "Rank-stabilized LoRA scaling (alpha / sqrt(r)).")
+    use_dora: bool = _f(False, "Weight-decomposed LoRA (DoRA).")
+    merge_lora_on_save: bool = _f(True, "Merge adapters into the base weights in final/ (adapters are also "
+                                  "saved separately in final/adapter/).")
+
+    # ---- data --------------------------------------------------------------------------------------------------
+    task: str | None = _f("arithmetic", "Built-in task (arithmetic, countdown) used when dataset_name is "
+                          "not set; it also supplies default rewards and prefill.")
+    task_difficulty: int | None = _f(None, "Difficulty level of the built-in task (default: the task's own).")
+    task_train_size: int = _f(20000, "Number of generated training problems of the built-in task.")
+    task_eval_size: int = _f(200, "Number of held-out problems of the built-in task used for eval during training.")
+    dataset_name: str | None = _f(None, "Training data: a jsonl/json/csv/parquet file, a save_to_disk "
+                                  "directory, or a hub dataset name.")
+    dataset_config: str | None = _f(None, "Hub dataset configuration name.")
+    dataset_split: str = _f("train", "Split of dataset_name to train on.")
+    eval_dataset_name: str | None = _f(None, "Eval data (same forms as dataset_name).")
+    eval_split: str = _f("test", "Split of eval_dataset_name.")
+    prompt_column: str | None = _f(None, "Column holding the prompt text or chat messages. Default: the first "
+                                   "of prompt, problem, question present.")
+    remove_unused_columns: bool = _f(False, "Pass reward functions only the prompt, not the dataset's other "
+                                     "columns (TRL's meaning; its default keeps them too).")
+    shuffle_dataset: bool = _f(True, "Shuffle the prompts each epoch (false: dataset order).")
+    data_seed: int | None = _f(None, "Seed of the prompt order (null: seed).")
+    system_prompt: str | None = _f(None, "System prompt. With a chat template a text prompt becomes [system, "
+                                   "user] messages, as open-r1 builds it (rewards then get messages); without one "
+                                   "it is a prefix.")
+    chat_template: str | None = _f(None, "A Jinja chat template that replaces the tokenizer's (open-r1's key).")
+    chat_template_kwargs: dict | None = _f(None, "Further keyword arguments for apply_chat_template.")
+    prefill: str | None = _f(None, "Text the completion is forced to start with, e.g. '<think>'. Default: the "
+                             "task's prefill (a built-in task's data file included), else none.")
+    use_chat_template: Any = _f("auto", "Render text prompts with the tokenizer's chat template: true, false or "
+                                "auto (when the tokenizer has one). Message prompts always use it.")
+    max_prompt_length: int | None = _f(512, "Longest prompt in tokens (null: no limit).")
+    prompt_truncation: str = _f("error", "What to do with a longer prompt.", ("error", "left"))
+
+    # ---- rewards -----------------------------------------------------------------------------------------------
+    reward_funcs: list = _f([], "Reward functions: built-in names, 'module:function' paths, reward-model "
+                            "directories, or {name: ..., <factory args>} maps. Default: the task's.")
+    reward_weights: list | None = _f(None, "One weight per reward function. Default: the task's, else all 1.")
+    multi_objective_aggregation: str = _f("sum_then_normalize", "Combine several rewards: weighted sum, then "
+                                          "group advantages; or each reward normalized in its group, summed, then "
+                                          "normalized over the batch (GDPO, TRL's).",
+                                          ("sum_then_normalize", "normalize_then_sum"))
+    reward_on_error: str = _f("raise", "A reward function that raises: stop with an error naming it, or count "
+                              "it and score 0.", ("raise", "zero"))
+    reward_on_nonfinite: str = _f("raise", "A NaN/inf reward: stop with an error, or treat it as 'does not "
+                                  "apply' (None) and count it.", ("raise", "none"))
+    reward_on_all_none: str = _f("warn", "A completion every reward function returned None for: warn and give it "
+                                 "advantage 0 (TRL's), or stop with an error naming the row.", ("warn", "raise"))
+    reward_timeout: float | None = _f(60.0, "Seconds one reward-function call may take before it counts as failed "
+                                      "(reward_on_error decides: stop, or score the batch 0). null: no limit.")
+    open_r1_rewards: dict = _f({}, "Settings of open-r1's reward functions by open-r1's key names (cosine_max_len, "
+                               "repetition_n_grams, code_language, ...); set them as top-level keys.")
+    step_reward_funcs: list = _f([], "Step-reward functions for process supervision (e.g. arithmetic_steps).")
+    process_weight: float = _f(1.0, "Weight of the process (step) advantages when step_reward_funcs is set.")
+    outcome_weight: float = _f(1.0, "Weight of the outcome advantages when step_reward_funcs is set "
+                               "(0 = process supervision alone).")
+
+    # ---- generation and batch layout ---------------------------------------------------------------------------
+    num_generations: int = _f(8, "Completions per prompt: the group size G.")
+    prompts_per_step: int | None = _f(None, "Prompts per optimizer step, all processes together (sets the "
+                                      "completions per optimizer step; per_device_train_batch_size then caps the "
+                                      "micro-batch). Default: from per_device_train_batch_size x "
+                                      "gradient_accumulation_steps x processes, as TRL.")
+    per_device_train_batch_size: int = _f(8, "Completions per forward/backward pass on one process.")
+    max_tokens_per_micro_batch: int | None = _f(None, "Token-budget micro-batches (verl's use_dynamic_bsz with "
+                                                "ppo_max_token_len_per_gpu, an alias): fill each micro-batch of the "
+                                                "update and the reference pass with completions up to this many "
+                                                "tokens on one process, instead of per_device_train_batch_size "
+                                                "completions (null), so long and short completions cost what they "
+                                                "are. A completion longer than the budget goes alone.")
+    use_remove_padding: bool = _f(True, "Padding-free passes (verl's key): the update's and the reference pass's "
+                                  "sequences packed end to end, a group's prompt once where the attention takes a "
+                                  "custom mask (sdpa, eager), so the model computes real tokens only (docs/engines.md). "
+                                  "false: rows padded to the longest. The run prints which it took.")
+    gradient_accumulation_steps: int | None = _f(None, "Micro-batches per optimizer step on each process. Default: "
+                                                 "what prompts_per_step needs, else 1.")
+    steps_per_generation: int | None = _f(None, "Micro-batch passes one rollout feeds (TRL's): a multiple of "
+                                          "gradient_accumulation_steps; default equal to it (one optimizer step).")
+    generation_batch_size: int | None = _f(None, "Completions per rollout, all processes (TRL's); sets "
+                                           "steps_per_generation.")
+    max_completion_length: int = _f(256, "Most tokens generated per completion.")
+    temperature: float = _f(1.0, "Sampling temperature (log-probs are computed at the same temperature).")
+    top_p: float = _f(1.0, "Nucleus sampling threshold.")
+    top_k: int = _f(0, "Top-k sampling (0: off).")
+    min_p: float | None = _f(0.0, "Min-p sampling (0 or null: off).")
+    repetition_penalty: float = _f(1.0, "Repetition penalty in sampling (1: off).")
+    generation_kwargs: dict | None = _f(None, "Sampling settings by transformers' names (max_new_tokens, "
+                                        "temperature, top_p, top_k, min_p, repetition_penalty); they win.")
+    engine: str = _f("auto", "Rollout and update engine: cpu (compiled paths for a float32 model in one process on "
+                     "the CPU), transformers (any model and device), or auto: cpu where it applies, transformers "
+                     "otherwise. The run prints which it took and why.", ("auto", "transformers", "cpu"))
+    ds3_gather_for_generation: bool = _f(True, "With sharded weights (FSDP2, DeepSpeed ZeRO-3): sample from the "
+                                         "whole weights, gathered for each rollout and released after (TRL's key; "
+                                         "TRL applies it to ZeRO-3 only). false: sample through the sharded model, "
+                                         "slower but within memory.")
+    use_vllm: bool = _f(False, "Generate with vLLM (TRL's key): pip install 'grpo[vllm]' on a GPU machine, or the "
+                        "CPU build in an environment of its own (bash scripts/vllm_env.sh).")
+    vllm_mode: str = _f("colocate", "colocate: a vLLM engine in the trainer's process, on its device; server: a "
+                        "`grpo vllm-serve` process that every trainer process sends prompts to. Either is given the "
+                        "policy's weights after every optimizer step.", ("colocate", "server"))
+    vllm_server_base_url: str | None = _f(None, "Server mode: the server's URL, e.g. http://10.0.0.2:8000 (then "
+                                          "vllm_server_host and vllm_server_port are not used).")
+    vllm_server_host: str = _f("0.0.0.0", "Server mode: the server's host.")
+    vllm_server_port: int = _f(8000, "Server mode: the server's port.")
+    vllm_server_timeout: float = _f(240.0, "Server mode: seconds to wait for the server to answer at start.")
+    vllm_gpu_memory_utilization: float = _f(0.3, "Fraction of the device's memory vLLM may take (its weights and KV "
+                                            "cache; on vLLM's CPU build, of the machine's RAM).")
+    vllm_tensor_parallel_size: int = _f(1, "Devices one vLLM engine shards the model over.")
+    vllm_enable_sleep_mode: bool = _f(False, "Free vLLM's device memory during the update (vLLM's sleep mode; "
+                                      "GPU only) and take it back for the next rollout.")
+    vllm_max_model_length: int | None = _f(None, "Context length of the vLLM engine (null: the model's).")
+    vllm_model_impl: str = _f("vllm", "Model implementation vLLM runs: its own or transformers'.",
+                              ("vllm", "transformers"))
+    vllm_engine_kwargs: dict = _f({}, "Further keyword arguments for vllm.LLM (e.g. enforce_eager: true).")
+    vllm_importance_sampling_correction: bool = _f(True, "Weight each token's surrogate by pi_old / pi_vllm, "
+                                                   "bounded as vllm_importance_sampling_mode says (TRL 1.16's).")
+    vllm_importance_sampling_mode: str = _f("sequence_mask", "token_truncate, token_mask, sequence_truncate or "
+                                            "sequence_mask (grpo.core.engine_importance_weights).",
+                                            ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"))
+    vllm_importance_sampling_clip_max: float | None = _f(3.0, "Upper bound of the importance ratio (null: none).")
+    vllm_importance_sampling_clip_min: float | None = _f(None, "Lower bound of the importance ratio (null: none).")
+
+    # ---- optimization ------------------------------------------------------------------------------------------
+    learning_rate: float = _f(1e-6, "Peak AdamW learning rate.")
+    lr_scheduler_type: str = _f("constant", "Learning-rate schedule after warmup.",
+                                ("constant", "linear", "cosine", "constant_with_warmup", "cosine_with_min_lr"))
+    lr_scheduler_kwargs: dict | None = _f(None, "Schedule settings: num_cycles (cosine), min_lr or min_lr_rate "
+                                          "(cosine_with_min_lr).")
+    warmup_ratio: float = _f(0.0, "Fraction of steps spent warming up linearly (used when warmup_steps is 0).")
+    warmup_steps: int | float = _f(0, "Warmup optimizer steps; below 1, a fraction of them (transformers 5).")
+    weight_decay: float = _f(0.0, "AdamW weight decay.")
+    adam_beta1: float = _f(0.9, "AdamW beta1.")
+    adam_beta2: float = _f(0.999, "AdamW beta2.")
+    adam_epsilon: float = _f(1e-8, "AdamW epsilon.")
+    max_grad_norm: float = _f(1.0, "Clip the gradient norm to this (0: no clipping).")
+    max_nonfinite_steps: int = _f(3, "Stop after this many optimizer steps in a row with a non-finite gradient "
+                                  "(each one is skipped and its inputs saved under output_dir/nonfinite/).")
+    max_steps: int = _f(-1, "Optimizer steps to train (TRL's count). -1: use num_train_epochs.")
+    num_train_epochs: float = _f(1.0, "Passes over the training prompts (when max_steps is -1).")
+    num_iterations: int = _f(1, "Passes over each rollout (mu in the paper), each of its optimizer steps.")
+    num_threads: int | None = _f(None, "CPU threads for torch (null: torch's default). Small models on a busy "
+                                 "machine run far faster on 1 thread than on oversubscribed cores.")
+    seed: int = _f(42, "Seed of data order, sampling and initialization: a CPU run repeats exactly.")
+    full_determinism: bool = _f(False, "Deterministic algorithms only (torch.use_deterministic_algorithms).")
+
+    # ---- loss --------------------------------------------------------------------------------------------------
+    beta: float = _f(0.04, "KL penalty coefficient (DeepSeekMath: 0.04). 0 skips the reference model.")
+    reference_weights: str = _f("auto", "Where the reference model's weights stay between reference passes (beta > 0, "
+                                "full fine-tuning): memory, or disk (a file in output_dir that each pass maps back "
+                                "in, so the process holds them only during that pass; ~10 ms per step for a 170 MB "
+                                "reference). auto: disk with the cpu engine, memory otherwise.",
+                                ("auto", "memory", "disk"))
+    kl_estimator: str = _f("k3", "KL estimator (Schulman): k1, k2 or k3 (the paper's).", ("k1", "k2", "k3"))
+    use_bias_correction_kl: bool = _f(False, "Multiply the KL term by the importance ratio (DeepSeek-V3.2; TRL's "
+                                      "default), which changes its gradient even on-policy.")
+    sync_ref_model: bool = _f(False, "Every ref_model_sync_steps optimizer steps, move the reference towards the "
+                              "policy: ref = alpha * policy + (1 - alpha) * ref (TR-DPO).")
+    ref_model_mixup_alpha: float = _f(0.6, "alpha of sync_ref_model.")
+    ref_model_sync_steps: int = _f(512, "Optimizer steps between reference syncs.")
+    surrogate: str = _f("clip", "Per-token objective: PPO's clipped ratio (clip), CISPO's clipped weight on the "
+                        "log-prob (cispo), SAPO's soft gate (sapo), VESPO's gamma-weighted log-prob (vespo).",
+                        ("clip", "cispo", "sapo", "vespo"))
+    epsilon: float = _f(0.2, "Clip range: ratio clipped to [1-epsilon, 1+epsilon_high].")
+    epsilon_high: float | None = _f(None, "Upper clip range (DAPO clip-higher uses 0.28; cispo's cap on the "
+                                    "ratio itself). Default: epsilon.")
+    delta: float | None = _f(None, "Two-sided clip (INTELLECT-2): the ratio is also capped at delta.")
+    sapo_temperature_pos: float = _f(1.0, "SAPO gate temperature for positive advantages.")
+    sapo_temperature_neg: float = _f(1.05, "SAPO gate temperature for other advantages.")
+    vespo_k_pos: float = _f(2.0, "VESPO power k for advantages >= 0.")
+    vespo_lambda_pos: float = _f(3.0, "VESPO decay lambda for advantages >= 0.")
+    vespo_k_neg: float = _f(3.0, "VESPO power k for negative advantages.")
+    vespo_lambda_neg: float = _f(2.0, "VESPO decay lambda for negative advantages.")
+    importance_sampling_level: str = _f("token", "Ratio per token (GRPO) or per sequence (GSPO).",
+                                        ("token", "sequence"))
+    loss_aggregation: str = _f("sequence_mean", "How token losses are averaged: per sequence then over sequences "
+                               "(paper), over the optimizer step's tokens, by a constant (Dr. GRPO), summed per "
+                               "sequence (LUSPO), or TRL's per-micro-batch (bnpo) and per-rollout (dapo) token "
+                               "means.", ("sequence_mean", "token_mean", "constant", "sequence_sum",
+                                          "micro_batch_token_mean", "rollout_token_mean"))
+    loss_type: str | None = _f(None, "TRL's name for a loss_aggregation and surrogate pair: grpo, bnpo, dr_grpo, "
+                               "dapo, cispo, sapo, luspo, vespo (docs/from_trl.md).")
+    off_policy_mask_threshold: float | None = _f(None, "Leave out of the surrogate the sequences with a negative "
+                                                 "advantage whose mean KL from the sampling policy exceeds this "
+                                                 "(DeepSeek-V3.2).")
+    top_entropy_quantile: float = _f(1.0, "Keep only the top quantile of tokens by entropy in the surrogate "
+                                     "(Beyond the 80/20 rule: 0.2); 1 keeps all.")
+    entropy_coef: float = _f(0.0, "Entropy bonus: minus this times the mean token entropy is added to the loss.")
+    use_adaptive_entropy: bool = _f(False, "Skywork-OR1 adaptive entropy: the coefficient rises by "
+                                    "entropy_coef_delta while entropy is at or below entropy_target, falls otherwise, "
+                                    "and applies only at or below the target.")
+    entropy_coef_min: float = _f(0.0, "Lowest adaptive entropy coefficient.")
+    entropy_coef_max: float = _f(1.0, "Highest adaptive entropy coefficient.")
+    entropy_coef_delta: float = _f(0.005, "Step of the adaptive entropy coefficient per optimizer step.")
+    entropy_target: float = _f(0.2, "Target mean token entropy (nats) of adaptive entropy.")
+    scale_rewards: str = _f("group", "Std used to scale advantages (TRL's true = group, false = none).",
+                            ("group", "batch", "none"))
+    advantage_eps: float = _f(1e-4, "Added to the std before dividing.")
+    unbiased_std: bool = _f(True, "Bessel-corrected (n-1) std, as the seeds compute it.")
+    dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: drop groups whose rewards are all equal and sample "
+                                "more prompts until the step has prompts_per_step groups (one process only).")
+    max_generation_rounds: int = _f(3, "Most generation rounds per step with dynamic_sampling; after that the step "
+                                    "trains on the groups it has.")
+    overlong_buffer_ratio: float = _f(0.0, "DAPO soft overlong punishment: completions longer than (1 - ratio) x "
+                                      "max_completion_length lose up to 1 reward, linearly (0: off).")
+    mask_truncated_completions: bool = _f(False, "Leave completions cut at max_completion_length out of the loss.")
+
+    # ---- logging, eval, checkpoints ----------------------------------------------------------------------------
+    output_dir: str = _f("runs/default", "Run directory: metrics, samples, checkpoints, final model.")
+    run_name: str | None = _f(None, "Name of the run in W&B / Trackio.")
+    project: str = _f("huggingface", "Trackio project (TRL's).")
+    wandb_project: str | None = _f(None, "W&B project (null: WANDB_PROJECT, else grpo).")
+    wandb_entity: str | None = _f(None, "W&B entity (team) of the run.")
+    wandb_run_group: str | None = _f(None, "W&B group of the run.")
+    logging_dir: str | None = _f(None, "TensorBoard directory (null: output_dir/tensorboard).")
+    log_level: str = _f("passive", "Log level of grpo's and transformers' loggers (passive: leave them).",
+                        ("passive", "debug", "info", "warning", "error", "critical"))
+    logging_strategy: str = _f("steps", "When metrics are logged: every logging_steps, each epoch's end, or "
+                               "never (metrics.jsonl then holds evals only).", ("steps", "epoch", "no"))
+    logging_steps: int | float = _f(1, "Print and log metrics every N optimizer steps (below 1: a fraction of them).")
+    logging_first_step: bool = _f(False, "Also log the first optimizer step.")
+    metric_names: str = _f("both", "Metric names logged: grpo's (policy/kl_divergence), TRL's (kl), or both.",
+                           ("both", "grpo", "trl"))
+    log_completions: bool | None = _f(None, "TRL's: true logs samples every logging_steps, false never "
+                                      "(null: log_completions_steps decides).")
+    log_completions_steps: int = _f(10, "Write sample completions with their rewards every N steps (0: never).")
+    num_completions_to_print: int | None = _f(None, "Also print this many sample completions each time samples are "
+                                              "logged (null: none).")
+    log_unique_prompts: bool = _f(False, "Samples: one completion per distinct prompt.")
+    report_to: list = _f(["tensorboard"], "Metric sinks besides metrics.jsonl: tensorboard, wandb, trackio, all "
+                         "(every installed one), none.")
+    disable_tqdm: bool | None = _f(None, "Turn the live progress display off.")
+    eval_strategy: str = _f("steps", "When to score the eval set: every eval_steps, each epoch's end, or never.",
+                            ("steps", "epoch", "no"))
+    eval_steps: int | float | None = _f(0, "Score the eval set every N steps (0: only at the end when an eval set "
+                                        "exists; null: logging_steps; below 1: a fraction of the steps).")
+    eval_on_start: bool = _f(True, "Score the eval set before the first step when evaluating every N steps.")
+    per_device_eval_batch_size: int = _f(256, "Eval completions generated at once.")
+    eval_num_samples: int = _f(1, "Completions per eval prompt (k of pass@k).")
+    eval_temperature: float = _f(1.0, "Sampling temperature for eval.")
+    save_strategy: str = _f("steps", "When to write a checkpoint: every save_steps, each epoch's end, or never.",
+                            ("steps", "epoch", "no"))
+    save_steps: int | float = _f(50, "Write a checkpoint every N optimizer steps (0: only the final model; below "
+                                 "1: a fraction of the steps).")
+    save_total_limit: int | None = _f(2, "Checkpoints kept (oldest deleted first; null: all).")
+    save_only_model: bool = _f(False, "Checkpoints hold the model only (no optimizer, schedule or RNG: they "
+                               "cannot be resumed).")
+    push_to_hub: bool = _f(False, "Upload the model to the Hugging Face Hub (hub_model_id) at each save and at the "
+                           "end.")
+    hub_model_id: str | None = _f(None, "Hub repository, 'user/name' or 'name' (default: output_dir's name).")
+    hub_token: str | None = _f(None, "Hub token (default: the logged-in one).")
+    hub_private_repo: bool | None = _f(None, "Create the repository private.")
+    hub_strategy: str = _f("every_save", "What is uploaded: each checkpoint and the final model, or the final "
+                           "model only.", ("every_save", "end"))
+    hub_revision: str | None = _f(None, "Hub branch to upload to.")
+    resume: bool = _f(False, "Continue from the newest complete checkpoint in output_dir.")
+    resume_from_checkpoint: str | None = _f(None, "Continue from this checkpoint directory (TRL's; train() takes "
+                                            "it too).")
+    preset: str | None = _f(None, "Named starting point (grpo, dr_grpo, dapo, gspo, trl) for every key not set.")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        from grpo.config.build import construct
+
+        construct(self, args, kwargs)
+
+    def __post_init__(self) -> None:
+        from grpo.config.validate import resolve_and_validate
+
+        resolve_and_validate(self)
+
+    def __getattr__(self, name: str) -> Any:
+        # TRL's keys that grpo accepts at their default only (and open-r1's reward settings) read as TRL does.
+        if name.startswith("__"):
+            raise AttributeError(name)
+        from grpo.config.trl_keys import accepted_default
+
+        return accepted_default(self, name)
+
+    # -- construction from files and the command line ----------------------------------------------------------
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "GRPOConfig":
+        return cls(**values)
+
+    @classmethod
+    def from_trl(cls, args: Any) -> "GRPOConfig":
+        """A `trl.GRPOConfig` as ours: TRL's values and meaning, and TRL's defaults for what TRL has no key for."""
+        from grpo.config.build import trl_values
+
+        return cls(**trl_values(args, {f.name for f in dataclasses.fields(cls)}), preset="trl")
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: list[str] = ()) -> "GRPOConfig":
+        """Read a YAML recipe (or none: the defaults), apply `key=value` overrides, validate once."""
+        from grpo.config.files import parse_override, read_yaml
+
+        values: dict[str, Any] = {}
+        if path is not None:
+            values = read_yaml(path)
+        for item in overrides:
+            key, value = parse_override(item)
+            values[key] = value
+        return cls.from_dict(values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))

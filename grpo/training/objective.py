@@ -1,0 +1,122 @@
+"""The run's loss for one micro-batch: grpo.core's terms put together with the config's settings, in TRL 1.16's
+order (trl/trainer/grpo_trainer.py, `_compute_loss`):
+
+    surrogate (clip, cispo, sapo or vespo) x off-policy sequence mask x high-entropy token mask x the rollout
+    engine's importance weights, + beta x KL (x the ratio with use_bias_correction_kl), aggregated with the
+    normalizer of `aggregation_normalizer`; minus the entropy bonus (its coefficient adaptive or fixed).
+
+The trainer gives each micro-batch its counts (`MicroInputs`); the adaptive entropy coefficient is this object's
+state across optimizer steps (checkpointed with the trainer's).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from grpo.core import (LossOutput, adaptive_entropy_coef, applied_entropy_coef, engine_importance_weights,
+                       entropy_bonus, entropy_threshold, high_entropy_mask, off_policy_mask, policy_loss)
+
+
+@dataclass
+class MicroInputs:
+    """One micro-batch's tensors besides its log-probs, (n, width) on the model's device, and its normalizers."""
+
+    mask: torch.Tensor
+    advantages: torch.Tensor  # (n,) or (n, width)
+    old_logp: torch.Tensor | None  # None: the policy's own, detached (no optimizer step since sampling)
+    sampling_logp: torch.Tensor | None  # the rollout engine's, where it gave them
+    ref_logp: torch.Tensor | None
+    normalizer: float  # policy_loss's, from aggregation_normalizer
+    micro_batches: int  # per optimizer step on this process, for the entropy bonus's mean of means
+
+
+class Objective:
+    def __init__(self, cfg, processes):
+        self.cfg, self.procs = cfg, processes
+        self.entropy_coef = cfg.entropy_coef
+        self.last_entropy = math.inf  # the last optimizer step's mean token entropy (adaptive control)
+        self._window: torch.Tensor | None = None  # (entropy sum, tokens) over this step's micro-batches
+
+    @property
+    def bonus(self) -> bool:
+        return self.cfg.entropy_coef != 0.0 or self.cfg.use_adaptive_entropy
+
+    @property
+    def entropy_in_loss(self) -> bool:
+        """Whether the loss itself needs the token entropies (not only the metric)."""
+        return self.bonus or self.cfg.top_entropy_quantile < 1.0
+
+    def loss(self, logp: torch.Tensor, entropy: torch.Tensor | None, micro: MicroInputs,
+             sub=slice(None)) -> LossOutput:
+        """The loss of rows `sub` of the micro-batch (all of them unless the engine scores rows in chunks)."""
+        cfg = self.cfg
+        mask = micro.mask[sub]
+        old = logp.detach() if micro.old_logp is None else micro.old_logp[sub]
+        sampling = None if micro.sampling_logp is None else micro.sampling_logp[sub]
+        weights, engine_metrics = None, {}
+        if cfg.use_vllm and cfg.vllm_importance_sampling_correction and sampling is not None:
+            weights, engine_metrics = engine_importance_weights(
+                old, sampling, mask, mode=cfg.vllm_importance_sampling_mode,
+                clip_max=cfg.vllm_importance_sampling_clip_max, clip_min=cfg.vllm_importance_sampling_clip_min)
+        sequence_mask = None
+        if cfg.off_policy_mask_threshold is not None:  # vLLM's own log-probs where it gave them (TRL)
+            sequence_mask = off_policy_mask(micro.advantages[sub], logp, sampling if sampling is not None else old,
+                                            mask, cfg.off_policy_mask_threshold)
+        token_mask = None
+        if cfg.top_entropy_quantile < 1.0:
+            token_mask = high_entropy_mask(entropy.detach(), mask, self._threshold(entropy.detach()[mask.bool()]))
+        ref = None if micro.ref_logp is None else micro.ref_logp[sub]
+        out = policy_loss(logp, old, micro.advantages[sub], mask, ref_logp=ref, beta=cfg.beta,
+                          kl_estimator=cfg.kl_estimator, eps_low=cfg.epsilon, eps_high=cfg.epsilon_high,
+                          ratio_level=cfg.importance_sampling_level, aggregation=cfg.loss_aggregation,
+                          max_length=cfg.max_completion_length, normalizer=micro.normalizer,
+                          entropy=None if entropy is None else entropy.detach(), sampling_weights=weights,
+                          surrogate=cfg.surrogate, delta=cfg.delta,
+                          sapo_temperatures=(cfg.sapo_temperature_pos, cfg.sapo_temperature_neg),
+                          vespo_params=(cfg.vespo_k_pos, cfg.vespo_lambda_pos, cfg.vespo_k_neg, cfg.vespo_lambda_neg),
+                          kl_ratio_correction=cfg.use_bias_correction_kl, sequence_mask=sequence_mask,
+                          token_mask=token_mask)
+        out.metrics.update({f"sampling/importance_{k}": v for k, v in engine_metrics.items()})
+        if self.bonus:
+            effective = mask.bool() if token_mask is None else mask.bool() & token_mask
+            tokens = effective.sum().to(logp.dtype)
+            coef = applied_entropy_coef(self.entropy_coef, self.last_entropy, cfg.entropy_target,
+                                        cfg.use_adaptive_entropy)
+            # TRL: the micro-batch's mean over its tokens, divided by the accumulation steps (and, through our
+            # backward's x processes, averaged over processes).
+            scale = float(tokens.clamp(min=1)) * micro.micro_batches * self.procs.world
+            out.loss = out.loss + entropy_bonus(entropy, effective, coef, scale)
+            stats = torch.stack([(entropy.detach() * effective).sum(), tokens]).double()
+            self._window = stats if self._window is None else self._window + stats
+        return out
+
+    def _threshold(self, local: torch.Tensor) -> torch.Tensor:
+        """The (1 - top_entropy_quantile) quantile of this micro-batch's token entropies on every process."""
+        values = self.procs.gather_ragged(local.float())
+        if values.numel() == 0:
+            return torch.tensor(math.inf, device=local.device)
+        return entropy_threshold(values, 1.0 - self.cfg.top_entropy_quantile).to(local.device)
+
+    def end_step(self) -> dict[str, float]:
+        """After an optimizer step: adaptive control moves the coefficient by the step's entropy on every process."""
+        if not self.bonus:
+            return {}
+        if self.cfg.use_adaptive_entropy and self._window is not None:
+            total = self.procs.gather(self._window.cpu().reshape(1, 2)).sum(0)
+            entropy = float(total[0] / total[1].clamp(min=1.0))
+            cfg = self.cfg
+            self.entropy_coef = adaptive_entropy_coef(self.entropy_coef, entropy, cfg.entropy_target,
+                                                      cfg.entropy_coef_delta, cfg.entropy_coef_min,
+                                                      cfg.entropy_coef_max)
+            self.last_entropy = entropy
+        self._window = None
+        return {"policy/entropy_coef": self.entropy_coef}
+
+    def state_dict(self) -> dict:
+        return {"entropy_coef": self.entropy_coef, "last_entropy": self.last_entropy}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.entropy_coef, self.last_entropy = state["entropy_coef"], state["last_entropy"]
