@@ -109,7 +109,7 @@ def restore(trainer, path: Path) -> None:
         for name in ("old_logp", "ref_logp"):  # (kept on the model's device, as the rollout made them)
             if getattr(batch, name) is not None:
                 setattr(batch, name, getattr(batch, name).to(trainer.accel.device))
-        trainer.pending = (batch, trainer._plan(batch)[own["pending"]["taken"]:])
+        trainer.pending = (batch, trainer.updates.plan(batch)[own["pending"]["taken"]:])
     if (path / "trainer_state.json").is_file():
         saved = TrainerState.load_from_json(str(path / "trainer_state.json"))
         trainer.control.state.log_history, trainer.control.state.global_step = saved.log_history, saved.global_step

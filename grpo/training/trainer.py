@@ -13,20 +13,19 @@
 A rollout feeds steps_per_generation / gradient_accumulation_steps optimizer steps per pass, num_iterations passes
 (TRL's counting; grpo.training.steps). Checkpoints may fall inside a rollout: they keep it, so resume is exact.
 The math lives in `grpo.core` (put together in `grpo.training.objective`), generation and the passes through the
-model in an engine (`grpo.engines`), the rollout's bookkeeping in `grpo.training.rollout`; this file moves tensors.
+model in an engine (`grpo.engines`), the rollout's bookkeeping in `grpo.training.rollout`, the update's micro-batches
+and backward in `grpo.training.update`; this file is the loop.
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from grpo.core import aggregation_normalizer, sync_reference_
+from grpo.core import sync_reference_
 from grpo.engines.base import SamplingParams
 from grpo.engines.policy import reference_view
 from grpo.engines.select import choose_engine, make_engine, make_vllm
@@ -35,21 +34,18 @@ from grpo.training.control import RunControl
 from grpo.training.data import PromptSampler, build_prompt_set
 from grpo.training.health import HealthMonitor, report_nonfinite
 from grpo.training.hub import start_hub
-from grpo.training.micro_batches import MicroBatches, Plan
+from grpo.training.micro_batches import MicroBatches
 from grpo.training.model import load_model, prepare_model, save_final
-from grpo.training.objective import MicroInputs, Objective
+from grpo.training.objective import Objective
 from grpo.training.rollout import Processes, RolloutBatch, Rollouts
 from grpo.training.sharded import check_sharding, place_reference
 from grpo.training.state import checkpoint_to_resume, restore, save_checkpoint, trainer_state
 from grpo.training.setup import (check_reward_columns, check_sizes, config_of, configure_process,
                                  fill_deepspeed_auto, load_task, make_accelerator, make_datasets, make_optimizer,
                                  make_reward_runner, make_schedule, make_step_rewards, seed_everything, tokenizer_for)
-from grpo.training.steps import StepPlan, resolve_layout, rollout_plan
+from grpo.training.steps import StepPlan, resolve_layout
 from grpo.training.summary import TrainResult, end_lines, finish_run, log_step, start_lines, write_run_files
-from grpo.training.tracking import MetricSums
-
-# grpo.core metric -> logged name (the seed tutorial's names where it has one).
-LOSS_METRIC_NAMES = {"policy_loss": "policy/loss", "kl": "policy/kl_divergence"}
+from grpo.training.update import Update, apply_step, clip_gradients
 
 
 class TrainingStopped(RuntimeError):
@@ -124,13 +120,15 @@ class GRPOTrainer:
                                                    self.params, self.reference, generator,
                                                    gather_for_generation=cfg.ds3_gather_for_generation)
         packing, why = self.backend.packing(self.policy, cfg.use_remove_padding)
-        self.micro = MicroBatches(cfg.per_device_train_batch_size, cfg.max_tokens_per_micro_batch, packing, self.procs,
-                                  why)
         self.sampler = PromptSampler(len(self.train_set), cfg.seed if cfg.data_seed is None else cfg.data_seed,
                                      cfg.shuffle_dataset)
         self.rollouts = Rollouts(cfg, self.generator, self.policy, self.tokenizer, self.train_set, self.sampler,
                                  self.rewards, self.step_rewards, self.procs, self.B, self.G, self.params)
         self.objective = Objective(cfg, self.procs)
+        self.micro = MicroBatches(cfg.per_device_train_batch_size, cfg.max_tokens_per_micro_batch, packing, self.procs,
+                                  why)
+        self.updates = Update(cfg, self.accel, self.model, self.backend, self.objective, self.procs, self.layout,
+                              self.micro)
         self.control = RunControl(cfg, callbacks, self.layout, self.accel.is_main_process)
         self.rollouts.trainer_state = self.control.state
         self.health = HealthMonitor(accuracy=self.reward_names[0],
@@ -228,7 +226,7 @@ class GRPOTrainer:
             batch = self.rollouts.make(self.rollout_count)
         self.rollout_count += 1
         t0 = time.perf_counter()
-        batch.plans = self._plan(batch)
+        batch.plans = self.updates.plan(batch)  # its optimizer steps and their micro-batches
         self._score_logprobs(batch)
         batch.metrics.update({f"time/{k}": v for k, v in self.rollouts.times.items()})
         batch.metrics["time/logprobs"] = time.perf_counter() - t0
@@ -237,100 +235,31 @@ class GRPOTrainer:
     @torch.no_grad()
     def _score_logprobs(self, batch: RolloutBatch) -> None:
         """The reference's log-probs (beta > 0); the sampling policy's when the rollout feeds several optimizer steps
-        per pass (with one, they come from the first pass, before any step). In the update's micro-batches of the
-        first pass, which hold every row once."""
-        device = self.accel.device
-        micro = [m for step in batch.plans or self._plan(batch) if step.iteration == 0 for m in step.micro_batches]
-
-        def score(model) -> torch.Tensor:
-            out = torch.zeros(batch.completion_mask.shape, device=device)
-            with self.accel.autocast():
-                for m in micro:
-                    x = m.inputs(batch, device)
-                    out[m.rows, :m.width] = self.backend.logprobs(model, x.input_ids, x.attention_mask, m.width,
-                                                                  self.cfg.temperature, x.packed)
-            return out
+        per pass (with one, they come from the first pass, before any step)."""
         if self.layout.steps_per_rollout > 1:
-            batch.old_logp = score(self.policy)
+            batch.old_logp = self.updates.score(self.policy, batch)
         if self.cfg.beta > 0:
             with reference_view(self.policy, self.reference) as ref:
-                batch.ref_logp = score(ref)
+                batch.ref_logp = self.updates.score(ref, batch)
 
-    # ---- update: optimizer steps over a rollout's rows -----------------------------------------------------------
-    def _plan(self, batch: RolloutBatch) -> list[StepPlan]:
-        """The rollout's optimizer steps, each step's rows cut into micro-batches (by rows or tokens, packed)."""
-        return rollout_plan(self.layout, batch.input_ids.shape[0], self.cfg.seed, batch.index,
-                            cut=lambda rows: self.micro.plan(batch, rows))
-
+    # ---- update: optimizer steps over a rollout's rows, in micro-batches (grpo.training.update) -----------------
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """Every optimizer step the rollout feeds; their metrics merged (the gradient norm is the last step's)."""
-        return self._optimize(batch, batch.plans or self._plan(batch))
+        return self._optimize(batch, batch.plans or self.updates.plan(batch))
 
     def _optimize(self, batch: RolloutBatch, plans: list[StepPlan]) -> dict[str, float]:
-        record_old = batch.old_logp is None and self.layout.rollout_steps > 1  # (one slice, several passes)
-        per_row = self.cfg.importance_sampling_level == "sequence"
-        rollout_tokens = float(self.procs.gather(batch.completion_mask.sum().reshape(1)).sum())
-        sums, out = MetricSums(), {}  # loss metrics weighted by tokens over the steps' micro-batches
-        for plan in plans:
-            self.optimizer.zero_grad(set_to_none=True)
-            step_tokens = sum(batch.completion_mask[m.rows].sum() for m in plan.micro_batches).reshape(1)
-            counts = dict(step_tokens=float(self.procs.gather(step_tokens).sum()), step_rows=plan.rows * self.world,
-                          micro_batches=len(plan.micro_batches), processes=self.world, rollout_tokens=rollout_tokens,
-                          steps_per_rollout=self.layout.steps_per_rollout)  # (aggregation_normalizer's)
-            old_parts, loss = [], torch.zeros((), device=self.accel.device)
-            for k, micro in enumerate(plan.micro_batches):
-                sync = k == len(plan.micro_batches) - 1
-                if self.accel.distributed_type == "DEEPSPEED":  # its engine steps in backward unless told that
-                    self.accel.gradient_state._set_sync_gradients(sync)  # more micro-batches follow
-                with self.accel.no_sync(self.model) if not sync else contextlib.nullcontext():
-                    logp, result, tokens = self._micro_step(batch, micro, counts)
-                old_parts.append((micro, logp))
-                loss = loss + result.loss.detach()
-                for key, value in result.metrics.items():  # (a sequence-level ratio's clip fractions are of rows)
-                    sums.add(key, value, float(len(micro)) if per_row and key.startswith("clip_frac") else tokens)
-            if record_old and plan.iteration == 0:  # no optimizer step yet: these are the sampling policy's
-                batch.old_logp = torch.zeros(batch.completion_mask.shape, device=self.accel.device)
-                for micro, old in old_parts:
-                    batch.old_logp[micro.rows, :micro.width] = old
-            out["train/loss"] = float(self.procs.gather(loss.reshape(1).cpu()).sum())  # (each process's share)
-            out["train/learning_rate"] = self.scheduler.get_last_lr()[0]  # the rate this step takes
-            out["train/grad_norm"] = self._optimizer_step(batch)
-            out.update(self.objective.end_step())
-        means = sums.means(skip="advantage", gather_objects=self.procs.gather_objects)  # (advantages: per rollout)
-        out.update({LOSS_METRIC_NAMES.get(k, k if "/" in k else f"policy/{k}"): v for k, v in means.items()})
+        out = self.updates.run(batch, plans, self.optimizer, self.scheduler, self._optimizer_step)
         out["health/nonfinite_steps"] = float(self.nonfinite_total)
         return out
 
-    def _micro_step(self, batch: RolloutBatch, plan: Plan, counts: dict):
-        """One micro-batch's loss, backpropagated by the engine. Returns (log-probs, LossOutput, token count)."""
-        device = self.accel.device
-        micro = plan.inputs(batch, device)  # (no all-padding completion columns; packed when padding-free)
-        tokens = float(batch.completion_mask[plan.rows, :plan.width].sum())  # (on the CPU: the device never waits)
-        mask, adv, ref = (plan.take(t, device) for t in (batch.completion_mask, batch.advantages, batch.ref_logp))
-        normalizer = aggregation_normalizer(self.cfg.loss_aggregation, micro_tokens=tokens, **counts)
-        inputs = MicroInputs(mask, adv, micro.old_logp, micro.sampling_logp, ref, normalizer, counts["micro_batches"])
-        in_loss = self.objective.entropy_in_loss
-        with self.accel.autocast():
-            logp, out = self.backend.loss_and_backward(
-                micro, self.cfg.temperature, lambda lp, sub=slice(None), entropy=None:
-                self.objective.loss(lp, entropy, inputs, sub), True, entropy_in_loss=in_loss)  # (entropy: TRL's metric)
-        return logp, out, tokens
-
     def _optimizer_step(self, batch: RolloutBatch) -> float:
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
         self.control.event("on_pre_optimizer_step")
-        # accelerate's: a float16 loss scaler's gradients unscaled first; under DeepSpeed the norm its engine took
-        # when it stepped, in the last micro-batch's backward, clipping by its config's gradient_clipping
-        norm = self.accel.clip_grad_norm_(params, max_norm)
-        grad_norm = float("nan") if norm is None else float(norm)  # (None: a DeepSpeed engine that kept no norm)
-        if norm is not None and not math.isfinite(grad_norm):
+        grad_norm, finite = clip_gradients(self.accel, self.model, self.cfg.max_grad_norm)
+        if not finite:
             self._skip_nonfinite_step(batch, grad_norm)
             return grad_norm
         self.nonfinite_in_a_row = 0
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)  # no gradient buffers held through the next rollout
+        apply_step(self.optimizer, self.scheduler)
         self.backend.after_optimizer_step(stepped=True)
         self.rollouts.engine_stale = True
         self.control.event("on_optimizer_step")
