@@ -297,6 +297,11 @@ class GRPOConfig:
     resume: bool = _f(False, "Continue from the newest complete checkpoint in output_dir.")
     resume_from_checkpoint: str | None = _f(None, "Continue from this checkpoint directory (TRL's; train() takes "
                                             "it too).")
+    overwrite_output_dir: bool = _f(False, "Start over in an output_dir that holds a run (transformers < 5's key): "
+                                    "its checkpoints, final/, metrics and samples are deleted first. Without it, "
+                                    "and without resume, such a directory is refused (docs/runs.md).")
+    stop_signals: list = _f(["SIGTERM", "SIGINT", "SIGUSR1"], "Signals that stop the run after its current "
+                            "optimizer step with a checkpoint, exit status 75 (docs/runs.md); [] for none.")
     preset: str | None = _f(None, "Named starting point (grpo, dr_grpo, dapo, gspo, trl) for every key not set.")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

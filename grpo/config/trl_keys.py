@@ -227,10 +227,10 @@ TABLE: list[TRLKey] = [
            ("overwrite_hub_revision", False, "pushing a branch per checkpoint is not built (hub_revision)"),
            ("push_to_hub_revision", False, "pushing a branch per checkpoint is not built (hub_revision)"),
            ("dataset_mixture", None, "dataset mixtures are not built: mix the data into one file")),
-    *_rows("legacy", "field", ("max_prompt_length", 512, "TRL < 1.0"), ("warmup_ratio", 0.0, "transformers < 5")),
+    *_rows("legacy", "field", ("max_prompt_length", 512, "TRL < 1.0"), ("warmup_ratio", 0.0, "transformers < 5"),
+           ("overwrite_output_dir", False, "transformers < 5; an output_dir holding a run is refused without it "
+            "(or resume)")),
     *_rows("legacy", "default",
-           ("overwrite_output_dir", False, "grpo writes into output_dir (true's meaning; resume continues a run)",
-            [True]),
            ("vllm_device", "auto", "removed in TRL 0.18: colocated vLLM runs on the trainer's device")),
 ]
 TRL_KEYS: dict[str, TRLKey] = {row.name: row for row in TABLE}

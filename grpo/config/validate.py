@@ -238,6 +238,9 @@ def _validate_loss(cfg) -> None:
                   "give one weight per function.")
 
 
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP")
+
+
 def _validate_logging(cfg) -> None:
     check(cfg.logging_steps > 0, "logging_steps", "must be > 0 (below 1: a fraction of the steps).")
     check(cfg.save_steps >= 0 and cfg.log_completions_steps >= 0, "save_steps",
@@ -249,3 +252,9 @@ def _validate_logging(cfg) -> None:
     unknown_sinks = set(cfg.report_to) - {"tensorboard", "wandb", "trackio"}
     check(not unknown_sinks, "report_to", f"unknown sink {sorted(unknown_sinks)}; use tensorboard, wandb, trackio, "
           "all or none.")
+    if isinstance(cfg.stop_signals, str):
+        cfg.stop_signals = [cfg.stop_signals]
+    cfg.stop_signals = [s.upper() if s.upper().startswith("SIG") else f"SIG{s.upper()}" for s in cfg.stop_signals]
+    unknown = sorted(set(cfg.stop_signals) - set(STOP_SIGNALS))
+    check(not unknown, "stop_signals", f"{unknown} cannot stop a run; choose from {', '.join(STOP_SIGNALS)} (or [] "
+          "to leave every signal at Python's default).")

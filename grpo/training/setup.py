@@ -90,8 +90,20 @@ def make_reward_runner(cfg: GRPOConfig, reward_funcs, task, processing_classes=N
         weights = (list(weights) if weights is not None else [1.0] * (len(funcs) - 1)) + [1.0]
     names = [name for name, _ in funcs]
     runner = RewardRunner(funcs, weights, on_error=cfg.reward_on_error, on_nonfinite=cfg.reward_on_nonfinite,
-                          timeout_s=cfg.reward_timeout, on_all_none=cfg.reward_on_all_none)
+                          timeout_s=cfg.reward_timeout, on_all_none=cfg.reward_on_all_none,
+                          specs=[spec_text(s) for s in specs])
     return runner, names
+
+
+def spec_text(spec):
+    """A reward spec as config.yaml records it: a name, mapping or import path as given; a callable as its import
+    path ("module:function"); a loaded reward model as its name_or_path."""
+    if isinstance(spec, (str, dict)):
+        return spec
+    if isinstance(spec, torch.nn.Module):
+        return getattr(spec, "name_or_path", None) or type(spec).__name__
+    named = spec if hasattr(spec, "__qualname__") else type(spec)  # (a callable object: its class)
+    return f"{named.__module__}:{named.__qualname__}"
 
 
 def _reward_tokenizers(processing_classes, count: int) -> list:

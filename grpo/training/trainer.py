@@ -30,7 +30,7 @@ from grpo.core import aggregation_normalizer, sync_reference_
 from grpo.engines.base import SamplingParams
 from grpo.engines.policy import MicroBatch, reference_view
 from grpo.engines.select import choose_engine, make_engine, make_vllm
-from grpo.training import sharded_checkpoint as sharded_ckpt
+from grpo.training import run_dir, sharded_checkpoint as sharded_ckpt
 from grpo.training.control import RunControl
 from grpo.training.data import PromptSampler, build_prompt_set
 from grpo.training.health import HealthMonitor, report_nonfinite
@@ -39,7 +39,10 @@ from grpo.training.model import load_model, prepare_model, save_final
 from grpo.training.objective import MicroInputs, Objective
 from grpo.training.rollout import Processes, RolloutBatch, Rollouts
 from grpo.training.sharded import check_sharding, place_reference
-from grpo.training.state import checkpoint_to_resume, restore, save_checkpoint, trainer_state
+from grpo.training.errors import TrainingStopped
+from grpo.training.faults import engine_faults
+from grpo.training.signals import StopSignals, stop_if_signalled
+from grpo.training.state import restore, save_checkpoint, trainer_state
 from grpo.training.setup import (check_reward_columns, check_sizes, config_of, configure_process,
                                  fill_deepspeed_auto, load_task, make_accelerator, make_datasets, make_optimizer,
                                  make_reward_runner, make_schedule, make_step_rewards, seed_everything, tokenizer_for)
@@ -49,10 +52,6 @@ from grpo.training.tracking import MetricSums
 
 # grpo.core metric -> logged name (the seed tutorial's names where it has one).
 LOSS_METRIC_NAMES = {"policy_loss": "policy/loss", "kl": "policy/kl_divergence"}
-
-
-class TrainingStopped(RuntimeError):
-    """The run stopped itself (e.g. repeated non-finite losses); the last good checkpoint is intact."""
 
 
 class GRPOTrainer:
@@ -156,9 +155,7 @@ class GRPOTrainer:
         from grpo.training.tracking import NullLogger, RunLogger
 
         cfg, out, main = self.cfg, Path(self.cfg.output_dir), self.accel.is_main_process
-        path = checkpoint_to_resume(cfg, resume_from_checkpoint, self.procs)
-        if path is not None:
-            self._resume(path)
+        run_dir.prepare(self, resume_from_checkpoint)  # one run per directory; restores a checkpoint to resume
         if main:
             write_run_files(self, out)
             print("\n".join(start_lines(self)))
@@ -169,12 +166,16 @@ class GRPOTrainer:
         started = time.perf_counter()
         self.backend.prepare()  # (again, when train() is called a second time)
         self.control.event("on_train_begin")
+        signals = StopSignals(cfg.stop_signals, self.procs).install()
         try:
             if self.step == 0 and self.control.cadence.evaluate_first(self.eval_set is not None):
                 log_step(self, logger, display, 0, self.evaluate())
             while self.step < self.total_steps and not self.control.control.should_training_stop:
-                last = self._step_and_report(logger, display)
+                with engine_faults(cfg, "update"):
+                    last = self._step_and_report(logger, display)
+                stop_if_signalled(self, signals)  # a stop signal: this step's checkpoint, then TrainingInterrupted
         finally:
+            signals.restore()
             display.close()
             logger.close()
             self.backend.release()  # the model goes back as it was loaded
