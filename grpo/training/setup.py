@@ -15,6 +15,7 @@ import torch
 
 from grpo.config import ConfigError, GRPOConfig
 from grpo.training.data import load_dataset_any
+from grpo.training.stream import is_stream, shuffled_stream
 
 
 def config_of(args, unsupported: dict) -> GRPOConfig:
@@ -118,12 +119,13 @@ def _open_r1_defaults() -> dict:
     return dict(REWARD_SETTINGS)
 
 
-def check_reward_columns(rewards, columns: list[str]) -> None:
+def check_reward_columns(rewards, dataset) -> None:
     """Every column a reward function needs is in the dataset: checked before any model loads."""
     from grpo.rewards import RewardError
+    from grpo.training.stream import stream_columns
 
     try:
-        rewards.check_columns(columns)
+        rewards.check_columns(stream_columns(dataset))
     except RewardError as err:
         raise ConfigError(str(err).replace("\n", "; ")) from None
 
@@ -144,7 +146,10 @@ def make_datasets(cfg: GRPOConfig, task, train_dataset, eval_dataset):
             raise ConfigError("dataset_name: set dataset_name (a data file or directory) or task (arithmetic, "
                               "countdown), or pass train_dataset.")
         if cfg.dataset_name is not None:
-            train_dataset = load_dataset_any(cfg.dataset_name, cfg.dataset_split, cfg.dataset_config)
+            train_dataset = load_dataset_any(cfg.dataset_name, cfg.dataset_split, cfg.dataset_config,
+                                             streaming=cfg.dataset_streaming)
+            if cfg.dataset_streaming:
+                train_dataset = shuffled_stream(train_dataset, cfg)
         else:
             train_dataset = task.dataset("train", n=cfg.task_train_size, seed=cfg.seed, **_level(cfg))
     if eval_dataset is None:
@@ -152,6 +157,10 @@ def make_datasets(cfg: GRPOConfig, task, train_dataset, eval_dataset):
             eval_dataset = load_dataset_any(cfg.eval_dataset_name, cfg.eval_split, key="eval_dataset_name")
         elif task is not None and cfg.task_eval_size > 0:
             eval_dataset = task.dataset("test", n=cfg.task_eval_size, seed=cfg.seed, **_level(cfg))
+    if is_stream(eval_dataset):  # (eval sets are small: read whole, as every eval reads every prompt)
+        import datasets
+
+        eval_dataset = datasets.Dataset.from_list(list(eval_dataset))
     return train_dataset, eval_dataset
 
 
@@ -159,9 +168,11 @@ def _level(cfg: GRPOConfig) -> dict:
     return {} if cfg.task_difficulty is None else {"difficulty": cfg.task_difficulty}
 
 
-def check_sizes(cfg: GRPOConfig, n_prompts: int, B: int, prompt_ids: list[list[int]], model_config=None) -> None:
-    """Enough prompts for one step, and prompt + completion within the model's context (reliability.md 4.2)."""
-    if n_prompts < B:
+def check_sizes(cfg: GRPOConfig, n_prompts: int | None, B: int, prompt_ids: list[list[int]],
+                model_config=None) -> None:
+    """Enough prompts for one step, and prompt + completion within the model's context (reliability.md 4.2). A
+    stream (n_prompts None) is checked on its first row."""
+    if n_prompts is not None and n_prompts < B:
         raise ConfigError(f"dataset_name: the dataset has {n_prompts} prompts but one step needs {B} "
                           f"(prompts_per_step); add prompts or lower prompts_per_step.")
     if model_config is None:
