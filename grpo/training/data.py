@@ -62,13 +62,20 @@ def load_dataset_any(name: str, split: str, config_name: str | None = None, key:
             raise ConfigError(f"{key}: directory {name!r} holds no data file ({', '.join(FILE_FORMATS)}) "
                               "and is not a save_to_disk directory.")
         return load_dataset_any(str(match[0]), split, key=key, streaming=streaming)
-    if name.startswith((".", "/", "~")):
-        raise ConfigError(f"{key}: {name!r} does not exist.")
+    check_data_path(name, key)
     try:
         return datasets.load_dataset(name, config_name, split=split, streaming=streaming)
     except Exception as err:  # noqa: BLE001 - datasets raises many kinds; say what to do instead
         raise ConfigError(f"{key}: could not load {name!r} from the hub ({type(err).__name__}: {err}). "
                           "Point it at a local file or save_to_disk directory.") from None
+
+
+def check_data_path(name: str, key: str) -> None:
+    """A name that is a local path (or a file name with a data extension) must exist; hub names are left to the hub."""
+    path = Path(name).expanduser()
+    if not path.exists() and (name.startswith((".", "/", "~")) or path.suffix.lower() in FILE_FORMATS):
+        raise ConfigError(f"{key}: {name!r} does not exist; give a data file ({', '.join(FILE_FORMATS)}), a "
+                          "save_to_disk directory, or a hub dataset name.")
 
 
 def find_prompt_column(columns: list[str], configured: str | None) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import random
 import warnings
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -28,6 +29,41 @@ def config_of(args, unsupported: dict) -> GRPOConfig:
             " (tool calling, custom rollout functions and environments are not built)"
             if name in ("tools", "rollout_func", "environment_factory") else ""))
     return args if isinstance(args, GRPOConfig) else from_trl(args) if args is not None else GRPOConfig()
+
+
+def check_inputs(cfg: GRPOConfig, model, train_dataset) -> None:
+    """The paths a user gives, in the order they would fix them: the model, then the dataset (rewards come next,
+    in make_reward_runner). One line each, naming the key."""
+    from grpo.training.data import check_data_path
+
+    if model is None or isinstance(model, (str, Path)):
+        check_model_path(str(model) if model is not None else cfg.model_name_or_path)
+    if train_dataset is None and cfg.dataset_name is not None:
+        check_data_path(cfg.dataset_name, "dataset_name")
+    if cfg.eval_dataset_name is not None:
+        check_data_path(cfg.eval_dataset_name, "eval_dataset_name")
+
+
+def check_model_path(name: str) -> None:
+    """A model directory with config.json, or a hub name whose config can be fetched (or is cached)."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
+            raise ConfigError(f"model_name_or_path: {name!r} is a directory without config.json; point it at a "
+                              "model saved with save_pretrained (or a checkpoint's directory).")
+        return
+    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name:
+        raise ConfigError(f"model_name_or_path: {name!r} " + ("is a file, not a model directory" if path.exists()
+                          else "does not exist") + "; point it at a model directory or a hub name (org/model).")
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"model_name_or_path: {name!r} is not a local directory and could not be fetched from "
+                          f"the hub ({first}); download it (huggingface-cli download {name}) and give its "
+                          "directory.") from None
 
 
 def tokenizer_for(cfg: GRPOConfig, processing_class, path: str):
@@ -69,7 +105,9 @@ def make_reward_runner(cfg: GRPOConfig, reward_funcs, task, processing_classes=N
         specs = [specs]
     if not specs:
         raise ConfigError("reward_funcs: no reward function given; name at least one (e.g. reward_funcs: "
-                          "[math_accuracy, think_format]) or use a built-in task.")
+                          "[math_accuracy, think_format]) or use a built-in task" + (
+                              " (with dataset_name set, a task's rewards are used only when task is set too: "
+                              "task=arithmetic)." if cfg.dataset_name is not None else "."))
     weights = cfg.reward_weights
     if weights is None and task is not None and not cfg.reward_funcs and reward_funcs is None:
         weights = task.reward_weights

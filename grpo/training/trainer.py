@@ -40,7 +40,7 @@ from grpo.training.objective import MicroInputs, Objective
 from grpo.training.rollout import Processes, RolloutBatch, Rollouts
 from grpo.training.sharded import check_sharding, place_reference
 from grpo.training.state import checkpoint_to_resume, restore, save_checkpoint, trainer_state
-from grpo.training.setup import (check_reward_columns, check_sizes, config_of, configure_process,
+from grpo.training.setup import (check_inputs, check_reward_columns, check_sizes, config_of, configure_process,
                                  fill_deepspeed_auto, load_task, make_accelerator, make_datasets, make_optimizer,
                                  make_reward_runner, make_schedule, make_step_rewards, seed_everything, tokenizer_for)
 from grpo.training.stream import make_prompts, prompt_count
@@ -73,6 +73,7 @@ class GRPOTrainer:
                  optimizers=(None, None), quantization_config=None, peft_config=None, *, generator=None,
                  step_reward_funcs: list | None = None, **unsupported):
         self.cfg = cfg = config_of(args, unsupported)
+        check_inputs(cfg, model, train_dataset)  # the model, then the data: in the order a user fixes them
         self.accel = make_accelerator(cfg)
         check_sharding(self.accel, cfg)
         self.sharded = self.accel.distributed_type in ("FSDP", "DEEPSPEED")  # its state saved in shards
