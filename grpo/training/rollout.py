@@ -224,6 +224,8 @@ class Rollouts:
         batch = self._assemble(sampled)
         batch.metrics.update(sampling_metrics)
         batch.metrics.update(self._reward_logs())
+        if self.cfg.dataset_on_bad_row == "skip":
+            batch.metrics["data/skipped_rows"] = float(self.train_set.skipped)
         batch.index = index
         return batch
 

@@ -58,6 +58,13 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}k"
 
 
+def _prompts(train_set) -> str:
+    from grpo.training.stream import prompt_count
+
+    count = prompt_count(train_set)
+    return "streamed prompts" if count is None else f"{count} prompts"
+
+
 def start_lines(trainer) -> list[str]:
     cfg, policy = trainer.cfg, trainer.policy
     total = sum(whole_numel(p) for p in policy.parameters())
@@ -70,7 +77,7 @@ def start_lines(trainer) -> list[str]:
     device = f"{trainer.accel.device}, {trainer.world} process" + ("es" if trainer.world > 1 else "")
     device += describe(trainer.accel, cfg)
     return [f"model    {cfg.model_name_or_path} ({params} parameters)",
-            f"data     {data}: {len(trainer.train_set)} prompts{evals}",
+            f"data     {data}: {_prompts(trainer.train_set)}{evals}",
             f"rewards  {rewards}",
             f"engine   {trainer.engine.name} ({trainer.engine.reason})"
             + (f"; rollouts from vLLM ({cfg.vllm_mode})" if cfg.use_vllm else ""),

@@ -32,7 +32,7 @@ from grpo.engines.policy import MicroBatch, reference_view
 from grpo.engines.select import choose_engine, make_engine, make_vllm
 from grpo.training import run_dir, sharded_checkpoint as sharded_ckpt
 from grpo.training.control import RunControl
-from grpo.training.data import PromptSampler, build_prompt_set
+from grpo.training.data import build_prompt_set
 from grpo.training.health import HealthMonitor, report_nonfinite
 from grpo.training.hub import start_hub
 from grpo.training.model import load_model, prepare_model, save_final
@@ -43,9 +43,10 @@ from grpo.training.errors import TrainingStopped
 from grpo.training.faults import engine_faults
 from grpo.training.signals import StopSignals, stop_if_signalled
 from grpo.training.state import restore, save_checkpoint, trainer_state
-from grpo.training.setup import (check_reward_columns, check_sizes, config_of, configure_process,
+from grpo.training.setup import (check_inputs, check_reward_columns, check_sizes, config_of, configure_process,
                                  fill_deepspeed_auto, load_task, make_accelerator, make_datasets, make_optimizer,
                                  make_reward_runner, make_schedule, make_step_rewards, seed_everything, tokenizer_for)
+from grpo.training.stream import make_prompts, prompt_count
 from grpo.training.steps import StepPlan, resolve_layout, rollout_plan
 from grpo.training.summary import TrainResult, end_lines, finish_run, log_step, start_lines, write_run_files
 from grpo.training.tracking import MetricSums
@@ -71,6 +72,7 @@ class GRPOTrainer:
                  optimizers=(None, None), quantization_config=None, peft_config=None, *, generator=None,
                  step_reward_funcs: list | None = None, **unsupported):
         self.cfg = cfg = config_of(args, unsupported)
+        check_inputs(cfg, model, train_dataset)  # the model, then the data: in the order a user fixes them
         self.accel = make_accelerator(cfg)
         check_sharding(self.accel, cfg)
         self.sharded = self.accel.distributed_type in ("FSDP", "DEEPSPEED")  # its state saved in shards
@@ -85,7 +87,7 @@ class GRPOTrainer:
         self.rewards, self.reward_names = make_reward_runner(cfg, reward_funcs, self.task, reward_processing_classes)
         self.step_rewards = make_step_rewards(cfg, step_reward_funcs)
         train_dataset, eval_dataset = make_datasets(cfg, self.task, train_dataset, eval_dataset)
-        check_reward_columns(self.rewards, list(train_dataset.column_names))  # before any model load
+        check_reward_columns(self.rewards, train_dataset)  # before any model load
 
         from_path = model is None or isinstance(model, (str, Path))
         if from_path and model is not None:
@@ -93,12 +95,12 @@ class GRPOTrainer:
         self.tokenizer = tokenizer_for(cfg, processing_class, cfg.model_name_or_path if from_path else
                                        model.name_or_path)
         # Tokenize and check the data before the weights load: a bad row or length fails in seconds.
-        self.train_set = build_prompt_set(train_dataset, self.tokenizer, cfg, self.prefill, "dataset_name")
+        self.train_set, self.sampler = make_prompts(train_dataset, self.tokenizer, cfg, self.prefill, self.rewards)
         self.eval_set = (build_prompt_set(eval_dataset, self.tokenizer, cfg, self.prefill, "eval_dataset_name")
                          if eval_dataset is not None else None)
-        self.layout = resolve_layout(cfg, self.world, len(self.train_set))
+        self.layout = resolve_layout(cfg, self.world, prompt_count(self.train_set))
         self.B, self.G = self.layout.prompts_per_rollout, cfg.num_generations
-        check_sizes(cfg, len(self.train_set), self.B, self.train_set.prompt_ids, None if from_path else model.config)
+        check_sizes(cfg, prompt_count(self.train_set), self.B, self.train_set.prompt_ids, None if from_path else model.config)
         if from_path:
             model = load_model(cfg, quantization_config)
         self.engine = choose_engine(cfg.engine, model, self.accel.device, self.world, self.accel.distributed_type,
@@ -121,8 +123,6 @@ class GRPOTrainer:
         self.generator, self.backend = make_engine(self.engine, self.model, self.policy, self.accel, self.tokenizer,
                                                    self.params, self.reference, generator,
                                                    gather_for_generation=cfg.ds3_gather_for_generation)
-        self.sampler = PromptSampler(len(self.train_set), cfg.seed if cfg.data_seed is None else cfg.data_seed,
-                                     cfg.shuffle_dataset)
         self.rollouts = Rollouts(cfg, self.generator, self.policy, self.tokenizer, self.train_set, self.sampler,
                                  self.rewards, self.step_rewards, self.procs, self.B, self.G, self.params)
         self.objective = Objective(cfg, self.procs)
