@@ -16,6 +16,7 @@ import torch
 from grpo.core import decoupled_advantages, group_advantages, mix_advantages, process_advantages
 from grpo.engines.base import SamplingParams, row_seed, sleep, update_weights, wake
 from grpo.engines.sampling import left_pad
+from grpo.training.faults import engine_faults
 
 
 @dataclass
@@ -213,6 +214,8 @@ class Rollouts:
         batch = self._assemble(sampled)
         batch.metrics.update(sampling_metrics)
         batch.metrics.update(self._reward_logs())
+        if self.cfg.dataset_on_bad_row == "skip":
+            batch.metrics["data/skipped_rows"] = float(self.train_set.skipped)
         batch.index = index
         return batch
 
@@ -236,7 +239,8 @@ class Rollouts:
         t0 = time.perf_counter()
         # Seeds belong to rows; a dynamic-sampling refill round gets rows of its own.
         seeds = [row_seed(self.cfg.seed, index, first + r + round_ * 1_000_000) for r in range(n_local)]
-        out = self.generator.generate(prompt_ids, self.params, seeds)
+        with engine_faults(self.cfg, "generation"):  # (out of memory, a dead vLLM: an error naming the setting)
+            out = self.generator.generate(prompt_ids, self.params, seeds)
         t1 = time.perf_counter()
         texts = self.tokenizer.batch_decode([strip_eos(c, self.eos_ids) for c in out.ids], skip_special_tokens=False)
         completions = [as_completion(p, t) for p, t in zip(prompts, texts)]

@@ -14,6 +14,7 @@ from grpo.config import ConfigError
 from grpo.training import checkpoint as ckpt, sharded_checkpoint as sharded_ckpt
 from grpo.training.model import load_model_files, save_model_files
 from grpo.training.rollout import RolloutBatch
+from grpo.training.summary import write_run_files
 
 
 def checkpoint_to_resume(cfg, requested: Any, processes=None) -> Path | None:
@@ -62,15 +63,19 @@ def save_checkpoint(trainer) -> Path | None:
     process calls it; returns the path on the main process."""
     cfg, accel = trainer.cfg, trainer.accel
     state = None if cfg.save_only_model else trainer_state(trainer)
+
+    def write_json(path: Path) -> None:  # trainer_state.json, and the run's config.yaml and layout.yaml beside it
+        trainer.control.state.save_to_json(str(path))
+        write_run_files(trainer, path.parent)
+
     if trainer.sharded:
         return sharded_ckpt.save(accel, trainer.model, trainer.policy, trainer.optimizer, trainer.tokenizer,
-                                 cfg.output_dir, trainer.step, state, cfg.save_total_limit,
-                                 write_json=trainer.control.state.save_to_json)
+                                 cfg.output_dir, trainer.step, state, cfg.save_total_limit, write_json=write_json)
     if not accel.is_main_process:
         return None
     return ckpt.save_checkpoint(cfg.output_dir, trainer.step,
                                 lambda path: save_model_files(trainer.policy, trainer.tokenizer, path),
-                                state, cfg.save_total_limit, write_json=trainer.control.state.save_to_json)
+                                state, cfg.save_total_limit, write_json=write_json)
 
 
 def restore(trainer, path: Path) -> None:

@@ -29,9 +29,9 @@ from grpo.core import sync_reference_
 from grpo.engines.base import SamplingParams
 from grpo.engines.policy import reference_view
 from grpo.engines.select import choose_engine, make_engine, make_vllm
-from grpo.training import sharded_checkpoint as sharded_ckpt
+from grpo.training import run_dir, sharded_checkpoint as sharded_ckpt
 from grpo.training.control import RunControl
-from grpo.training.data import PromptSampler, build_prompt_set
+from grpo.training.data import build_prompt_set
 from grpo.training.health import HealthMonitor, report_nonfinite
 from grpo.training.hub import start_hub
 from grpo.training.micro_batches import MicroBatches
@@ -39,17 +39,17 @@ from grpo.training.model import load_model, prepare_model, save_final
 from grpo.training.objective import Objective
 from grpo.training.rollout import Processes, RolloutBatch, Rollouts
 from grpo.training.sharded import check_sharding, place_reference
-from grpo.training.state import checkpoint_to_resume, restore, save_checkpoint, trainer_state
-from grpo.training.setup import (check_reward_columns, check_sizes, config_of, configure_process,
+from grpo.training.errors import TrainingStopped
+from grpo.training.faults import engine_faults
+from grpo.training.signals import StopSignals, stop_if_signalled
+from grpo.training.state import restore, save_checkpoint, trainer_state
+from grpo.training.setup import (check_inputs, check_reward_columns, check_sizes, config_of, configure_process,
                                  fill_deepspeed_auto, load_task, make_accelerator, make_datasets, make_optimizer,
                                  make_reward_runner, make_schedule, make_step_rewards, seed_everything, tokenizer_for)
+from grpo.training.stream import make_prompts, prompt_count
 from grpo.training.steps import StepPlan, resolve_layout
 from grpo.training.summary import TrainResult, end_lines, finish_run, log_step, start_lines, write_run_files
 from grpo.training.update import Update, apply_step, clip_gradients
-
-
-class TrainingStopped(RuntimeError):
-    """The run stopped itself (e.g. repeated non-finite losses); the last good checkpoint is intact."""
 
 
 class GRPOTrainer:
@@ -69,6 +69,7 @@ class GRPOTrainer:
                  optimizers=(None, None), quantization_config=None, peft_config=None, *, generator=None,
                  step_reward_funcs: list | None = None, **unsupported):
         self.cfg = cfg = config_of(args, unsupported)
+        check_inputs(cfg, model, train_dataset)  # the model, then the data: in the order a user fixes them
         self.accel = make_accelerator(cfg)
         check_sharding(self.accel, cfg)
         self.sharded = self.accel.distributed_type in ("FSDP", "DEEPSPEED")  # its state saved in shards
@@ -83,7 +84,7 @@ class GRPOTrainer:
         self.rewards, self.reward_names = make_reward_runner(cfg, reward_funcs, self.task, reward_processing_classes)
         self.step_rewards = make_step_rewards(cfg, step_reward_funcs)
         train_dataset, eval_dataset = make_datasets(cfg, self.task, train_dataset, eval_dataset)
-        check_reward_columns(self.rewards, list(train_dataset.column_names))  # before any model load
+        check_reward_columns(self.rewards, train_dataset)  # before any model load
 
         from_path = model is None or isinstance(model, (str, Path))
         if from_path and model is not None:
@@ -91,12 +92,12 @@ class GRPOTrainer:
         self.tokenizer = tokenizer_for(cfg, processing_class, cfg.model_name_or_path if from_path else
                                        model.name_or_path)
         # Tokenize and check the data before the weights load: a bad row or length fails in seconds.
-        self.train_set = build_prompt_set(train_dataset, self.tokenizer, cfg, self.prefill, "dataset_name")
+        self.train_set, self.sampler = make_prompts(train_dataset, self.tokenizer, cfg, self.prefill, self.rewards)
         self.eval_set = (build_prompt_set(eval_dataset, self.tokenizer, cfg, self.prefill, "eval_dataset_name")
                          if eval_dataset is not None else None)
-        self.layout = resolve_layout(cfg, self.world, len(self.train_set))
+        self.layout = resolve_layout(cfg, self.world, prompt_count(self.train_set))
         self.B, self.G = self.layout.prompts_per_rollout, cfg.num_generations
-        check_sizes(cfg, len(self.train_set), self.B, self.train_set.prompt_ids, None if from_path else model.config)
+        check_sizes(cfg, prompt_count(self.train_set), self.B, self.train_set.prompt_ids, None if from_path else model.config)
         if from_path:
             model = load_model(cfg, quantization_config)
         self.engine = choose_engine(cfg.engine, model, self.accel.device, self.world, self.accel.distributed_type,
@@ -120,8 +121,6 @@ class GRPOTrainer:
                                                    self.params, self.reference, generator,
                                                    gather_for_generation=cfg.ds3_gather_for_generation)
         packing, why = self.backend.packing(self.policy, cfg.use_remove_padding)
-        self.sampler = PromptSampler(len(self.train_set), cfg.seed if cfg.data_seed is None else cfg.data_seed,
-                                     cfg.shuffle_dataset)
         self.rollouts = Rollouts(cfg, self.generator, self.policy, self.tokenizer, self.train_set, self.sampler,
                                  self.rewards, self.step_rewards, self.procs, self.B, self.G, self.params)
         self.objective = Objective(cfg, self.procs)
@@ -158,9 +157,7 @@ class GRPOTrainer:
         from grpo.training.tracking import NullLogger, RunLogger
 
         cfg, out, main = self.cfg, Path(self.cfg.output_dir), self.accel.is_main_process
-        path = checkpoint_to_resume(cfg, resume_from_checkpoint, self.procs)
-        if path is not None:
-            self._resume(path)
+        run_dir.prepare(self, resume_from_checkpoint)  # one run per directory; restores a checkpoint to resume
         if main:
             write_run_files(self, out)
             print("\n".join(start_lines(self)))
@@ -171,12 +168,16 @@ class GRPOTrainer:
         started = time.perf_counter()
         self.backend.prepare()  # (again, when train() is called a second time)
         self.control.event("on_train_begin")
+        signals = StopSignals(cfg.stop_signals, self.procs).install()
         try:
             if self.step == 0 and self.control.cadence.evaluate_first(self.eval_set is not None):
                 log_step(self, logger, display, 0, self.evaluate())
             while self.step < self.total_steps and not self.control.control.should_training_stop:
-                last = self._step_and_report(logger, display)
+                with engine_faults(cfg, "update"):
+                    last = self._step_and_report(logger, display)
+                stop_if_signalled(self, signals)  # a stop signal: this step's checkpoint, then TrainingInterrupted
         finally:
+            signals.restore()
             display.close()
             logger.close()
             self.backend.release()  # the model goes back as it was loaded
