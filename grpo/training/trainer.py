@@ -97,7 +97,8 @@ class GRPOTrainer:
                          if eval_dataset is not None else None)
         self.layout = resolve_layout(cfg, self.world, prompt_count(self.train_set))
         self.B, self.G = self.layout.prompts_per_rollout, cfg.num_generations
-        check_sizes(cfg, prompt_count(self.train_set), self.B, self.train_set.prompt_ids, None if from_path else model.config)
+        check_sizes(cfg, prompt_count(self.train_set), self.B, self.train_set.prompt_ids,
+                    None if from_path else model.config)
         if from_path:
             model = load_model(cfg, quantization_config)
         self.engine = choose_engine(cfg.engine, model, self.accel.device, self.world, self.accel.distributed_type,
