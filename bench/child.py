@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     from bench.workloads import WORKLOADS
 
     parser = argparse.ArgumentParser(description="Run one side of the benchmark (see bench/run.py).")
-    parser.add_argument("side", choices=("grpo", "trl", "vllm"))
+    parser.add_argument("side", choices=("grpo", "trl", "vllm", "grpo_padded"))
     parser.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
     parser.add_argument("--model", required=True, help="model directory written by bench/model_files.py")
     parser.add_argument("--steps", type=int, required=True, help="rollout steps to train")
@@ -147,7 +147,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.side == "vllm":  # grpo with vLLM rollouts; a KV cache of 256 MiB holds any workload's step
         overrides = {"use_vllm": True, "vllm_gpu_memory_utilization": 0.1,
                      "vllm_engine_kwargs": {"kv_cache_memory_bytes": 256 << 20}, **overrides}
-    if args.side in ("grpo", "vllm"):
+    if args.side == "grpo_padded":  # grpo with its passes on padded rows, as before padding-free passes
+        overrides = {"use_remove_padding": False, **overrides}
+    if args.side in ("grpo", "vllm", "grpo_padded"):
         from bench.side_grpo import train
     else:
         from bench.side_trl import train

@@ -72,15 +72,31 @@ def build_model(w: Workload):
 
 def write_model_dir(w: Workload, path: Path) -> int:
     """Save the model, its generation config and the tokenizer into `path`; returns the parameter count (tied
-    embeddings counted once)."""
+    embeddings counted once).
+
+    A ragged workload's EOS is the model's last token, id V-1 (the tokenizer's placeholders end one earlier). At
+    initialization a token's final hidden state is mostly its own (tied) embedding, normalized, so every embedding
+    row gets a shared component 0.1 u (u a seeded unit vector) and the EOS row is `eos_weight` u: the EOS logit
+    after any token is then about eos_weight x 0.1 / rms, above the others by a margin that varies from token to
+    token, so completions end at ragged, long-tailed lengths (measured in bench/workloads.py). The shift common to
+    all other logits leaves their softmax as it was.
+    """
     from transformers import GenerationConfig
 
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(w.vocab)
-    if tokenizer.eos_token_id != w.vocab:
-        raise RuntimeError(f"write_model_dir: EOS got id {tokenizer.eos_token_id}, expected {w.vocab}.")
+    eos = w.vocab - 1 if w.ragged else w.vocab
+    tokenizer = build_tokenizer(eos)
+    if tokenizer.eos_token_id != eos:
+        raise RuntimeError(f"write_model_dir: EOS got id {tokenizer.eos_token_id}, expected {eos}.")
     model = build_model(w)
-    model.generation_config = GenerationConfig(eos_token_id=w.vocab, pad_token_id=w.vocab)
+    if w.ragged:
+        u = torch.randn(w.hidden, generator=torch.Generator().manual_seed(1))
+        u /= u.norm()
+        with torch.no_grad():
+            embedding = model.get_input_embeddings().weight
+            embedding += 0.1 * u
+            embedding[eos] = w.eos_weight * u
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=eos)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return sum(p.numel() for p in model.parameters())

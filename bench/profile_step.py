@@ -1,5 +1,6 @@
 """Where the time of one `grpo` step goes: `python -m bench.profile_step --workload W2 [--warmup 1] [--threads 1]`.
 
+`--workload default` profiles the default job (`grpo train`'s recipe, its model and task) instead.
 Builds the workload's model, sets up grpo's trainer as the benchmark does (bench/side_grpo.py), runs the warm-up
 steps, then one step in which each phase (sampling, the no-grad log-prob passes, the update) runs under torch's
 operator profiler on its own. Prints, per phase, its wall time, the part spent inside torch operators (the rest is
@@ -44,6 +45,17 @@ def build_trainer(w, tmp: Path, steps: int):
                        train_dataset=Dataset.from_dict({"prompt": prompts(w)}))
 
 
+def default_trainer(tmp: Path, steps: int):
+    """grpo's trainer on the default job (grpo/recipes/default.yaml), as `grpo train` sets it up."""
+    from grpo import GRPOConfig, GRPOTrainer
+    from grpo.cli import DEFAULT_RECIPE
+    from grpo.engines.cpu import native
+
+    native.keep_freed_memory()  # as the `grpo` command does
+    cfg = GRPOConfig.load(DEFAULT_RECIPE, [f"output_dir={tmp / 'run'}", f"max_steps={steps}", "report_to=[]"])
+    return GRPOTrainer(args=cfg)
+
+
 def profile_step(workload_name: str, warmup: int, threads: int, top: int) -> None:
     """Run `warmup` steps, then one step with each phase profiled on its own; print the tables."""
     import torch
@@ -51,20 +63,22 @@ def profile_step(workload_name: str, warmup: int, threads: int, top: int) -> Non
     from bench.workloads import WORKLOADS
 
     torch.set_num_threads(threads)
-    w = WORKLOADS[workload_name]
     tables: dict = {}
     with tempfile.TemporaryDirectory(prefix="grpo-profile-") as tmp:
-        trainer = build_trainer(w, Path(tmp), warmup + 1)
+        if workload_name == "default":
+            trainer = default_trainer(Path(tmp), warmup + 1)
+        else:
+            trainer = build_trainer(WORKLOADS[workload_name], Path(tmp), warmup + 1)
         for _ in range(warmup):
             trainer.train_step()
             trainer.step += 1
         trainer.generator.generate = profiled(trainer.generator.generate, "generation", tables)
         trainer._score_logprobs = profiled(trainer._score_logprobs, "logprobs", tables)
-        trainer.update = profiled(trainer.update, "update", tables)
+        trainer._optimize = profiled(trainer._optimize, "update", tables)  # (train_step's optimizer steps)
         t0 = time.perf_counter()
         trainer.train_step()
         step = time.perf_counter() - t0
-    print(f"{w.name}: one step after {warmup} warm-up, {threads} thread(s): {step:.2f} s "
+    print(f"{workload_name}: one step after {warmup} warm-up, {threads} thread(s): {step:.2f} s "
           "(each phase under the profiler, whose overhead is included)")
     for name, calls in tables.items():
         wall = sum(t for t, _ in calls)
@@ -80,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     from bench.workloads import WORKLOADS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
+    parser.add_argument("--workload", required=True, choices=sorted(WORKLOADS) + ["default"])
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--top", type=int, default=25, help="operators to list")

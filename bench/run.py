@@ -88,7 +88,8 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--warmup", type=int, default=2, help="warm-up steps per run, not measured (default 2)")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each side, alternating (default 2)")
     parser.add_argument("--sides", default="grpo,trl",
-                        help="comma-separated: grpo, trl (default: both), vllm (grpo with use_vllm)")
+                        help="comma-separated: grpo, trl (default: both), vllm (grpo with use_vllm), grpo_padded "
+                             "(grpo with use_remove_padding=false)")
     parser.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm" / "bin" / "python",
                         help="the Python of an environment with vLLM, for the vllm side (scripts/vllm_env.sh)")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
@@ -132,10 +133,10 @@ def benchmark(args, work: Path) -> dict:
     # reading gives the floor ratios at the machine's best moment too (*_floor_ratio_at_fastest).
     typical = {key: statistics.median(t[key] for t in throughput) for key in throughput[0]}
     out = summarize(workload, records, args.warmup, typical)
-    fastest_floor_s = out["floor_gflop"] / max(t["gflops"] for t in throughput)
+    fastest_floor_s = out["floor_gflop"] / max(t["gflops"] for t in throughput) if "floor_gflop" in out else None
     for side in SIDES:
         step = out.get(f"{side}_s_per_step")
-        out[f"{side}_floor_ratio_at_fastest"] = step / fastest_floor_s if step is not None else None
+        out[f"{side}_floor_ratio_at_fastest"] = step / fastest_floor_s if step and fastest_floor_s else None
     out.update(parameters=params, threads=args.threads, steps=args.steps, warmup=args.warmup, rounds=args.rounds,
                matmul_measured=throughput, load_average=load, versions=versions(args.sides),
                settings={side: {k: v for k, v in runs[0]["settings"].items() if k != "output_dir"}

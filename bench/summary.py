@@ -11,7 +11,9 @@ from bench.child import PHASES
 from bench.flops import step_flops
 from bench.workloads import REQUIREMENTS, Workload
 
-SIDES = ("grpo", "trl", "vllm")  # vllm: grpo with vLLM rollouts (use_vllm), in the environment vLLM needs
+# vllm: grpo with vLLM rollouts (use_vllm), in the environment vLLM needs; grpo_padded: grpo with padded passes
+# (use_remove_padding=false), to measure what padding-free passes change
+SIDES = ("grpo", "trl", "vllm", "grpo_padded")
 
 
 def steady(records: list[dict], key: str, warmup: int) -> list[float]:
@@ -36,15 +38,23 @@ def split(records: list[dict], warmup: int, unit: str) -> dict[str, float]:
     return out
 
 
-def side_figures(records: list[dict], warmup: int, tokens_per_step: int) -> dict:
-    """Median wall and CPU seconds per step and per phase, tokens per second and peak memory of one side's runs."""
+def side_figures(records: list[dict], warmup: int, tokens_per_step: int | None) -> dict:
+    """Median wall and CPU seconds per step and per phase, tokens per second and peak memory of one side's runs.
+
+    tokens_per_step None (a ragged workload, whose steps generate different numbers of tokens): tokens per second
+    are the steady steps' tokens over their seconds, and the mean tokens per step is reported."""
     walls, cpus = steady(records, "step_s", warmup), steady(records, "step_cpu_s", warmup)
     if not walls:
         raise ValueError(f"side_figures: no steady-state steps (warmup={warmup}); run more steps than the warm-up.")
     wall, cpu = statistics.median(walls), statistics.median(cpus)
     threads = records[0]["threads"]
-    return {"s_per_step": wall, "tokens_per_s": tokens_per_step / wall,
-            "cpu_s_per_step": cpu, "tokens_per_cpu_s": tokens_per_step / cpu,
+    tokens = steady(records, "completion_tokens", warmup)
+    if tokens_per_step is None:
+        rate, cpu_rate = sum(tokens) / sum(walls), sum(tokens) / sum(cpus)
+    else:
+        rate, cpu_rate = tokens_per_step / wall, tokens_per_step / cpu
+    return {"s_per_step": wall, "tokens_per_s": rate, "completion_tokens_per_step": statistics.mean(tokens),
+            "cpu_s_per_step": cpu, "tokens_per_cpu_s": cpu_rate,
             # CPU seconds used / (wall seconds x threads): well below a quiet run's value means that other
             # processes took the cores, and the wall figures of this run are not to be trusted.
             "cpu_util": statistics.median(c / (w * threads) for c, w in zip(cpus, walls)),
@@ -70,25 +80,31 @@ def summarize(w: Workload, records: dict[str, list[dict]], warmup: int, matmul: 
     floor_s = the step's analytic FLOPs (bench/flops.py) / matmul["gflops"]; a side's floor_ratio = its seconds
     per step / floor_s (1.0 is the floor). The cpu_ variants divide CPU seconds by the CPU-second floor.
     """
-    tokens = w.completion_tokens_per_step
-    flops = step_flops(w)
-    floor_s, floor_cpu_s = flops.total / (matmul["gflops"] * 1e9), flops.total / (matmul["gflops_per_cpu_s"] * 1e9)
-    out = {"workload": w.name, "completion_tokens_per_step": tokens, "floor_gflop": flops.total / 1e9,
-           "floor_gflop_split": {"generation": flops.generation / 1e9, "reference": flops.reference / 1e9,
-                                 "update": flops.update / 1e9},
-           "matmul_gflops": matmul["gflops"], "matmul_gflops_per_cpu_s": matmul["gflops_per_cpu_s"],
-           "floor_s": floor_s, "floor_cpu_s": floor_cpu_s}
+    # A ragged workload's steps differ in work: no fixed token count, and no floor (it depends on every length).
+    tokens = None if w.ragged else w.completion_tokens_per_step
+    out = {"workload": w.name, "completion_tokens_per_step": tokens,
+           "matmul_gflops": matmul["gflops"], "matmul_gflops_per_cpu_s": matmul["gflops_per_cpu_s"]}
+    floor_s = floor_cpu_s = None
+    if not w.ragged:
+        flops = step_flops(w)
+        floor_s = flops.total / (matmul["gflops"] * 1e9)
+        floor_cpu_s = flops.total / (matmul["gflops_per_cpu_s"] * 1e9)
+        out.update(floor_gflop=flops.total / 1e9, floor_s=floor_s, floor_cpu_s=floor_cpu_s,
+                   floor_gflop_split={"generation": flops.generation / 1e9, "reference": flops.reference / 1e9,
+                                      "update": flops.update / 1e9})
     figures = {}
     for side in SIDES:
         runs = records.get(side, [])
-        check_identical_work(runs, tokens)
+        if tokens is not None:
+            check_identical_work(runs, tokens)
         figures[side] = side_figures(runs, warmup, tokens) if runs else None
     for side, fig in figures.items():
-        for key in ("s_per_step", "tokens_per_s", "cpu_s_per_step", "tokens_per_cpu_s", "cpu_util", "peak_rss_mb",
-                    "setup_rss_mb", "time_split_s", "cpu_split_s", "steady_steps"):
+        for key in ("s_per_step", "tokens_per_s", "completion_tokens_per_step", "cpu_s_per_step",
+                    "tokens_per_cpu_s", "cpu_util", "peak_rss_mb", "setup_rss_mb", "time_split_s", "cpu_split_s",
+                    "steady_steps"):
             out[f"{side}_{key}"] = fig and fig[key]
-        out[f"{side}_floor_ratio"] = fig and fig["s_per_step"] / floor_s
-        out[f"{side}_cpu_floor_ratio"] = fig and fig["cpu_s_per_step"] / floor_cpu_s
+        out[f"{side}_floor_ratio"] = fig and floor_s and fig["s_per_step"] / floor_s
+        out[f"{side}_cpu_floor_ratio"] = fig and floor_cpu_s and fig["cpu_s_per_step"] / floor_cpu_s
     both = figures["grpo"] is not None and figures["trl"] is not None
     out["speedup"] = out["grpo_tokens_per_s"] / out["trl_tokens_per_s"] if both else None
     out["cpu_speedup"] = out["grpo_tokens_per_cpu_s"] / out["trl_tokens_per_cpu_s"] if both else None
@@ -96,6 +112,10 @@ def summarize(w: Workload, records: dict[str, list[dict]], warmup: int, matmul: 
     # vLLM rollouts against grpo's own engine on the same work: > 1 means the vLLM engine's steps are faster
     with_vllm = figures["grpo"] is not None and figures["vllm"] is not None
     out["vllm_speedup"] = out["vllm_tokens_per_s"] / out["grpo_tokens_per_s"] if with_vllm else None
+    # padding-free passes against padded ones, both grpo: > 1 means the padding-free steps are faster
+    padded = figures["grpo"] is not None and figures["grpo_padded"] is not None
+    out["padded_speedup"] = out["grpo_tokens_per_s"] / out["grpo_padded_tokens_per_s"] if padded else None
+    out["padded_memory_ratio"] = out["grpo_peak_rss_mb"] / out["grpo_padded_peak_rss_mb"] if padded else None
     out["requirements"] = requirements(w.name, out)
     return out
 

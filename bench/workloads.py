@@ -31,6 +31,14 @@ class Workload:
     lora_dropout: float = 0.05
     learning_rate: float = 1e-6
     seed: int = 42
+    # 0: EOS lies outside the model's vocabulary, so every completion has exactly T tokens (bench/model_files.py).
+    # > 0: EOS is the model's last token, made likelier by this weight (bench/model_files.py), so completions end
+    # where the model draws it: ragged, long-tailed lengths, the same distribution on every side.
+    eos_weight: float = 0.0
+
+    @property
+    def ragged(self) -> bool:
+        return self.eos_weight > 0
 
     @property
     def completions_per_step(self) -> int:
@@ -50,10 +58,18 @@ WORKLOADS = {
     # Qwen2's vocabulary size is 151,936; 151,000 puts ~39M of the ~43M parameters in the (tied) embeddings.
     "W2": dataclasses.replace(_W1, name="W2", vocab=151_000),
     "W3": dataclasses.replace(_W1, name="W3", vocab=151_000, num_iterations=2, lora_r=16),
+    # Ragged, long-tailed completions, as reasoning runs have. Measured (one rollout of the 64 on this model): 7-256
+    # tokens, deciles 7 34 49 62 89 126 182, median 88, mean 117, 11 of 64 cut at 256; a pass padded to the longest
+    # row of a micro-batch computes about twice the real tokens.
+    "R1": dataclasses.replace(_W1, name="R1", vocab=1000, prompts_per_step=8, completion_length=256,
+                              eos_weight=3.0),
     # CI's miniature: the same code paths (reference model, micro-batching, two iterations) in seconds.
     "mini": Workload(name="mini", vocab=100, hidden=32, layers=1, heads=2, kv_heads=2, intermediate=64,
                      prompts_per_step=2, num_generations=2, completion_length=8, prompt_length=8, micro_batch=2,
                      num_iterations=2),
+    "mini-ragged": Workload(name="mini-ragged", vocab=100, hidden=32, layers=1, heads=2, kv_heads=2, intermediate=64,
+                            prompts_per_step=2, num_generations=2, completion_length=8, prompt_length=8,
+                            micro_batch=2, eos_weight=1.0),
 }
 
 

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     try:
         if args.command == "train":
-            return _train(args)
+            return _train(args, argv)
         if args.command == "eval":
             return _eval(args)
         if args.command == "vllm-serve":
@@ -109,8 +109,9 @@ def _reward_errors() -> tuple[type, ...]:
     return (RewardError,)
 
 
-def _train(args) -> int:
+def _train(args, argv: list[str] | None) -> int:
     from grpo.config import GRPOConfig, config_reference
+    from grpo.training.errors import EXIT_INTERRUPTED, set_resume_command
 
     if args.help_config:
         sys.stdout.write(config_reference())
@@ -129,6 +130,20 @@ def _train(args) -> int:
     if args.resume:
         overrides.append("resume=true")
     cfg = GRPOConfig.load(recipe or DEFAULT_RECIPE, overrides)
+    set_resume_command(resume_command(argv))
+    try:
+        return _run(cfg)
+    except KeyboardInterrupt:  # a Ctrl-C before training started, or a second one during it
+        from grpo.training.checkpoint import complete_checkpoints
+        from grpo.training.errors import resume_hint
+
+        found = complete_checkpoints(cfg.output_dir)
+        _say(f"grpo: interrupted: the newest checkpoint is {found[-1][1]}; resume: {resume_hint()}" if found else
+             "grpo: interrupted: no checkpoint was written, nothing to resume.")
+        return EXIT_INTERRUPTED
+
+
+def _run(cfg) -> int:
     from grpo.training.trainer import GRPOTrainer, TrainingStopped
 
     if not torch_has_gpu():
@@ -141,9 +156,38 @@ def _train(args) -> int:
     try:
         trainer.train()
     except TrainingStopped as err:
-        print(f"grpo: stopped: {err}", file=sys.stderr)
-        return 1
+        _say(f"grpo: stopped: {err}")
+        return err.exit_code
     return 0
+
+
+def _say(line: str) -> None:
+    """One line on stderr, from the main process only (every process of a launch ends the same way)."""
+    import os
+
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
+
+
+def resume_command(argv: list[str] | None) -> list[str]:
+    """The command line that started this run: `grpo train ...` (argv as main() got it), or under a launcher
+    (torchrun, accelerate launch: its workers are its children) the launcher's own command line."""
+    import os
+
+    if argv is not None:
+        return ["grpo", *argv]
+    if "LOCAL_RANK" in os.environ:
+        try:
+            parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")[:-1]
+        except OSError:
+            parent = []
+        if len(parent) > 1 and Path(parent[0]).name.startswith("python") and Path(parent[1]).name in (
+                "accelerate", "torchrun"):
+            parent = [Path(parent[1]).name, *parent[2:]]
+        if "grpo.cli" in parent or any(Path(p).name == "grpo" for p in parent):
+            return parent
+    first = Path(sys.argv[0]).name
+    return ["grpo", *sys.argv[1:]] if first == "grpo" else [sys.executable, "-m", "grpo.cli", *sys.argv[1:]]
 
 
 def torch_has_gpu() -> bool:

@@ -9,3 +9,11 @@ def count_a(completions, **kwargs):
 def called_a_tool(completions, **kwargs):
     """1 for a multi-turn completion in which the model called a tool (a tool message follows its turn), else 0."""
     return [float(isinstance(c, list) and any(m.get("role") == "tool" for m in c)) for c in completions]
+
+
+def slow_count_a(completions, **kwargs):
+    """count_a, taking 2.5 s: a rollout long enough for two Ctrl-C's a second apart to land inside it."""
+    import time
+
+    time.sleep(2.5)
+    return count_a(completions, **kwargs)

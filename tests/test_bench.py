@@ -147,3 +147,90 @@ def test_miniature_benchmark_end_to_end(tmp_path):
     else:
         assert out["speedup"] == pytest.approx(out["grpo_tokens_per_s"] / out["trl_tokens_per_s"])
         assert out["memory_ratio"] == pytest.approx(out["grpo_peak_rss_mb"] / out["trl_peak_rss_mb"])
+
+
+def test_ragged_summary_counts_each_sides_own_tokens():
+    """A ragged workload's steps generate different numbers of tokens: each side's tokens per second are its steady
+    steps' tokens over their seconds, with no floor; grpo_padded is set against grpo. grpo: steady steps of 2 and 4
+    s generating 30 and 90 tokens -> 120 / 6 = 20 tokens/s. TRL: 8 s for 40 -> 5 tokens/s: speedup 4. Padded: 6 s
+    for 60 -> 10 tokens/s: padded_speedup 2."""
+    w = WORKLOADS["mini-ragged"]
+    grpo = record("grpo", [9.0, 2.0, 4.0], [0.5] * 3)
+    grpo["completion_tokens"] = [10, 30, 90]
+    trl, padded = record("trl", [9.0, 8.0], [1.0] * 2, peak=400.0), record("grpo_padded", [9.0, 6.0], [1.0] * 2)
+    trl["completion_tokens"], padded["completion_tokens"] = [10, 40], [10, 60]
+    out = summarize(w, {"grpo": [grpo], "trl": [trl], "grpo_padded": [padded]}, warmup=1,
+                    matmul={"gflops": 1.0, "gflops_per_cpu_s": 1.0})
+    assert out["completion_tokens_per_step"] is None and "floor_s" not in out and out["grpo_floor_ratio"] is None
+    assert out["grpo_tokens_per_s"] == 20.0 and out["grpo_completion_tokens_per_step"] == 60.0
+    assert out["speedup"] == 4.0 and out["padded_speedup"] == 2.0
+    assert out["padded_memory_ratio"] == 1.0 and out["memory_ratio"] == 0.25
+
+
+def test_ragged_workload_model_ends_completions_at_its_last_token(tmp_path):
+    from bench.model_files import write_model_dir
+    from transformers import AutoTokenizer
+
+    w = WORKLOADS["mini-ragged"]
+    write_model_dir(w, tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    assert tok.eos_token_id == tok.pad_token_id == w.vocab - 1  # inside the model's logits: it can be sampled
+    assert max(map(max, tok(prompts(w, n=4), add_special_tokens=False)["input_ids"])) < w.vocab - 1
+
+
+def test_default_job_summary_speedup_and_accuracy_noise():
+    from bench.default_job import summarize as summarize_job
+
+    # grpo 100 and 120 s (median 110), TRL 330 s: speedup 3 (CPU seconds 90 and 100, median 95, against 285). Accuracies 0.45 +- 0.02 and 0.40 +- 0.015: the gap
+    # 0.05 against sqrt(0.02^2 + 0.015^2) = 0.025, exactly two standard errors: the same accuracy, just.
+    out = summarize_job({"grpo": [(100.0, 90.0), (120.0, 100.0)], "trl": [(330.0, 285.0)]},
+                        {"grpo": {"accuracy": 0.45, "accuracy_se": 0.02}, "trl": {"accuracy": 0.40,
+                                                                                  "accuracy_se": 0.015}})
+    assert out["grpo_wall_s"] == 110.0 and out["speedup"] == 3.0
+    assert out["grpo_cpu_s"] == 95.0 and out["cpu_speedup"] == 3.0  # CPU: medians 95 and 285
+    assert out["accuracy_gap"] == pytest.approx(0.05) and out["accuracy_gap_se"] == pytest.approx(0.025)
+    assert out["same_accuracy"]
+
+
+def test_trl_gets_the_default_jobs_settings_and_prompts_in_grpos_order(tmp_path):
+    """Every loss, optimizer and sampling setting of the resolved recipe reaches TRL's config, and TRL's dataset is
+    the prompts grpo's sampler draws, step by step, rendered with the task's prefill."""
+    from bench.trl_default_job import ordered_prompts, resolved_config, settings
+    from grpo.tasks import get_task
+    from grpo.training.data import PromptSampler
+
+    cfg = resolved_config(["max_steps=3", "task_train_size=50", "loss_aggregation=token_mean", "beta=0.1"])
+    got = settings(cfg, tmp_path)
+    assert (got["learning_rate"], got["lr_scheduler_type"], got["beta"], got["loss_type"]) == (2e-4, "cosine", 0.1,
+                                                                                              "dapo")
+    assert (got["num_generations"], got["per_device_train_batch_size"], got["gradient_accumulation_steps"]) == (8, 64, 1)
+    assert got["max_completion_length"] == 64 and got["max_steps"] == 3 and not got["shuffle_dataset"]
+    assert got["gradient_checkpointing"] is False and got["bf16"] is False
+    rows = ordered_prompts(cfg)
+    train = get_task("arithmetic").dataset("train", n=50, seed=cfg.seed)
+    sampler = PromptSampler(50, cfg.seed)
+    order = [i for _ in range(3) for i in sampler.next(8)]
+    assert len(rows["prompt"]) == 24 and rows["answer"] == [train[i]["answer"] for i in order]
+    assert rows["prompt"] == [train[i]["prompt"] + "<think>" for i in order]
+
+
+def test_default_job_benchmark_end_to_end(tmp_path):
+    """`python -m bench.default_job` with a one-step recipe: both whole commands run, both final models are scored
+    by `grpo eval`, and the JSON line carries both wall times and accuracies (TRL's side where TRL is installed)."""
+    try:
+        import trl  # noqa: F401
+
+        sides = "grpo,trl"
+    except ImportError:
+        sides = "grpo"
+    cmd = [sys.executable, "-m", "bench.default_job", "max_steps=1", "task_train_size=40", "task_eval_size=4",
+           "save_steps=0", "--eval-n", "6", "--eval-k", "1", "--sides", sides, "--work-dir", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["grpo_wall_s"] > 0 and 0 <= out["grpo_accuracy"] <= 1 and out["grpo_accuracy_se"] >= 0
+    assert (tmp_path / "grpo-0" / "final" / "config.json").exists()
+    if sides == "grpo,trl":
+        assert out["trl_wall_s"] > 0 and 0 <= out["trl_accuracy"] <= 1
+        assert out["speedup"] == pytest.approx(out["trl_wall_s"] / out["grpo_wall_s"])
+        assert (tmp_path / "trl-0" / "final" / "config.json").exists()

@@ -70,6 +70,25 @@ def test_missing_files_are_named(capsys, tmp_path):
     assert "dataset_name:" in err and "does not exist" in err
 
 
+def test_first_error_first_model_then_dataset_then_rewards(capsys, tmp_path, tiny_model_dir):
+    """As a new user types them: each bad input is one line naming its key, in the order a user fixes them (a
+    missing dataset file was reported as "no reward function given"; a missing model as the hub client's
+    traceback)."""
+    out = f"output_dir={tmp_path / 'run'}"
+    missing_data = f"dataset_name={tmp_path}/nope.jsonl"
+    err = run_bad(capsys, ["model_name_or_path=./no-such-model", missing_data, out])
+    assert err.startswith("grpo: error: model_name_or_path: './no-such-model' does not exist")
+    err = run_bad(capsys, [f"model_name_or_path={tmp_path}", out])
+    assert "model_name_or_path:" in err and "without config.json" in err
+    err = run_bad(capsys, [f"model_name_or_path={tiny_model_dir}", missing_data, out])
+    assert "dataset_name:" in err and "nope.jsonl' does not exist" in err
+    err = run_bad(capsys, [f"model_name_or_path={tiny_model_dir}", "dataset_name=nope.jsonl", out])
+    assert "dataset_name: 'nope.jsonl' does not exist" in err  # (a bare file name is not sent to the hub)
+    (tmp_path / "d.jsonl").write_text(json.dumps({"prompt": "1+1"}) + "\n")
+    err = run_bad(capsys, [f"model_name_or_path={tiny_model_dir}", f"dataset_name={tmp_path / 'd.jsonl'}", out])
+    assert "reward_funcs: no reward function given" in err and "task=arithmetic" in err
+
+
 @pytest.mark.parametrize("extra, message", [
     (["reward_funcs=[math_accuracy]", "prompts_per_step=20"],
      "dataset_name: the dataset has 8 prompts but one step needs 20 (prompts_per_step)"),

@@ -95,9 +95,10 @@ def test_both_engines_train_to_the_same_weights(tiny_model_dir, tmp_path):
 
 
 def test_train_hands_back_the_model_and_the_process_as_they_were(tiny_model_dir, tmp_path, monkeypatch):
-    """While training, the cpu engine switches the policy's and the reference's MLPs and RMSNorms to fused passes and
-    makes the tied embedding's gradient sparse; when train() returns every module has its own forward back, the
-    embedding is dense again, and nothing process-wide (glibc's malloc) was changed by the library."""
+    """While training, the cpu engine switches the policy's and the reference's MLPs and RMSNorms to fused passes, their
+    attention to its grouped one, and makes the tied embedding's gradient sparse; when train() returns every module
+    has its own forward back, the attention is sdpa again, the embedding is dense again, and nothing process-wide
+    (glibc's malloc) was changed by the library."""
     from grpo.engines.cpu import native
 
     if native.library() is None:
@@ -110,9 +111,12 @@ def test_train_hands_back_the_model_and_the_process_as_they_were(tiny_model_dir,
     switched = [m for m in modules if "forward" in vars(m)]
     assert t.engine.name == "cpu" and len(switched) == 2 * (2 * 2 + 1 + 2)  # two models, as fuse_decoder_ops counts
     assert t.policy.get_input_embeddings().sparse
+    configs = [t.policy.config, t.reference.module.config]
+    assert [c._attn_implementation for c in configs] == ["grpo_prefix_sdpa"] * 2  # the packed passes' attention
     t.train()
     assert [m for m in modules if "forward" in vars(m) or "_grpo_unfused_forward" in vars(m)] == []
     assert not t.policy.get_input_embeddings().sparse
+    assert [c._attn_implementation for c in configs] == ["sdpa"] * 2
     assert tuned == []
     t.train()  # a second train() switches them on again, and off at its end
     assert [m for m in modules if "forward" in vars(m)] == []

@@ -236,3 +236,37 @@ def test_a_shared_prompt_is_scored_once_with_the_same_logprobs(tiny_model_dir, m
         torch.testing.assert_close(one, full[:, :1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(shared, full, atol=1e-5, rtol=1e-5)
 
+
+
+@pytest.mark.parametrize("path", ["compiled", "lean", "transformers"])
+def test_rows_that_have_ended_leave_the_batch_with_the_same_completions(tiny_model_dir, monkeypatch, path):
+    """With 40 end tokens the rows end at ragged lengths; once a quarter of the batch has ended those rows leave it
+    (their cache rows dropped, the compiled step told). Completions, truncation flags and log-probs are those of a
+    rollout that keeps every row to the end, on the compiled step, the lean torch step and transformers' forward."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import grpo.engines.cpu.sampler as cpu_sampler
+    import grpo.engines.sampling as generation
+
+    if path == "compiled" and native.library() is None:
+        pytest.skip("no C compiler: no compiled step")
+    if path == "lean":
+        monkeypatch.setattr(native, "library", lambda: None)
+    if path == "transformers":
+        monkeypatch.setattr(cpu_sampler.LeanDecoder, "supports", staticmethod(lambda m: False))
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    gen = CPUSampler(model, tok.pad_token_id, list(range(100, 140)))
+    prompts = [tok(f"prompt {i % 3}", add_special_tokens=False)["input_ids"] for i in range(12)]
+    kept = []
+    keep = generation.keep_cache_rows
+    monkeypatch.setattr(generation, "keep_cache_rows", lambda cache, index: kept.append(len(index))
+                        or keep(cache, index))
+    leaving = gen.generate(prompts, SamplingParams(24), list(range(12)))
+    monkeypatch.setattr(generation, "_LEAVE_FRACTION", 2.0)  # never
+    staying = gen.generate(prompts, SamplingParams(24), list(range(12)))
+    lengths = sorted(len(c) for c in leaving.ids)
+    assert lengths[0] < lengths[-1] and kept and kept == sorted(kept, reverse=True) and kept[-1] < 12
+    assert leaving.ids == staying.ids and leaving.truncated == staying.truncated
+    for x, y in zip(leaving.logprobs, staying.logprobs):
+        torch.testing.assert_close(torch.tensor(x), torch.tensor(y), atol=1e-5, rtol=1e-5)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from datasets import Dataset
 
 from grpo import GRPOConfig, GRPOTrainer
@@ -24,16 +27,43 @@ def test_healthy_metrics_fire_nothing():
 
 
 def test_each_threshold_alarm():
+    """Each rate alarm fires once the mean of the last steps passes its limit (a steady unhealthy value: at once)."""
+    for changes, name in [({"advantage/std": 0.05}, "no_signal"), ({"policy/kl_divergence": 0.06}, "high_kl"),
+                          ({"groups/zero_std_frac": 0.8}, "zero_variance_groups"),
+                          ({"completion/truncated_frac": 0.6}, "truncation")]:
+        m = HealthMonitor("math_accuracy", "think_format")
+        assert [fired(m, **changes) for _ in range(3)] == [{name}] * 3
     m = HealthMonitor("math_accuracy", "think_format")
     fired(m)  # first step: entropy 2.0 is the reference
-    assert fired(m, **{"advantage/std": 0.05}) == {"no_signal"}
-    assert fired(m, **{"policy/kl_divergence": 0.06}) == {"high_kl"}
-    assert fired(m, **{"groups/zero_std_frac": 0.75}) == {"zero_variance_groups"}
-    assert fired(m, **{"completion/truncated_frac": 0.6}) == {"truncation"}
     assert fired(m, **{"policy/entropy": 0.19}) == {"entropy_collapse"}  # < 10% of 2.0
     assert fired(m, **{"policy/entropy": 0.21}) == set()
     assert fired(m, **{"health/nonfinite_steps": 1.0}) == {"nonfinite"}
     assert fired(m, **{"health/nonfinite_steps": 1.0}) == set()  # only on the step it happened
+
+
+def test_rate_alarms_judge_the_mean_of_the_last_ten_steps():
+    """One noisy step among healthy ones fires nothing; the alarm fires when the 10-step mean passes the limit."""
+    m = HealthMonitor("math_accuracy", "think_format")
+    for _ in range(9):
+        fired(m, **{"policy/kl_divergence": 0.03, "groups/zero_std_frac": 0.4})
+    # one step at KL 0.12 and 7 of 8 groups all-equal: means (9 x 0.03 + 0.12) / 10 = 0.039, (9 x 0.4 + 0.875) / 10
+    # = 0.4475: below 0.05 and 0.75
+    assert fired(m, **{"policy/kl_divergence": 0.12, "groups/zero_std_frac": 0.875}) == set()
+    # KL 0.07 for 9 more steps: the window holds 0.12 and 9 x 0.07, mean (0.12 + 0.63) / 10 = 0.075 > 0.05; it first
+    # passes 0.05 after 3 steps: (6 x 0.03 + 0.12 + 3 x 0.07) / 10 = 0.051
+    steps = [fired(m, **{"policy/kl_divergence": 0.07}) for _ in range(9)]
+    assert steps[:2] == [set(), set()] and all(s == {"high_kl"} for s in steps[2:])
+
+
+def test_the_default_job_raises_no_alarm():
+    """The default job's recorded metrics (`grpo train`, 300 steps; per-step: 22 steps with KL > 0.05, 33 with more
+    than half of the groups all-equal) fire no alarm."""
+    rows = [json.loads(line) for line in (Path(__file__).parent / "fixtures" / "default_job_metrics.jsonl").open()]
+    assert len(rows) == 300
+    assert sum(r["policy/kl_divergence"] > 0.05 for r in rows) == 22
+    assert sum(r["groups/zero_std_frac"] > 0.5 for r in rows) == 33
+    m = HealthMonitor("math_accuracy", "think_format")
+    assert [a for r in rows for a in m.check(r)[1]] == []
 
 
 def test_reward_hacking_needs_format_up_and_accuracy_flat():
@@ -50,8 +80,8 @@ def test_reward_hacking_needs_format_up_and_accuracy_flat():
 
 def test_alarm_message_gives_the_advice():
     _, alarms = HealthMonitor().check({**HEALTHY, "policy/kl_divergence": 0.08})
-    assert alarms == [("high_kl", "KL 0.080 > 0.05: the policy is drifting from the reference. Lower learning_rate "
-                                  "or raise beta.")]
+    assert alarms == [("high_kl", "KL 0.080 > 0.05 over the last steps: the policy is drifting from the reference. "
+                                  "Lower learning_rate or raise beta.")]
 
 
 def test_trainer_logs_the_zero_variance_alarm(tiny_model_dir, tmp_path):

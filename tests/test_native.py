@@ -18,7 +18,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
 import grpo.engines.cpu.sampler as generation
 from grpo.core import hidden_logprobs, hidden_loss
 from grpo.engines.base import SamplingParams
-from grpo.engines.cpu import native
+from grpo.engines.cpu import decoding, native
 from grpo.engines.cpu.decoding import LeanDecoder, packed_head
 from grpo.engines.cpu.native import CompiledHead, CompiledStep
 from grpo.engines.cpu.sampler import CPUSampler
@@ -175,8 +175,12 @@ def test_compiled_head_equals_linear(rows, with_bias, monkeypatch):
     torch.manual_seed(0)
     weight, h = torch.randn(37, 24), torch.randn(rows, 24)  # 37: the last panel of 16 entries is partial
     bias = torch.randn(37) if with_bias else None
-    head = packed_head(weight, bias, rows)
-    assert isinstance(head, CompiledHead)
+    # Sampling takes it for a head larger than _SMALL_HEAD where the build has the AVX-512 kernel (without it,
+    # oneDNN's product is far faster; a small head is multiplied as it is).
+    assert not isinstance(packed_head(weight, bias, rows), CompiledHead)
+    monkeypatch.setattr(decoding, "_SMALL_HEAD", 0)
+    assert isinstance(packed_head(weight, bias, rows), CompiledHead) == bool(native.library().lean_wide_vectors())
+    head = CompiledHead(native.library(), weight, bias, rows)
     torch.testing.assert_close(head(h), F.linear(h, weight, bias), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(head(h[:3]), F.linear(h[:3], weight, bias), atol=1e-5, rtol=1e-5)  # other rows
 
@@ -191,11 +195,11 @@ def test_compiled_head_packs_into_the_space_it_is_given(monkeypatch):
     floats = native.packed_floats(native.library(), weight)
     assert floats == 48 * 24  # 37 entries rounded up to 3 panels of 16
     space = torch.full((floats + 7,), float("nan"))
-    head = packed_head(weight, bias, 5, space)
+    head = CompiledHead(native.library(), weight, bias, 5, space)
     assert head.packed.data_ptr() == space.data_ptr()
     assert torch.equal(head(h), CompiledHead(native.library(), weight, bias, 5)(h))
     with pytest.raises(ValueError, match=f"at least {floats} elements"):
-        packed_head(weight, bias, 5, space[:floats - 1])
+        CompiledHead(native.library(), weight, bias, 5, space[:floats - 1])
 
 
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
@@ -300,13 +304,17 @@ def test_compiled_head_from_a_non_contiguous_weight_and_inside_generation(monkey
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     torch.manual_seed(0)
     weight, h = torch.randn(24, 37).t(), torch.randn(5, 24)  # a transposed view: packed from a temporary copy
-    torch.testing.assert_close(packed_head(weight, None, 5)(h), F.linear(h, weight), atol=1e-5, rtol=1e-5)
+    head = CompiledHead(native.library(), weight, None, 5)
+    torch.testing.assert_close(head(h), F.linear(h, weight), atol=1e-5, rtol=1e-5)
     heads = []
+    monkeypatch.setattr(decoding, "_SMALL_HEAD", 0)  # (the tiny model's head would be multiplied as it is)
     monkeypatch.setattr(generation, "packed_head", lambda *a: heads.append(packed_head(*a)) or heads[-1])
     model = tiny("qwen2")
     ids, params = [[5, 6, 7], [1, 2, 3, 4, 5], [9, 8, 7, 6]], SamplingParams(12, temperature=1.0)
     fast = CPUSampler(model, pad_id=0, eos_ids=[60]).generate(ids, params, seeds=[1, 2, 3])
-    assert heads and all(isinstance(head, CompiledHead) for head in heads)
+    # the compiled head where the build has its AVX-512 kernel, oneDNN's product otherwise
+    assert heads and all(isinstance(head, CompiledHead) == bool(native.library().lean_wide_vectors())
+                         for head in heads)
     monkeypatch.setattr(generation, "packed_head", lambda w, b, rows, space: (lambda x: F.linear(x, w, b)))
     monkeypatch.setattr(LeanDecoder, "compiled", lambda self, c, n: None)
     plain = CPUSampler(model, pad_id=0, eos_ids=[60]).generate(ids, params, seeds=[1, 2, 3])

@@ -67,7 +67,10 @@ def test_micro_batches_match_one_big_batch(tiny_model_dir, tmp_path):
             t.train()
             finals.append({k: v.clone() for k, v in t.policy.state_dict().items()})
     diff = max((finals[0][k] - finals[1][k]).abs().max().item() for k in finals[0])
-    assert diff < 1e-5, diff
+    # Padding-free rows are laid out per micro-batch, so the two round differently (measured 1.1e-5; padded rows
+    # 1.4e-6), and Adam at lr 1e-2 turns rounding in a near-zero gradient into a step of up to 1e-2. The gradients
+    # themselves agree to ~1e-6 (tests/test_micro_batches.py compares them).
+    assert diff < 1e-4, diff
 
 
 @pytest.mark.parametrize("ratio_level", ["token", "sequence"])
@@ -111,12 +114,13 @@ def test_head_gradient_memory_is_lent_to_the_next_rollouts_packed_head(tiny_mode
     packs the head into it and lets it go (or to the next iteration's gradient, which takes it back); training gives
     the same weights, bit for bit, as without it (2 micro-batches, KL term; buffer, seeded and two-pass updates)."""
     import grpo.engines.cpu.backend as model_module
-    from grpo.engines.cpu import native
+    from grpo.engines.cpu import decoding, native
     from grpo.engines.policy import plain_head
 
-    if native.library() is None:
-        pytest.skip("no C compiler: no compiled head to pack")
+    if native.library() is None or not native.library().lean_wide_vectors():
+        pytest.skip("no C compiler, or a CPU without AVX-512: sampling takes oneDNN's head, no compiled one to pack")
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(decoding, "_SMALL_HEAD", 0)  # the tiny model's head is small enough to take as it is
     packed, grads, lent = [], [], []
     init = native.CompiledHead.__init__
     monkeypatch.setattr(native.CompiledHead, "__init__",
@@ -351,7 +355,7 @@ def test_lora_reference_with_gradient_checkpointing_scores_shared_prompts(tiny_m
 
     monkeypatch.setattr(model_module, "_shared_prompt_hidden", compare)
     cfg = base_config(tmp_path, max_steps=1, prompts_per_step=2, use_peft=True, lora_r=4, lora_alpha=8, beta=0.04,
-                      gradient_checkpointing=True)
+                      gradient_checkpointing=True, use_remove_padding=False)  # (the padded passes' sharing)
     t = GRPOTrainer(model=tiny_model_dir, reward_funcs=[count_a], args=cfg, train_dataset=prompts())
     t.train()
     assert checked  # the reference pass ran, and the step after it

@@ -90,7 +90,7 @@ def test_every_field_is_accepted_at_trls_default(name):
 
 # Keys with two values, both of which are grpo's behaviour (or TRL's own derived value, as dataloader_pin_memory
 # under use_cpu): either is accepted.
-EITHER = {"logging_nan_inf_filter", "hub_always_push", "dataloader_pin_memory", "do_train", "overwrite_output_dir"}
+EITHER = {"logging_nan_inf_filter", "hub_always_push", "dataloader_pin_memory", "do_train"}
 
 
 @pytest.mark.parametrize("row", [r for r in TABLE if r.kind == "default"], ids=lambda r: r.name)

@@ -63,6 +63,8 @@ class GRPOConfig:
     dataset_name: str | None = _f(None, "Training data: a jsonl/json/csv/parquet file, a save_to_disk "
                                   "directory, or a hub dataset name.")
     dataset_config: str | None = _f(None, "Hub dataset configuration name.")
+    dataset_streaming: bool = _f(False, "Read dataset_name as a stream (datasets' streaming=True): rows are read as "
+                                 "the run needs them, never all in memory; needs max_steps. Resume is exact.")
     dataset_split: str = _f("train", "Split of dataset_name to train on.")
     eval_dataset_name: str | None = _f(None, "Eval data (same forms as dataset_name).")
     eval_split: str = _f("test", "Split of eval_dataset_name.")
@@ -72,6 +74,11 @@ class GRPOConfig:
                                      "columns (TRL's meaning; its default keeps them too).")
     shuffle_dataset: bool = _f(True, "Shuffle the prompts each epoch (false: dataset order).")
     data_seed: int | None = _f(None, "Seed of the prompt order (null: seed).")
+    shuffle_buffer_size: int = _f(1000, "With dataset_streaming and shuffle_dataset: rows in the shuffle buffer "
+                                  "(IterableDataset.shuffle's buffer_size; data_seed seeds it, reshuffled per epoch).")
+    dataset_on_bad_row: str = _f("raise", "A row with a missing or non-text prompt, or a missing/NaN value in a "
+                                 "column the rewards read: stop with an error naming the row, or skip it and count "
+                                 "it (metric data/skipped_rows).", ("raise", "skip"))
     system_prompt: str | None = _f(None, "System prompt. With a chat template a text prompt becomes [system, "
                                    "user] messages, as open-r1 builds it (rewards then get messages); without one "
                                    "it is a prefix.")
@@ -114,6 +121,16 @@ class GRPOConfig:
                                       "micro-batch). Default: from per_device_train_batch_size x "
                                       "gradient_accumulation_steps x processes, as TRL.")
     per_device_train_batch_size: int = _f(8, "Completions per forward/backward pass on one process.")
+    max_tokens_per_micro_batch: int | None = _f(None, "Token-budget micro-batches (verl's use_dynamic_bsz with "
+                                                "ppo_max_token_len_per_gpu, an alias): fill each micro-batch of the "
+                                                "update and the reference pass with completions up to this many "
+                                                "tokens on one process, instead of per_device_train_batch_size "
+                                                "completions (null), so long and short completions cost what they "
+                                                "are. A completion longer than the budget goes alone.")
+    use_remove_padding: bool = _f(True, "Padding-free passes (verl's key): the update's and the reference pass's "
+                                  "sequences packed end to end, a group's prompt once where the attention takes a "
+                                  "custom mask (sdpa, eager), so the model computes real tokens only (docs/engines.md). "
+                                  "false: rows padded to the longest. The run prints which it took.")
     gradient_accumulation_steps: int | None = _f(None, "Micro-batches per optimizer step on each process. Default: "
                                                  "what prompts_per_step needs, else 1.")
     steps_per_generation: int | None = _f(None, "Micro-batch passes one rollout feeds (TRL's): a multiple of "
@@ -313,6 +330,11 @@ class GRPOConfig:
     resume: bool = _f(False, "Continue from the newest complete checkpoint in output_dir.")
     resume_from_checkpoint: str | None = _f(None, "Continue from this checkpoint directory (TRL's; train() takes "
                                             "it too).")
+    overwrite_output_dir: bool = _f(False, "Start over in an output_dir that holds a run (transformers < 5's key): "
+                                    "its checkpoints, final/, metrics and samples are deleted first. Without it, "
+                                    "and without resume, such a directory is refused (docs/runs.md).")
+    stop_signals: list = _f(["SIGTERM", "SIGINT", "SIGUSR1"], "Signals that stop the run after its current "
+                            "optimizer step with a checkpoint, exit status 75 (docs/runs.md); [] for none.")
     preset: str | None = _f(None, "Named starting point (grpo, dr_grpo, dapo, gspo, trl) for every key not set.")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -205,11 +205,11 @@ TABLE: list[TRLKey] = [
            ("lora_task_type", "CAUSAL_LM", "grpo trains causal LMs"),
            ("load_in_8bit", False, "8-bit loading is not built; load_in_4bit (QLoRA) is"),
            ("bnb_4bit_quant_storage", None, "4-bit weights are stored as bitsandbytes chooses")),
-    *_rows("script", "field", ("dataset_name", None), ("dataset_config", None)),
+    *_rows("script", "field", ("dataset_name", None), ("dataset_config", None),
+           ("dataset_streaming", False, "needs max_steps, as TRL's IterableDataset does")),
     *_rows("script", "alias", ("dataset_train_split", "dataset_split", "train"),
            ("dataset_test_split", "eval_split", "test")),
     *_rows("script", "default",
-           ("dataset_streaming", False, "streaming datasets are not built: the prompt column is read whole"),
            ("ignore_bias_buffers", False, "a DDP detail of TRL's scripts, not needed here")),
     # ---- open-r1 (src/open_r1/configs.py) and keys of older TRL / transformers in its recipes --------------------
     *_rows("open-r1", "field",
@@ -235,10 +235,10 @@ TABLE: list[TRLKey] = [
            ("overwrite_hub_revision", False, "pushing a branch per checkpoint is not built (hub_revision)"),
            ("push_to_hub_revision", False, "pushing a branch per checkpoint is not built (hub_revision)"),
            ("dataset_mixture", None, "dataset mixtures are not built: mix the data into one file")),
-    *_rows("legacy", "field", ("max_prompt_length", 512, "TRL < 1.0"), ("warmup_ratio", 0.0, "transformers < 5")),
+    *_rows("legacy", "field", ("max_prompt_length", 512, "TRL < 1.0"), ("warmup_ratio", 0.0, "transformers < 5"),
+           ("overwrite_output_dir", False, "transformers < 5; an output_dir holding a run is refused without it "
+            "(or resume)")),
     *_rows("legacy", "default",
-           ("overwrite_output_dir", False, "grpo writes into output_dir (true's meaning; resume continues a run)",
-            [True]),
            ("vllm_device", "auto", "removed in TRL 0.18: colocated vLLM runs on the trainer's device")),
 ]
 TRL_KEYS: dict[str, TRLKey] = {row.name: row for row in TABLE}

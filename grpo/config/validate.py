@@ -149,8 +149,12 @@ def _validate_batch(cfg) -> None:
           f"must be an integer >= 2 (got {cfg.num_generations}): GRPO normalizes rewards within each group.")
     check(cfg.prompts_per_step is None or cfg.prompts_per_step >= 1, "prompts_per_step", "must be >= 1.")
     for key in ("per_device_train_batch_size", "max_completion_length", "per_device_eval_batch_size",
-                "num_iterations", "max_generation_rounds", "max_nonfinite_steps", "eval_num_samples"):
+                "num_iterations", "max_generation_rounds", "max_nonfinite_steps", "eval_num_samples",
+                "shuffle_buffer_size"):
         check(getattr(cfg, key) >= 1, key, "must be >= 1.")
+    check(cfg.max_tokens_per_micro_batch is None or cfg.max_tokens_per_micro_batch >= 1,
+          "max_tokens_per_micro_batch", "must be >= 1 tokens, or null (micro-batches of per_device_train_batch_size "
+          "completions).")
     for key in ("gradient_accumulation_steps", "steps_per_generation", "generation_batch_size"):
         check(getattr(cfg, key) is None or getattr(cfg, key) >= 1, key, "must be >= 1, or null.")
     if cfg.generation_batch_size is not None and cfg.steps_per_generation is not None:  # (asdict of a TRL config)
@@ -162,6 +166,10 @@ def _validate_batch(cfg) -> None:
               f"{cfg.generation_batch_size} completions is not a multiple of num_generations={cfg.num_generations}; "
               "each prompt needs a full group.")
     check(cfg.max_prompt_length is None or cfg.max_prompt_length >= 1, "max_prompt_length", "must be >= 1 or null.")
+    check(not cfg.dataset_streaming or cfg.max_steps > 0, "max_steps", "dataset_streaming: a stream has no length, "
+          "so num_train_epochs cannot say when to stop; set max_steps (TRL's rule for an IterableDataset).")
+    check(not cfg.dataset_streaming or cfg.dataset_name is not None, "dataset_streaming",
+          "streams dataset_name; set dataset_name (a built-in task is generated in memory).")
     check(cfg.temperature > 0, "temperature", f"must be > 0 (got {cfg.temperature}); sampling needs diversity.")
     check(0 < cfg.top_p <= 1, "top_p", f"must be in (0, 1] (got {cfg.top_p}).")
     check(cfg.top_k >= 0, "top_k", "must be >= 0 (0 turns it off).")
@@ -242,6 +250,9 @@ def _validate_loss(cfg) -> None:
                   "give one weight per function.")
 
 
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP")
+
+
 def _validate_logging(cfg) -> None:
     check(cfg.logging_steps > 0, "logging_steps", "must be > 0 (below 1: a fraction of the steps).")
     check(cfg.save_steps >= 0 and cfg.log_completions_steps >= 0, "save_steps",
@@ -253,3 +264,9 @@ def _validate_logging(cfg) -> None:
     unknown_sinks = set(cfg.report_to) - {"tensorboard", "wandb", "trackio"}
     check(not unknown_sinks, "report_to", f"unknown sink {sorted(unknown_sinks)}; use tensorboard, wandb, trackio, "
           "all or none.")
+    if isinstance(cfg.stop_signals, str):
+        cfg.stop_signals = [cfg.stop_signals]
+    cfg.stop_signals = [s.upper() if s.upper().startswith("SIG") else f"SIG{s.upper()}" for s in cfg.stop_signals]
+    unknown = sorted(set(cfg.stop_signals) - set(STOP_SIGNALS))
+    check(not unknown, "stop_signals", f"{unknown} cannot stop a run; choose from {', '.join(STOP_SIGNALS)} (or [] "
+          "to leave every signal at Python's default).")

@@ -27,13 +27,42 @@ from grpo.core.logprobs import (_auto_block, _check_args, _check_token_range, _h
 
 
 def _loss_and_grad(row_loss, logp: Tensor, rows: slice) -> tuple[Tensor, Tensor]:
-    """row_loss(logp (r, T), rows) and its gradient d loss / d logp, flat (r * T,) in logp's dtype; both detached."""
+    """row_loss(logp (r, T), rows) and its gradient d loss / d logp (r, T) in logp's dtype; both detached."""
     leaf = logp.detach().requires_grad_()
     with torch.enable_grad():
         loss = row_loss(leaf, rows)
     (g,) = torch.autograd.grad(loss, leaf, allow_unused=True)
     g = torch.zeros_like(leaf) if g is None else g
-    return loss.detach(), g.reshape(-1).to(logp.dtype)
+    return loss.detach(), g.to(logp.dtype)
+
+
+class _Rows:
+    """The (N, T) rows that `row_loss` takes, and where the flat positions of the hidden states sit in them: every
+    cell, row-major (hidden (N, T, H)), or the True cells of `layout` (N, T), row-major (ragged rows with their
+    padding removed: hidden (n_tok, H)); cells outside the layout hold 0."""
+
+    def __init__(self, hidden: Tensor, layout: Tensor | None):
+        self.layout = layout
+        self.rows, self.cols = hidden.shape[:2] if layout is None else layout.shape
+        counts = [self.cols] * self.rows if layout is None else layout.sum(1).tolist()
+        self.offsets = [0]
+        for c in counts:
+            self.offsets.append(self.offsets[-1] + c)
+
+    def flat(self, part: slice) -> slice:
+        """The flat positions of rows `part`."""
+        return slice(self.offsets[part.start], self.offsets[part.stop])
+
+    def to_rows(self, values: Tensor, part: slice) -> Tensor:
+        """(m,) values of rows `part`'s positions -> (r, T) rows."""
+        if self.layout is None:
+            return values.reshape(-1, self.cols)
+        cells = self.layout[part]
+        return values.new_zeros(cells.shape).masked_scatter_(cells, values)
+
+    def to_flat(self, rows: Tensor, part: slice) -> Tensor:
+        """(r, T) rows `part` -> (m,) values at their positions."""
+        return rows.reshape(-1) if self.layout is None else rows[self.layout[part]]
 
 
 def _saved_grads(ctx, grad_loss: Tensor) -> list:
@@ -51,23 +80,28 @@ class _HiddenLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, tokens, row_loss, temperature, rows_per_chunk, block, with_entropy,
-                grad_in_place, kernels, storage):
-        rows, cols, size = hidden.shape
+                grad_in_place, kernels, storage, layout):
+        grid = _Rows(hidden, layout)
+        rows, cols, size = grid.rows, grid.cols, hidden.shape[-1]
         vocab = weight.shape[0]
         dtype = _upcast(hidden.dtype)
         ctx.weight_in_place_guard = ctx.needs_input_grad[1] and grad_in_place
-        h_all = hidden.reshape(-1, size)
+        h_all, y_all = hidden.reshape(-1, size), tokens.reshape(-1)
         grads = _HeadGrads(h_all, weight, bias, ctx.needs_input_grad[:3], grad_in_place, storage)
         tiles = -(-vocab // block)
         buffer = torch.empty((tiles, min(rows_per_chunk, rows) * cols, block), dtype=dtype, device=hidden.device)
-        logp_all = torch.empty((rows, cols), dtype=dtype, device=hidden.device)
-        entropy_all = torch.empty_like(logp_all) if with_entropy else None
+        logp_all = torch.zeros((rows, cols), dtype=dtype, device=hidden.device)
+        entropy_all = torch.zeros_like(logp_all) if with_entropy else None
         total = torch.zeros((), dtype=dtype, device=hidden.device)
+        first = True  # no chunk has written the (fresh) weight gradient yet
         for r0 in range(0, rows, rows_per_chunk):
             part = slice(r0, min(r0 + rows_per_chunk, rows))
-            flat = slice(part.start * cols, part.stop * cols)  # these rows' positions in h_all
-            h, y = h_all[flat], tokens[part].reshape(-1)
+            flat = grid.flat(part)  # these rows' positions in h_all
+            h, y = h_all[flat], y_all[flat]
             m = h.shape[0]
+            if m == 0:  # rows with no positions (empty completions): their loss, which has no gradient here
+                total += _loss_and_grad(row_loss, logp_all[part], part)[0]
+                continue
             x = buffer[:, :m]  # (tiles, m, block): the chunk's logits, tile by tile
             for i in range(tiles):
                 _logits_into(x[i], h, weight, bias, i * block, temperature)
@@ -90,27 +124,27 @@ class _HiddenLoss(torch.autograd.Function):
                     e = shifted.exp_()
                 s += e.sum(-1)
             log_s = torch.log(s)
-            logp = (target - row_max - log_s).reshape(-1, cols)
-            entropy = (log_s - s2 / s).reshape(-1, cols) if with_entropy else None
+            logp = grid.to_rows(target - row_max - log_s, part)
             logp_all[part] = logp
-            if entropy is not None:
-                entropy_all[part] = entropy
+            if with_entropy:
+                entropy_all[part] = grid.to_rows(log_s - s2 / s, part)
             loss, g = _loss_and_grad(row_loss, logp, part)
             total += loss
-            g = _over_temperature(g, temperature)  # d loss / d logp, per position
+            g = _over_temperature(grid.to_flat(g, part), temperature)  # d loss / d logp, per position
             scale = (-g / s)[:, None]  # d logp_y / dx_j = onehot - e_j / s
             for i in range(tiles):
                 width = min(block, vocab - i * block)
                 grad_x = x[i, :, :width].mul_(scale).to(weight.dtype)  # (m, width), without the target's +g
-                grads.add_tile(flat, h, grad_x, slice(i * block, i * block + width), first_chunk=r0 == 0)
+                grads.add_tile(flat, h, grad_x, slice(i * block, i * block + width), first_chunk=first)
             grads.add_targets(flat, h, y, g)
+            first = False
         ctx.grads = grads.result(hidden.shape)
         return total, logp_all, entropy_all
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
-        return (*_saved_grads(ctx, grad_loss), None, None, None, None, None, None, None, None, None)
+        return (*_saved_grads(ctx, grad_loss), None, None, None, None, None, None, None, None, None, None)
 
 
 _SHIFT_CAP = 2.0
@@ -161,8 +195,9 @@ class _HiddenLossSeeded(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, tokens, row_loss, estimate, temperature, block, with_entropy,
-                grad_in_place, tolerance, kernels, storage):
-        rows, cols, size = hidden.shape
+                grad_in_place, tolerance, kernels, storage, layout):
+        grid = _Rows(hidden, layout)
+        size, every = hidden.shape[-1], slice(0, grid.rows)
         dtype = _upcast(hidden.dtype)
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         ctx.weight_in_place_guard = need_weight and grad_in_place
@@ -172,7 +207,8 @@ class _HiddenLossSeeded(torch.autograd.Function):
         bias_grad = torch.zeros_like(bias) if need_bias else None
         # A non-finite estimate becomes 0, too high for any token but the likeliest: handled as a far-off one; so
         # does a positive one, which no log-prob is.
-        est = torch.nan_to_num(estimate.reshape(-1).to(dtype), nan=0.0, posinf=0.0, neginf=0.0).clamp_(max=0.0)
+        est = torch.nan_to_num(grid.to_flat(estimate, every).to(dtype), nan=0.0, posinf=0.0,
+                               neginf=0.0).clamp_(max=0.0)
         # Shift each position's logits x by L = x_target - estimate: L is the log-sum-exp when the estimate is the
         # log-prob, so q = exp(x - L) is the softmax; in general q = p S with S = sum q = exp(lse - L).
         target = _target_logits(h, weight, bias, y, temperature)
@@ -180,7 +216,8 @@ class _HiddenLossSeeded(torch.autograd.Function):
         # The tiles of a bfloat16 or float16 head are rounded to it before scoring: there each target logit is
         # taken from its tile, as the other paths do, rather than from the float32 product above.
         tile_target = target.clone() if h.dtype not in (torch.float32, torch.float64) else None
-        _, g_hat = _loss_and_grad(row_loss, est.reshape(rows, cols), slice(0, rows))
+        _, g_hat = _loss_and_grad(row_loss, grid.to_rows(est, every), every)
+        g_hat = grid.to_flat(g_hat, every)
         # d loss / d logits = coef_hat q off the target column, were S = 1; 0 where the loss's gradient at the
         # estimate is not finite (the correcting pass then adds the whole exact term).
         raw = -g_hat / temperature
@@ -232,7 +269,8 @@ class _HiddenLossSeeded(torch.autograd.Function):
             logp[idx], log_s[idx] = target[idx] - lse[idx], lse[idx] - shift[idx]
             if entropy is not None:
                 entropy[idx] = bad_entropy
-        loss, g = _loss_and_grad(row_loss, logp.reshape(rows, cols), slice(0, rows))
+        loss, g = _loss_and_grad(row_loss, grid.to_rows(logp, every), every)
+        g = grid.to_flat(g, every)
         coef = g / temperature  # d loss / d logits = coef (onehot - p)
         p_scale = torch.where(bad, 0.0, torch.exp(-log_s))  # p = q / S where S is trusted (others: see below)
         # The weight's gradient so far is sum coef_hat q h over positions; exact is -sum coef p h. A second pass goes
@@ -265,12 +303,12 @@ class _HiddenLossSeeded(torch.autograd.Function):
         if need_hidden:  # coef (W_target - sum_v p_v W_v)
             grad_hidden = (coef.unsqueeze(1) * (weight[y].to(dtype) - sum_pw)).to(hidden.dtype).reshape(hidden.shape)
         ctx.grads = (grad_hidden, grads.result(hidden.shape)[1], bias_grad)
-        return loss, logp.reshape(rows, cols), None if entropy is None else entropy.reshape(rows, cols)
+        return loss, grid.to_rows(logp, every), None if entropy is None else grid.to_rows(entropy, every)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
-        return (*_saved_grads(ctx, grad_loss), None, None, None, None, None, None, None, None, None, None)
+        return (*_saved_grads(ctx, grad_loss), None, None, None, None, None, None, None, None, None, None, None)
 
 
 def _correct_seeded(h, weight, bias, temperature, block, shift, lse, coef, coef_hat, stop, grads, bias_grad, want_pw,
@@ -316,6 +354,7 @@ def hidden_loss(
     logp_estimate: Tensor | None = None,
     tolerance: float = 1e-5,
     weight_grad_storage: Tensor | None = None,
+    layout: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """A loss of the token log-probs and its gradient, in one pass over the LM head instead of two.
 
@@ -365,15 +404,25 @@ def hidden_loss(
             that becomes `weight.grad` when that is None (its contents are overwritten): memory the caller keeps
             between steps, so that a large head's gradient does not touch fresh pages each time (a page fault per
             4 KiB: ~40-90 ms for the 155 MB head of a 151k vocabulary).
+        layout: None, or (N, T) bool for ragged rows with their padding removed (a packed pass): hidden is then
+            (n_tok, H) and tokens (n_tok,), the positions where layout is True, row-major. row_loss still takes
+            (r, T) rows, with 0 where layout is False; logp_estimate is (N, T); the returned logp and entropy are
+            (N, T), 0 where layout is False. rows_per_chunk bounds the buffer as for full rows.
 
     Returns:
         (loss, logp, entropy): the scalar loss (differentiable w.r.t. hidden, weight and bias), the (N, T)
         log-probs and entropies (or None), both detached.
     """
-    if hidden.dim() != 3 or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError("hidden_loss: need hidden (N, T, H) and weight (V, H), "
+    ragged = layout is not None
+    if hidden.dim() != (2 if ragged else 3) or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"hidden_loss: need hidden {'(n_tok, H)' if ragged else '(N, T, H)'} and weight (V, H), "
                          f"got {tuple(hidden.shape)} and {tuple(weight.shape)}")
-    _check_args("hidden_loss", hidden.shape[:2], tokens, temperature, None)
+    if ragged and (layout.dim() != 2 or layout.dtype != torch.bool):
+        raise ValueError(f"hidden_loss: layout must be an (N, T) bool tensor, got {tuple(layout.shape)} {layout.dtype}")
+    if ragged and layout.device.type == "cpu" and int(layout.sum()) != hidden.shape[0]:
+        raise ValueError(f"hidden_loss: layout has {int(layout.sum())} True cells but hidden has {hidden.shape[0]} "
+                         "positions; they must be equal (one position per real token)")
+    _check_args("hidden_loss", hidden.shape[:-1], tokens, temperature, None)
     _check_token_range("hidden_loss", tokens, weight.shape[0])
     if rows_per_chunk < 1:
         raise ValueError(f"hidden_loss: rows_per_chunk must be a positive number of rows, got {rows_per_chunk}")
@@ -391,21 +440,22 @@ def hidden_loss(
     if not torch.is_grad_enabled():  # no gradient recorded: compute none (and leave weight.grad alone)
         hidden, weight = hidden.detach(), weight.detach()
         bias = None if bias is None else bias.detach()
+    rows_shape = layout.shape if ragged else tokens.shape
     if logp_estimate is not None:
-        if logp_estimate.shape != tokens.shape:
-            raise ValueError(f"hidden_loss: logp_estimate must have the tokens' shape {tuple(tokens.shape)}, got "
-                             f"{tuple(logp_estimate.shape)}")
+        if logp_estimate.shape != rows_shape:
+            raise ValueError(f"hidden_loss: logp_estimate must have the {'layout' if ragged else 'tokens'}' shape "
+                             f"{tuple(rows_shape)}, got {tuple(logp_estimate.shape)}")
         if not tolerance >= 0:
             raise ValueError(f"hidden_loss: tolerance must be >= 0, got {tolerance}")
         block = vocab_block or _auto_block(max(1, tokens.numel()), hidden.device)
         loss, logp, entropy = _HiddenLossSeeded.apply(hidden, weight, bias, tokens.long(), row_loss,
                                                       logp_estimate.detach(), temperature, min(block, weight.shape[0]),
                                                       with_entropy, weight_grad_in_place, tolerance, kernels,
-                                                      weight_grad_storage)
+                                                      weight_grad_storage, layout)
         return loss, logp.detach(), None if entropy is None else entropy.detach()
-    positions = max(1, rows_per_chunk * tokens.shape[1])
+    positions = max(1, rows_per_chunk * rows_shape[1])
     block = vocab_block or _auto_block(positions, hidden.device)
     loss, logp, entropy = _HiddenLoss.apply(hidden, weight, bias, tokens.long(), row_loss, temperature,
                                             rows_per_chunk, min(block, weight.shape[0]), with_entropy,
-                                            weight_grad_in_place, kernels, weight_grad_storage)
+                                            weight_grad_in_place, kernels, weight_grad_storage, layout)
     return loss, logp.detach(), None if entropy is None else entropy.detach()

@@ -71,3 +71,17 @@ def expand_cache(cache, copies: torch.Tensor) -> None:
         layer.value_buffer = layer.value_buffer.index_select(0, copies)
         layer.keys = layer.key_buffer[:, :, :layer.length]
         layer.values = layer.value_buffer[:, :, :layer.length]
+
+
+def keep_cache_rows(cache, keep: torch.Tensor) -> None:
+    """Make a `preallocated_cache` of R rows one of len(keep) rows, row i being old row keep[i], in place: the rows
+    move to the front of the same buffers (which stay where they are, for code that points into them), so a rollout
+    stops computing rows that have ended. `keep` is increasing, so no row is overwritten before it is read."""
+    k = keep.shape[0]
+    for layer in cache.layers:
+        for name in ("key_buffer", "value_buffer"):
+            buffer = getattr(layer, name)
+            buffer[:k] = buffer.index_select(0, keep)
+            setattr(layer, name, buffer[:k])
+        layer.keys = layer.key_buffer[:, :, :layer.length]
+        layer.values = layer.value_buffer[:, :, :layer.length]

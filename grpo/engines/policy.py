@@ -16,19 +16,23 @@ import torch
 
 from grpo.core import LossOutput, hidden_logprobs, token_entropy, token_logprobs
 from grpo.engines.kv_cache import distinct_rows, expand_cache, positions as position_ids, preallocated_cache
+from grpo.engines.packing import PackedRows, Packing, choose_packing
 from grpo.engines.sharding import is_peft, sharding
 
 
 @dataclass
 class MicroBatch:
     """One micro-batch of the update, on the model's device. Rows are prompts left-padded and completions
-    right-padded; the last `width` columns of `input_ids` (n, P+width) are the completion tokens."""
+    right-padded; the last `width` columns of `input_ids` (n, P+width) are the completion tokens. With `packed`,
+    the passes run on its padding-free layout of the same rows instead (grpo.engines.packing); every per-token
+    tensor stays (n, width)."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     width: int
     old_logp: torch.Tensor | None = None  # (n, width): the sampling policy's log-probs, once known
     sampling_logp: torch.Tensor | None = None  # (n, width): the rollout engine's own log-probs, where it gave them
+    packed: PackedRows | None = None
 
 
 LossFn = Callable[[torch.Tensor, slice, "torch.Tensor | None"], LossOutput]
@@ -45,6 +49,10 @@ class TransformersBackend:
     def __init__(self, model, accelerator):
         self.model, self.accel = model, accelerator
 
+    def packing(self, model, enabled: bool) -> tuple[Packing | None, str]:
+        """How this backend's passes pack micro-batches for `model` (None: padded, and why)."""
+        return choose_packing(model, enabled)
+
     def prepare(self) -> None:
         """Ready the model for training (the plain backend changes nothing)."""
 
@@ -52,9 +60,11 @@ class TransformersBackend:
         """Undo what `prepare` changed, so the model and the process are as they were."""
 
     def logprobs(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int,
-                 temperature: float) -> torch.Tensor:
-        """(n, width) log-probs of the completion tokens under `model` (the policy or the reference)."""
-        return completion_logprobs(model, input_ids, attention_mask, width, temperature, tile_kernels=self.tile_kernels)
+                 temperature: float, packed: PackedRows | None = None) -> torch.Tensor:
+        """(n, width) log-probs of the completion tokens under `model` (the policy or the reference), through the
+        packed layout `packed` of these rows when given (0 past each row's end)."""
+        return completion_logprobs(model, input_ids, attention_mask, width, temperature, tile_kernels=self.tile_kernels,
+                                   packed=packed)
 
     def loss_and_backward(self, micro: MicroBatch, temperature: float, loss_fn: LossFn,
                           with_entropy: bool, entropy_in_loss: bool = False) -> tuple[torch.Tensor, LossOutput]:
@@ -62,7 +72,7 @@ class TransformersBackend:
         `entropy_in_loss`: the loss uses the entropies (an entropy bonus or mask), so they keep their gradient."""
         out = completion_logprobs(self.model, micro.input_ids, micro.attention_mask, micro.width, temperature,
                                   with_entropy=with_entropy or entropy_in_loss, tile_kernels=self.tile_kernels,
-                                  entropy_grad=entropy_in_loss)
+                                  entropy_grad=entropy_in_loss, packed=micro.packed)
         logp, entropy = out if with_entropy or entropy_in_loss else (out, None)
         result = loss_fn(logp, slice(None), entropy)
         self.backward(result.loss)
@@ -129,8 +139,53 @@ def _shared_prompt_hidden(model, input_ids: torch.Tensor, attention_mask: torch.
     return torch.cat([head.last_hidden_state[copies, -1:], tail.last_hidden_state], dim=1).contiguous()
 
 
+def packed_hidden(model, packed: PackedRows) -> torch.Tensor:
+    """The decoder's final hidden states (n_tok, H) at the positions that predict the scored tokens of a packed
+    micro-batch (`PackedRows.score_index`)."""
+    out = model.get_decoder()(input_ids=packed.input_ids, attention_mask=packed.attention_mask(_dtype(model)),
+                              position_ids=packed.position_ids, use_cache=False, **packed.attention_kwargs())
+    hidden = out.last_hidden_state  # (R, L, H)
+    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, packed.score_index)
+
+
+def _dtype(model) -> torch.dtype:
+    """The dtype of the model's activations (that of its input embedding), for an additive attention mask."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    weight = getattr(embedding, "weight", None)
+    return weight.dtype if weight is not None and weight.is_floating_point() else torch.float32
+
+
+def _packed_logprobs(model, packed: PackedRows, temperature: float, with_entropy: bool, tile_kernels,
+                     entropy_grad: bool = False):
+    """`completion_logprobs` through the packed layout: (n, width) log-probs (and entropies), 0 past each row's end.
+
+    With a plain head, the decoder's hidden states at the scoring positions (n_tok, H) go through the tiled head;
+    otherwise the model's forward returns logits at the columns holding a scoring position (`logits_to_keep`)."""
+    head = plain_head(model)
+    targets = packed.targets[None]  # (1, n_tok)
+    if head is not None:
+        hidden = packed_hidden(model, packed)[None]  # (1, n_tok, H)
+        logp, entropy = hidden_logprobs(hidden, head.weight, targets, temperature=temperature, bias=head.bias,
+                                        with_entropy=with_entropy, weight_grad_in_place=head.weight.is_leaf,
+                                        kernels=tile_kernels and tile_kernels(hidden.dtype, hidden.device))
+    else:
+        out = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask(_dtype(model)),
+                    position_ids=packed.position_ids, logits_to_keep=packed.keep_columns, use_cache=False,
+                    **packed.attention_kwargs())
+        logits = out.logits.reshape(-1, out.logits.shape[-1]).index_select(0, packed.kept_index)[None]  # (1, n_tok, V)
+        logp = token_logprobs(logits, targets, temperature=temperature)
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = token_entropy(logits if entropy_grad else logits.detach(),
+                                    temperature=temperature) if with_entropy else None
+    logp = packed.unpack(logp[0])
+    if not with_entropy:
+        return logp
+    return logp, packed.unpack(entropy[0] if entropy_grad else entropy[0].detach())
+
+
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
-                        temperature: float, with_entropy: bool = False, tile_kernels=None, entropy_grad: bool = False):
+                        temperature: float, with_entropy: bool = False, tile_kernels=None, entropy_grad: bool = False,
+                        packed: PackedRows | None = None):
     """Log-probs (N, T) of the last T=completion_len tokens of each row under `model`, at the sampling temperature.
 
     input_ids (N, P+T): prompts left-padded to P, completions right-padded to T. Position j predicts token j+1, so
@@ -143,7 +198,12 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     models). Without gradients (the reference pass) rows that share a prompt encode it once
     (`_shared_prompt_hidden`). Otherwise the model returns logits for just those positions (`logits_to_keep`),
     scored in chunks. `tile_kernels(dtype, device)`: the CPU engine's compiled tile kernels, or None.
+
+    `packed`: the padding-free layout of these rows (`grpo.engines.packing.pack`); the passes then compute real
+    tokens only, and the result is the same (N, T), 0 past each row's end.
     """
+    if packed is not None:
+        return _packed_logprobs(model, packed, temperature, with_entropy, tile_kernels, entropy_grad)
     targets = input_ids[:, -completion_len:]  # (N, T)
     head = plain_head(model)
     if head is not None:

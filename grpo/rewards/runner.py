@@ -111,6 +111,7 @@ class RewardRunner:
         on_nonfinite: str = "raise",
         timeout_s: float | None = None,
         on_all_none: str = "raise",
+        specs: list | None = None,
     ):
         if not funcs:
             raise ValueError("RewardRunner needs at least one reward function")
@@ -137,6 +138,8 @@ class RewardRunner:
             raise ValueError(f"on_all_none must be 'raise' or 'warn', got {on_all_none!r}")
         self.on_all_none = on_all_none
         self.weights = weights
+        self.specs = list(self.names) if specs is None else list(specs)  # as given (config.yaml records them;
+        # soft_overlong, which the config adds, is not among them)
         self.timeout_s = timeout_s
         self.on_error = on_error
         self.on_nonfinite = on_nonfinite

@@ -12,6 +12,7 @@ With save_only_model the directory holds the model and the manifest only (it can
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -22,6 +23,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 from safetensors.torch import load_file
+
+from grpo.training.errors import SaveFailed, resume_hint
 
 MANIFEST = "manifest.json"
 PREFIX = "checkpoint-"
@@ -67,27 +70,56 @@ def save_checkpoint(output_dir: str | Path, step: int, write_model: Callable[[Pa
     output_dir = Path(output_dir)
     final = output_dir / f"{PREFIX}{step}"
     tmp = output_dir / f"{PREFIX}{step}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    write_model(tmp)
-    if trainer_state is not None:
-        torch.save(trainer_state, tmp / STATE)
-    if write_json is not None:
-        write_json(tmp / "trainer_state.json")
-    files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
-    for name in files:
-        with open(tmp / name, "rb") as fh:
-            os.fsync(fh.fileno())
-    _write_json(tmp / MANIFEST, {"step": step, "files": files, "resumable": trainer_state is not None})
-    _fsync_dir(tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(output_dir)
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        write_model(tmp)
+        if trainer_state is not None:
+            torch.save(trainer_state, tmp / STATE)
+        if write_json is not None:
+            write_json(tmp / "trainer_state.json")
+        files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+        for name in files:
+            with open(tmp / name, "rb") as fh:
+                os.fsync(fh.fileno())
+        _write_json(tmp / MANIFEST, {"step": step, "files": files, "resumable": trainer_state is not None})
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(output_dir)
+    except Exception as err:  # noqa: BLE001 - a full disk reaches us as OSError, torch's RuntimeError, SafetensorError
+        shutil.rmtree(tmp, ignore_errors=True)  # (the space it took back, for whatever comes next)
+        raise write_failed(final, err) from err
     if keep is not None:
         _prune(output_dir, keep)
     return final
+
+
+def write_failed(target: Path, err: BaseException) -> SaveFailed:
+    """The error of a checkpoint or final/ that could not be written: which path, why (with the space left, since a
+    full disk reaches torch.save as a bare RuntimeError), and the newest complete checkpoint, which is intact."""
+    reason = f"{type(err).__name__}: {err}"
+    if isinstance(err, OSError) and err.strerror:
+        reason = err.strerror + (f" ({err.filename})" if err.filename else "")
+    try:
+        free = f"; {shutil.disk_usage(target.parent).free / 2**20:.1f} MiB free there"
+    except OSError:
+        free = ""
+    found = [path for _, path in complete_checkpoints(target.parent) if path != target]
+    last = (f"the newest complete checkpoint, {found[-1]}, is intact: free space or fix the permission, then "
+            f"resume: {resume_hint()}" if found else "no complete checkpoint was written before it")
+    return SaveFailed(f"could not write {target}: {reason}{free}. {last}")
+
+
+@contextlib.contextmanager
+def writing(target: str | Path):
+    """A write of final/ (or another model directory): whatever it raises becomes SaveFailed (write_failed)."""
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001 - a full disk: OSError, torch's RuntimeError, SafetensorError
+        raise write_failed(Path(target), err) from err
 
 
 def complete_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:

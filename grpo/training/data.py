@@ -14,6 +14,7 @@ remove_unused_columns).
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +28,10 @@ PROMPT_COLUMN_CANDIDATES = ("prompt", "problem", "question")
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
-def load_dataset_any(name: str, split: str, config_name: str | None = None, key: str = "dataset_name"):
-    """A local data file, a `save_to_disk` directory, or a hub name (only when a hub is reachable)."""
+def load_dataset_any(name: str, split: str, config_name: str | None = None, key: str = "dataset_name",
+                     streaming: bool = False):
+    """A local data file, a `save_to_disk` directory, or a hub name (only when a hub is reachable); with
+    `streaming`, a `datasets.IterableDataset` that reads rows as they are asked for."""
     import datasets
 
     datasets.disable_progress_bars()  # the run has its own display; these bars would interleave with it
@@ -42,7 +45,7 @@ def load_dataset_any(name: str, split: str, config_name: str | None = None, key:
         if path.stat().st_size == 0:
             raise ConfigError(f"{key}: {name!r} is empty; GRPO needs at least one prompt.")
         try:
-            return datasets.load_dataset(fmt, data_files=str(path), split="train")
+            return datasets.load_dataset(fmt, data_files=str(path), split="train", streaming=streaming)
         except Exception as err:  # noqa: BLE001 - malformed files fail in many ways inside datasets
             raise ConfigError(f"{key}: could not read {name!r} as {fmt} ({type(err).__name__}: {err}).") from None
     if path.is_dir():
@@ -52,20 +55,27 @@ def load_dataset_any(name: str, split: str, config_name: str | None = None, key:
                 if split not in ds:
                     raise ConfigError(f"{key}: {name!r} has splits {list(ds)}, not {split!r}; set the split key.")
                 ds = ds[split]
-            return ds
+            return ds.to_iterable_dataset() if streaming else ds
         files = sorted(p for p in path.iterdir() if p.suffix.lower() in FILE_FORMATS)
         match = [p for p in files if p.stem == split] or files
         if not match:
             raise ConfigError(f"{key}: directory {name!r} holds no data file ({', '.join(FILE_FORMATS)}) "
                               "and is not a save_to_disk directory.")
-        return load_dataset_any(str(match[0]), split, key=key)
-    if name.startswith((".", "/", "~")):
-        raise ConfigError(f"{key}: {name!r} does not exist.")
+        return load_dataset_any(str(match[0]), split, key=key, streaming=streaming)
+    check_data_path(name, key)
     try:
-        return datasets.load_dataset(name, config_name, split=split)
+        return datasets.load_dataset(name, config_name, split=split, streaming=streaming)
     except Exception as err:  # noqa: BLE001 - datasets raises many kinds; say what to do instead
         raise ConfigError(f"{key}: could not load {name!r} from the hub ({type(err).__name__}: {err}). "
                           "Point it at a local file or save_to_disk directory.") from None
+
+
+def check_data_path(name: str, key: str) -> None:
+    """A name that is a local path (or a file name with a data extension) must exist; hub names are left to the hub."""
+    path = Path(name).expanduser()
+    if not path.exists() and (name.startswith((".", "/", "~")) or path.suffix.lower() in FILE_FORMATS):
+        raise ConfigError(f"{key}: {name!r} does not exist; give a data file ({', '.join(FILE_FORMATS)}), a "
+                          "save_to_disk directory, or a hub dataset name.")
 
 
 def find_prompt_column(columns: list[str], configured: str | None) -> str:
@@ -81,14 +91,37 @@ def find_prompt_column(columns: list[str], configured: str | None) -> str:
                       f"(columns: {', '.join(columns)}); set prompt_column.")
 
 
-def check_prompts(prompts: list[Any], column: str) -> None:
-    """Every prompt is a non-empty string or a non-empty list of {role, content} messages; name the first bad row."""
+def bad_row(prompt: Any, row: dict[str, Any], answer_columns: tuple[str, ...] = ()) -> str | None:
+    """Why a row cannot be trained on (a missing or non-text prompt, a missing or NaN answer), or None."""
+    if prompt is None or prompt == "" or prompt == []:
+        return "the prompt is missing"
+    ok = isinstance(prompt, str) or (
+        isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt))
+    if not ok:
+        return f"the prompt is not text or a list of {{role, content}} messages (got {str(prompt)[:80]!r})"
+    for name in answer_columns:
+        value = row.get(name)
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return f"column {name!r} (read by the rewards) is {value!r}"
+    return None
+
+
+def bad_row_error(index: int, column: str, reason: str) -> ConfigError:
+    return ConfigError(f"dataset row {index}: {reason} (prompt column {column!r}); fix or drop the row, or set "
+                       "dataset_on_bad_row=skip to skip such rows and count them (data/skipped_rows).")
+
+
+def good_rows(prompts: list[Any], columns: dict[str, list[Any]], column: str, answer_columns: tuple[str, ...],
+              on_bad_row: str) -> list[int]:
+    """The rows to train on; a bad row raises naming its index (on_bad_row=raise), else it is left out."""
+    keep = []
     for i, p in enumerate(prompts):
-        ok = (isinstance(p, str) and p != "") or (
-            isinstance(p, list) and p and all(isinstance(m, dict) and "role" in m and "content" in m for m in p))
-        if not ok:
-            raise ConfigError(f"dataset row {i}: column {column!r} must be a non-empty string or a list of "
-                              f"{{role, content}} messages (got {str(p)[:80]!r}).")
+        reason = bad_row(p, {c: columns[c][i] for c in answer_columns if c in columns}, answer_columns)
+        if reason is None:
+            keep.append(i)
+        elif on_bad_row == "raise":
+            raise bad_row_error(i, column, reason)
+    return keep
 
 
 @dataclass
@@ -99,6 +132,7 @@ class PromptSet:
     prompt_ids: list[list[int]]  # rendered and tokenized, left-truncated if allowed
     columns: dict[str, list[Any]]
     render: Callable[..., list[int]] | None = None  # render(prompt, tool_schemas) -> ids, as these were rendered
+    skipped: int = 0  # bad rows left out (dataset_on_bad_row=skip)
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -143,16 +177,37 @@ def render_prompt(prompt: Any, tokenizer, cfg: GRPOConfig, prefill: str, tools: 
 
 
 def build_prompt_set(dataset, tokenizer, cfg: GRPOConfig, prefill: str, name: str = "dataset",
-                     agents=None) -> PromptSet:
+                     answer_columns: tuple[str, ...] = (), agents=None) -> PromptSet:
     """The dataset's prompts rendered and tokenized; with `agents` (grpo.agents.AgentSpec), each with its row's
     tools, once the chat template is known to render tool calls."""
     if len(dataset) == 0:
         raise ConfigError(f"{name}: the dataset is empty; GRPO needs at least one prompt.")
     column = find_prompt_column(list(dataset.column_names), cfg.prompt_column)
-    prompts = list(dataset[column])
-    check_prompts(prompts, column)
-    columns = {c: list(dataset[c]) for c in dataset.column_names if c != column}
-    tools = agents.prompt_tools(tokenizer)(columns, len(prompts)) if agents else [None] * len(prompts)
+    table = dataset[:]  # every column as a list at once (iterating a column reads row by row: ~1 s for 20k rows)
+    prompts = table[column]
+    checked = tuple(c for c in answer_columns if c in dataset.column_names)
+    keep = good_rows(prompts, {c: table[c] for c in checked}, column, checked, cfg.dataset_on_bad_row)
+    if not keep:
+        raise ConfigError(f"{name}: every one of the {len(prompts)} rows is bad (dataset_on_bad_row=skip skipped "
+                          "them all); check the prompt column and the columns the rewards read.")
+    skipped = len(prompts) - len(keep)
+    if skipped:
+        warnings.warn(f"{name}: skipped {skipped} bad rows of {len(prompts)} (dataset_on_bad_row=skip).")
+        table = {c: [values[i] for i in keep] for c, values in table.items()}
+        prompts = table[column]
+    columns = {c: table[c] for c in dataset.column_names if c != column}
+    tools = agents.prompt_tools(tokenizer)(columns, len(prompts)) if agents else None
+    ids = tokenize_prompts(prompts, tokenizer, cfg, prefill, tools=tools)
+    kept = {} if cfg.remove_unused_columns else columns
+    messages = [as_messages(p, tokenizer, cfg) for p in prompts]
+    return PromptSet(messages, ids, kept, prompt_renderer(tokenizer, cfg, prefill), skipped=skipped)
+
+
+def tokenize_prompts(prompts: list[Any], tokenizer, cfg: GRPOConfig, prefill: str, first_row: int = 0,
+                     tools: list | None = None) -> list[list[int]]:
+    """Render (with each row's tool schemas, if any) and tokenize prompts (left-truncated, or refused, past
+    max_prompt_length)."""
+    tools = tools or [None] * len(prompts)
     texts = [render_prompt(p, tokenizer, cfg, prefill, t) for p, t in zip(prompts, tools)]
     # Text the template did not render is tokenized with the tokenizer's special tokens, as TRL does; a chat
     # template writes its own.
@@ -162,11 +217,7 @@ def build_prompt_set(dataset, tokenizer, cfg: GRPOConfig, prefill: str, name: st
         ids = tokenizer(texts, add_special_tokens=all(plain))["input_ids"]
     else:
         ids = [tokenizer(t, add_special_tokens=bare)["input_ids"] for t, bare in zip(texts, plain)]
-    ids = _limit_prompt_length(ids, cfg)
-    if cfg.remove_unused_columns:
-        columns = {}
-    return PromptSet([as_messages(p, tokenizer, cfg) for p in prompts], ids, columns,
-                     prompt_renderer(tokenizer, cfg, prefill))
+    return _limit_prompt_length(ids, cfg, first_row)
 
 
 def prompt_renderer(tokenizer, cfg: GRPOConfig, prefill: str):
@@ -181,7 +232,7 @@ def prompt_renderer(tokenizer, cfg: GRPOConfig, prefill: str):
     return render
 
 
-def _limit_prompt_length(ids: list[list[int]], cfg: GRPOConfig) -> list[list[int]]:
+def _limit_prompt_length(ids: list[list[int]], cfg: GRPOConfig, first_row: int = 0) -> list[list[int]]:
     limit = cfg.max_prompt_length
     if limit is None:
         return ids
@@ -190,8 +241,8 @@ def _limit_prompt_length(ids: list[list[int]], cfg: GRPOConfig) -> list[list[int
         return ids
     if cfg.prompt_truncation == "error":
         raise ConfigError(f"max_prompt_length: {len(long)} of {len(ids)} prompts are longer than {limit} tokens "
-                          f"(first: row {long[0]}, {len(ids[long[0]])} tokens); raise max_prompt_length or set "
-                          "prompt_truncation=left.")
+                          f"(first: row {first_row + long[0]}, {len(ids[long[0]])} tokens); raise max_prompt_length "
+                          "or set prompt_truncation=left.")
     warnings.warn(f"{len(long)} of {len(ids)} prompts longer than max_prompt_length={limit} were left-truncated.")
     return [x[-limit:] for x in ids]
 

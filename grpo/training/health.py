@@ -1,17 +1,32 @@
 """Training-health alarms: the seed tutorial's "What to watch" (seed 004, Step 3 and Pitfall 5) checked every step.
 
 Each alarm is a `health/<name>` metric (1 while it fires, else 0) and, on the display, one message that says what to
-change. The thresholds are the tutorial's where it gives one:
+change. The rate alarms judge the mean of the last `window` (10) steps, not one step: one step's value is an average
+over B prompts (8 in the default job), too few to tell a trend from noise (below). The thresholds:
 
-| alarm | fires when | tutorial / why |
+| alarm | fires when (10-step mean) | why |
 |---|---|---|
-| no_signal | advantage std < 0.1 | "advantage/std < 0.1: rewards too similar, no signal" |
-| high_kl | KL > 0.05 | "policy/kl_divergence should stay low (< 0.05)" |
-| zero_variance_groups | > 50% of groups have all-equal rewards | every such group has advantage 0: no gradient |
+| no_signal | advantage std < 0.1 | tutorial: "advantage/std < 0.1: rewards too similar, no signal" |
+| high_kl | KL per token > 0.05 | tutorial: "policy/kl_divergence should stay low (< 0.05)" |
+| zero_variance_groups | > 75% of groups have all-equal rewards | fewer than 1 group in 4 carries a gradient |
 | truncation | > 50% of completions hit max_completion_length | silent no-learning from truncation (features.md 4, #8) |
-| entropy_collapse | entropy < 10% of its first measured value | the policy stopped exploring |
+| entropy_collapse | entropy (one step) < 10% of its first measured value | the policy stopped exploring |
 | reward_hacking | over the last `window` steps the format reward rose by > 0.2 while accuracy moved < 0.02 | "Perfect format, wrong answers" |
 | nonfinite | a step's gradient norm was not finite (the step was skipped) | "NaN losses" |
+
+Why a mean over 10 steps, and why 75% of groups (the default job: `grpo train`, 300 steps, B=8 prompts x G=8, binary
+accuracy reward; its trace is tests/fixtures/default_job_metrics.jsonl, and it raises no alarm):
+- Zero-variance groups. A prompt answered right with probability p gives an all-equal group of G with probability
+  p^G + (1-p)^G; prompts differ in p, so a run that has mastered the easy prompts has many such groups while it
+  still learns from the rest (the default job: 38% on average after step 100, at accuracy 0.68). One step counts
+  B=8 groups, a binomial draw with standard deviation sqrt(f(1-f)/B) = 0.17 at f=0.38 (measured: 0.170), so a
+  per-step limit of 50% fired on 33 of its 300 steps. The mean of 10 steps (80 groups) has standard deviation
+  0.054: 75% is 6.8 of them above that run's rate, and still means what the advice is for: fewer than a quarter
+  of the generated groups teach anything (raise num_generations or temperature, or use dynamic_sampling).
+- KL. The k3 estimate of one step (~1,400 tokens of 64 completions, correlated within a completion) is noisy: the
+  default job's per-step KL after step 50 has mean 0.028 and standard deviation 0.016, so the tutorial's 0.05
+  fired on 22 single steps. Its 10-step mean (standard deviation ~0.005) never passed 0.039; 0.05 on the mean is a
+  drift the penalty does not hold, not one noisy batch.
 """
 
 from __future__ import annotations
@@ -20,53 +35,56 @@ import math
 from collections import deque
 
 ADVICE = {
-    "no_signal": "advantage std {value:.3f} < 0.1: rewards are too similar to teach anything. Make the task harder "
-                 "or easier, raise num_generations, or use dynamic_sampling.",
-    "high_kl": "KL {value:.3f} > 0.05: the policy is drifting from the reference. Lower learning_rate or raise beta.",
-    "zero_variance_groups": "{value:.0%} of groups have identical rewards (no gradient). Raise num_generations or "
-                            "temperature, or turn on dynamic_sampling.",
-    "truncation": "{value:.0%} of completions hit max_completion_length; they rarely earn rewards. Raise "
-                  "max_completion_length or set mask_truncated_completions.",
+    "no_signal": "advantage std {value:.3f} < 0.1 over the last steps: rewards are too similar to teach anything. "
+                 "Make the task harder or easier, raise num_generations, or use dynamic_sampling.",
+    "high_kl": "KL {value:.3f} > 0.05 over the last steps: the policy is drifting from the reference. Lower "
+               "learning_rate or raise beta.",
+    "zero_variance_groups": "{value:.0%} of groups over the last steps have identical rewards (no gradient). Raise "
+                            "num_generations or temperature, or turn on dynamic_sampling.",
+    "truncation": "{value:.0%} of completions over the last steps hit max_completion_length; they rarely earn "
+                  "rewards. Raise max_completion_length or set mask_truncated_completions.",
     "entropy_collapse": "entropy {value:.3f} fell below 10% of its start: the policy stopped exploring. Lower "
                         "learning_rate, raise temperature, or add a KL penalty (beta).",
     "reward_hacking": "format reward rose by {value:.2f} while accuracy stayed flat: the model is learning the format, "
                       "not the task. Lower the format reward's weight (e.g. 0.1 x accuracy).",
     "nonfinite": "non-finite gradient at this step; it was skipped. Lower learning_rate or check the rewards.",
 }
+# alarm -> (metric, limit, fires above the limit): judged on the mean of the last `window` steps
+RATE_ALARMS = {"no_signal": ("advantage/std", 0.1, False), "high_kl": ("policy/kl_divergence", 0.05, True),
+               "zero_variance_groups": ("groups/zero_std_frac", 0.75, True),
+               "truncation": ("completion/truncated_frac", 0.5, True)}
 
 
 class HealthMonitor:
     """Turn each step's metrics into `health/*` alarms. `accuracy` and `format` name the reward functions to watch."""
 
-    def __init__(self, accuracy: str | None = None, format: str | None = None, window: int = 20):
+    def __init__(self, accuracy: str | None = None, format: str | None = None, window: int = 20, smooth: int = 10):
         self.accuracy, self.format, self.window = accuracy, format, window
         self.first_entropy: float | None = None
         self.history: deque[tuple[float, float]] = deque(maxlen=window)
+        self.recent = {name: deque(maxlen=smooth) for name in RATE_ALARMS}
         self.nonfinite_seen = 0.0
 
     def check(self, metrics: dict[str, float]) -> tuple[dict[str, float], list[tuple[str, str]]]:
         """(health metrics, [(alarm name, message)] for the alarms that fire at this step)."""
-        values = {
-            "no_signal": self._below(metrics, "advantage/std", 0.1),
-            "high_kl": self._above(metrics, "policy/kl_divergence", 0.05),
-            "zero_variance_groups": self._above(metrics, "groups/zero_std_frac", 0.5),
-            "truncation": self._above(metrics, "completion/truncated_frac", 0.5),
-            "entropy_collapse": self._entropy(metrics),
-            "reward_hacking": self._hacking(metrics),
-            "nonfinite": self._nonfinite(metrics),
-        }
-        fired = [(name, ADVICE[name].format(value=v)) for name, v in values.items() if v is not None]
-        return {f"health/{name}": float(v is not None) for name, v in values.items()}, fired
+        values = {name: self._rate(name, metrics) for name in RATE_ALARMS}
+        values.update(entropy_collapse=self._entropy(metrics), reward_hacking=self._hacking(metrics),
+                      nonfinite=self._nonfinite(metrics))
+        order = ("no_signal", "high_kl", "zero_variance_groups", "truncation", "entropy_collapse", "reward_hacking",
+                 "nonfinite")
+        fired = [(name, ADVICE[name].format(value=values[name])) for name in order if values[name] is not None]
+        return {f"health/{name}": float(values[name] is not None) for name in order}, fired
 
-    @staticmethod
-    def _below(metrics: dict, key: str, limit: float) -> float | None:
-        value = metrics.get(key)
-        return value if value is not None and math.isfinite(value) and value < limit else None
-
-    @staticmethod
-    def _above(metrics: dict, key: str, limit: float) -> float | None:
-        value = metrics.get(key)
-        return value if value is not None and math.isfinite(value) and value > limit else None
+    def _rate(self, name: str, metrics: dict) -> float | None:
+        """The mean of the metric over the last steps (those it was logged at), if past the alarm's limit."""
+        key, limit, above = RATE_ALARMS[name]
+        value, recent = metrics.get(key), self.recent[name]
+        if value is not None and math.isfinite(value):
+            recent.append(value)
+        if value is None or not recent:
+            return None
+        mean = sum(recent) / len(recent)
+        return mean if (mean > limit if above else mean < limit) else None
 
     def _entropy(self, metrics: dict) -> float | None:
         value = metrics.get("policy/entropy")

@@ -174,13 +174,17 @@ def load_model_files(model, path) -> None:
 
 
 def save_final(model, tokenizer, path, merge: bool) -> None:
-    """Hugging Face format that `AutoModelForCausalLM.from_pretrained(path)` loads; adapters also kept."""
+    """Hugging Face format that `AutoModelForCausalLM.from_pretrained(path)` loads; adapters also kept. A write that
+    fails (a full disk) is SaveFailed, naming the path and the newest checkpoint, which is intact."""
+    from grpo.training.checkpoint import writing
+
     path = Path(path)
-    if is_peft(model):
-        model.save_pretrained(path / "adapter")
-        if merge:
-            merged = copy.deepcopy(model).merge_and_unload()
-            merged.save_pretrained(path)
-    else:
-        model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    with writing(path):
+        if is_peft(model):
+            model.save_pretrained(path / "adapter")
+            if merge:
+                merged = copy.deepcopy(model).merge_and_unload()
+                merged.save_pretrained(path)
+        else:
+            model.save_pretrained(path)
+        tokenizer.save_pretrained(path)

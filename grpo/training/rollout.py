@@ -18,6 +18,7 @@ from grpo.agents.metrics import agent_metrics, sample_stats
 from grpo.core import decoupled_advantages, group_advantages, mix_advantages, process_advantages
 from grpo.engines.base import SamplingParams, row_seed, sleep, update_weights, wake
 from grpo.engines.sampling import left_pad
+from grpo.training.faults import engine_faults
 
 
 @dataclass
@@ -35,21 +36,11 @@ class RolloutBatch:
     metrics: dict[str, float] = field(default_factory=dict)
     samples: list[dict] = field(default_factory=list)
     index: int = 0  # which rollout of the run (seeds its sampling and the order of its optimizer steps)
+    plans: list | None = None  # its optimizer steps (grpo.training.steps.StepPlan), planned on the CPU; not saved
 
     @property
     def completion_width(self) -> int:
         return self.completion_mask.shape[1]
-
-    def width(self, rows) -> int:
-        """The completion width of these rows: the trailing columns that are padding in every one of them are left
-        out (computed here, on the CPU, so the device never waits)."""
-        prompt_width = self.input_ids.shape[1] - self.completion_width
-        return max(1, int(self.attention_mask[rows, prompt_width:].sum(1).max()))
-
-    def micro_batches(self, size: int) -> list[tuple[slice, int]]:
-        """(rows, completion width) of each micro-batch of `size` consecutive rows."""
-        n = self.input_ids.shape[0]
-        return [(slice(s, min(s + size, n)), self.width(slice(s, min(s + size, n)))) for s in range(0, n, size)]
 
     def tensors(self) -> dict:
         """What a checkpoint taken while this rollout still feeds optimizer steps keeps of it."""
@@ -248,6 +239,8 @@ class Rollouts:
         batch = self._assemble(sampled)
         batch.metrics.update(sampling_metrics)
         batch.metrics.update(self._reward_logs())
+        if self.cfg.dataset_on_bad_row == "skip":
+            batch.metrics["data/skipped_rows"] = float(self.train_set.skipped)
         batch.index = index
         return batch
 
@@ -273,9 +266,11 @@ class Rollouts:
         seeds = [row_seed(self.cfg.seed, index, first + r + round_ * 1_000_000) for r in range(n_local)]
         agent = None
         if self.agent is None:
-            out = self.generator.generate(prompt_ids, self.params, seeds)
+            with engine_faults(self.cfg, "generation"):  # (out of memory, a dead vLLM: an error naming the setting)
+                out = self.generator.generate(prompt_ids, self.params, seeds)
         else:  # tools, environments or a rollout_func: the prompts may come back extended
-            out = agent = self.agent.generate(prompts, prompt_ids, columns, self.params, seeds)
+            with engine_faults(self.cfg, "generation"):
+                out = agent = self.agent.generate(prompts, prompt_ids, columns, self.params, seeds)
             prompts, prompt_ids, columns = agent.prompts, agent.prompt_ids, {**columns, **agent.columns}
         t1 = time.perf_counter()
         texts = self.tokenizer.batch_decode([strip_eos(c, self.eos_ids) for c in out.ids], skip_special_tokens=False)

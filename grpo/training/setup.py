@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import random
 import warnings
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -15,6 +16,7 @@ import torch
 
 from grpo.config import ConfigError, GRPOConfig
 from grpo.training.data import load_dataset_any
+from grpo.training.stream import is_stream, shuffled_stream
 
 
 def config_of(args, unsupported: dict) -> GRPOConfig:
@@ -25,6 +27,41 @@ def config_of(args, unsupported: dict) -> GRPOConfig:
     for name in unsupported:
         raise TypeError(f"GRPOTrainer: {name!r} is not an argument of grpo's (nor of TRL 1.16's) GRPOTrainer")
     return args if isinstance(args, GRPOConfig) else from_trl(args) if args is not None else GRPOConfig()
+
+
+def check_inputs(cfg: GRPOConfig, model, train_dataset) -> None:
+    """The paths a user gives, in the order they would fix them: the model, then the dataset (rewards come next,
+    in make_reward_runner). One line each, naming the key."""
+    from grpo.training.data import check_data_path
+
+    if model is None or isinstance(model, (str, Path)):
+        check_model_path(str(model) if model is not None else cfg.model_name_or_path)
+    if train_dataset is None and cfg.dataset_name is not None:
+        check_data_path(cfg.dataset_name, "dataset_name")
+    if cfg.eval_dataset_name is not None:
+        check_data_path(cfg.eval_dataset_name, "eval_dataset_name")
+
+
+def check_model_path(name: str) -> None:
+    """A model directory with config.json, or a hub name whose config can be fetched (or is cached)."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
+            raise ConfigError(f"model_name_or_path: {name!r} is a directory without config.json; point it at a "
+                              "model saved with save_pretrained (or a checkpoint's directory).")
+        return
+    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name:
+        raise ConfigError(f"model_name_or_path: {name!r} " + ("is a file, not a model directory" if path.exists()
+                          else "does not exist") + "; point it at a model directory or a hub name (org/model).")
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"model_name_or_path: {name!r} is not a local directory and could not be fetched from "
+                          f"the hub ({first}); download it (huggingface-cli download {name}) and give its "
+                          "directory.") from None
 
 
 def tokenizer_for(cfg: GRPOConfig, processing_class, path: str):
@@ -67,7 +104,9 @@ def make_reward_runner(cfg: GRPOConfig, reward_funcs, task, processing_classes=N
     extra = agents.reward_funcs() if agents is not None else []
     if not specs and not extra:
         raise ConfigError("reward_funcs: no reward function given; name at least one (e.g. reward_funcs: "
-                          "[math_accuracy, think_format]), use a built-in task, or an environment with get_reward.")
+                          "[math_accuracy, think_format]), use a built-in task, or an environment with get_reward" + (
+                              " (with dataset_name set, a task's rewards are used only when task is set too: "
+                              "task=arithmetic)." if cfg.dataset_name is not None else "."))
     weights = cfg.reward_weights
     if weights is None and task is not None and not cfg.reward_funcs and reward_funcs is None:
         weights = task.reward_weights
@@ -92,8 +131,20 @@ def make_reward_runner(cfg: GRPOConfig, reward_funcs, task, processing_classes=N
         funcs += extra
     names = [name for name, _ in funcs]
     runner = RewardRunner(funcs, weights, on_error=cfg.reward_on_error, on_nonfinite=cfg.reward_on_nonfinite,
-                          timeout_s=cfg.reward_timeout, on_all_none=cfg.reward_on_all_none)
+                          timeout_s=cfg.reward_timeout, on_all_none=cfg.reward_on_all_none,
+                          specs=[spec_text(s) for s in specs])
     return runner, names
+
+
+def spec_text(spec):
+    """A reward spec as config.yaml records it: a name, mapping or import path as given; a callable as its import
+    path ("module:function"); a loaded reward model as its name_or_path."""
+    if isinstance(spec, (str, dict)):
+        return spec
+    if isinstance(spec, torch.nn.Module):
+        return getattr(spec, "name_or_path", None) or type(spec).__name__
+    named = spec if hasattr(spec, "__qualname__") else type(spec)  # (a callable object: its class)
+    return f"{named.__module__}:{named.__qualname__}"
 
 
 def _reward_tokenizers(processing_classes, count: int) -> list:
@@ -120,16 +171,17 @@ def _open_r1_defaults() -> dict:
     return dict(REWARD_SETTINGS)
 
 
-def check_reward_columns(rewards, columns: list[str], agents=None) -> None:
+def check_reward_columns(rewards, dataset, agents=None) -> None:
     """Every column a reward function needs is in the dataset or comes from the rollouts (`agents`: their
     environments; a rollout_func's own fields are known only when it runs): checked before any model loads."""
     from grpo.rewards import RewardError
+    from grpo.training.stream import stream_columns
 
     extra = agents.reward_columns() if agents is not None else []
     if extra is None:
         return
     try:
-        rewards.check_columns(list(columns) + extra)
+        rewards.check_columns(stream_columns(dataset) + extra)
     except RewardError as err:
         raise ConfigError(str(err).replace("\n", "; ")) from None
 
@@ -150,7 +202,10 @@ def make_datasets(cfg: GRPOConfig, task, train_dataset, eval_dataset):
             raise ConfigError("dataset_name: set dataset_name (a data file or directory) or task (arithmetic, "
                               "countdown), or pass train_dataset.")
         if cfg.dataset_name is not None:
-            train_dataset = load_dataset_any(cfg.dataset_name, cfg.dataset_split, cfg.dataset_config)
+            train_dataset = load_dataset_any(cfg.dataset_name, cfg.dataset_split, cfg.dataset_config,
+                                             streaming=cfg.dataset_streaming)
+            if cfg.dataset_streaming:
+                train_dataset = shuffled_stream(train_dataset, cfg)
         else:
             train_dataset = task.dataset("train", n=cfg.task_train_size, seed=cfg.seed, **_level(cfg))
     if eval_dataset is None:
@@ -158,6 +213,10 @@ def make_datasets(cfg: GRPOConfig, task, train_dataset, eval_dataset):
             eval_dataset = load_dataset_any(cfg.eval_dataset_name, cfg.eval_split, key="eval_dataset_name")
         elif task is not None and cfg.task_eval_size > 0:
             eval_dataset = task.dataset("test", n=cfg.task_eval_size, seed=cfg.seed, **_level(cfg))
+    if is_stream(eval_dataset):  # (eval sets are small: read whole, as every eval reads every prompt)
+        import datasets
+
+        eval_dataset = datasets.Dataset.from_list(list(eval_dataset))
     return train_dataset, eval_dataset
 
 
@@ -165,9 +224,11 @@ def _level(cfg: GRPOConfig) -> dict:
     return {} if cfg.task_difficulty is None else {"difficulty": cfg.task_difficulty}
 
 
-def check_sizes(cfg: GRPOConfig, n_prompts: int, B: int, prompt_ids: list[list[int]], model_config=None) -> None:
-    """Enough prompts for one step, and prompt + completion within the model's context (reliability.md 4.2)."""
-    if n_prompts < B:
+def check_sizes(cfg: GRPOConfig, n_prompts: int | None, B: int, prompt_ids: list[list[int]],
+                model_config=None) -> None:
+    """Enough prompts for one step, and prompt + completion within the model's context (reliability.md 4.2). A
+    stream (n_prompts None) is checked on its first row."""
+    if n_prompts is not None and n_prompts < B:
         raise ConfigError(f"dataset_name: the dataset has {n_prompts} prompts but one step needs {B} "
                           f"(prompts_per_step); add prompts or lower prompts_per_step.")
     if model_config is None:

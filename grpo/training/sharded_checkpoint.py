@@ -70,12 +70,13 @@ def save_final(accelerator, policy, tokenizer, path, merge: bool) -> None:
     """`final/` of a sharded run: what `grpo.training.model.save_final` writes for one process (a model that
     `from_pretrained` loads; with LoRA also the adapter in `adapter/`), gathered on the main process."""
     path = Path(path)
-    if is_peft(policy):
-        write_hf(accelerator, policy, None, path / "adapter")
-    if merge or not is_peft(policy):
-        write_hf(accelerator, policy, None, path, merged=is_peft(policy))
-    if accelerator.is_main_process:
-        tokenizer.save_pretrained(path)
+    with ckpt.writing(path):
+        if is_peft(policy):
+            write_hf(accelerator, policy, None, path / "adapter")
+        if merge or not is_peft(policy):
+            write_hf(accelerator, policy, None, path, merged=is_peft(policy))
+        if accelerator.is_main_process:
+            tokenizer.save_pretrained(path)
     accelerator.wait_for_everyone()
 
 
@@ -87,40 +88,45 @@ def save(accelerator, model, policy, optimizer, tokenizer, output_dir, step: int
     output_dir = Path(output_dir)
     final, tmp = output_dir / f"{ckpt.PREFIX}{step}", output_dir / f"{ckpt.PREFIX}{step}.tmp"
     main, backend = accelerator.is_main_process, _backend(accelerator)
-    if main:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    write_hf(accelerator, policy, tokenizer, tmp)
-    if state is not None:
-        if backend == "deepspeed":
-            model.save_checkpoint(str(tmp / backend), tag="state", save_latest=False)
-        else:
-            import torch.distributed.checkpoint as dcp
-
-            dcp.save(_fsdp_state(model, optimizer), checkpoint_id=str(tmp / backend))
-    if main:
+    try:  # (a process whose part fails stops; the others, at the next barrier, are ended by the launcher)
+        if main:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        accelerator.wait_for_everyone()
+        write_hf(accelerator, policy, tokenizer, tmp)
         if state is not None:
-            torch.save(state, tmp / ckpt.STATE)
-        if write_json is not None:
-            write_json(tmp / "trainer_state.json")
-    accelerator.wait_for_everyone()  # every process's part is on disk
-    if main:
-        for part in sorted(tmp.rglob("*")):  # (another process's writes, and the directories that hold them)
-            if part.is_file():
-                _fsync(part)
+            if backend == "deepspeed":
+                model.save_checkpoint(str(tmp / backend), tag="state", save_latest=False)
             else:
-                ckpt._fsync_dir(part)
-        ckpt._write_json(tmp / ckpt.MANIFEST, {"step": step, "format": backend, "resumable": state is not None,
-                                               "processes": accelerator.num_processes})
-        ckpt._fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        ckpt._fsync_dir(output_dir)
-        if keep is not None:
-            ckpt._prune(output_dir, keep)
+                import torch.distributed.checkpoint as dcp
+
+                dcp.save(_fsdp_state(model, optimizer), checkpoint_id=str(tmp / backend))
+        if main:
+            if state is not None:
+                torch.save(state, tmp / ckpt.STATE)
+            if write_json is not None:
+                write_json(tmp / "trainer_state.json")
+        accelerator.wait_for_everyone()  # every process's part is on disk
+        if main:
+            for part in sorted(tmp.rglob("*")):  # (another process's writes, and the directories that hold them)
+                if part.is_file():
+                    _fsync(part)
+                else:
+                    ckpt._fsync_dir(part)
+            ckpt._write_json(tmp / ckpt.MANIFEST, {"step": step, "format": backend, "resumable": state is not None,
+                                                   "processes": accelerator.num_processes})
+            ckpt._fsync_dir(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            ckpt._fsync_dir(output_dir)
+    except Exception as err:  # noqa: BLE001 - a full disk: OSError, torch's RuntimeError, SafetensorError
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise ckpt.write_failed(final, err) from err
+    if main and keep is not None:  # (only once the new checkpoint is complete)
+        ckpt._prune(output_dir, keep)
     accelerator.wait_for_everyone()
     return final
 

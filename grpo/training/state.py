@@ -14,6 +14,7 @@ from grpo.config import ConfigError
 from grpo.training import checkpoint as ckpt, sharded_checkpoint as sharded_ckpt
 from grpo.training.model import load_model_files, save_model_files
 from grpo.training.rollout import RolloutBatch
+from grpo.training.summary import write_run_files
 
 
 def checkpoint_to_resume(cfg, requested: Any, processes=None) -> Path | None:
@@ -46,7 +47,7 @@ def trainer_state(trainer) -> dict[str, Any]:
     own = {"rng": ckpt.rng_state(), "pending": None}
     if trainer.pending is not None and trainer.pending[1]:
         batch, left = trainer.pending
-        own["pending"] = {"batch": batch.tensors(), "taken": len(trainer._plan(batch)) - len(left)}
+        own["pending"] = {"batch": batch.tensors(), "taken": trainer.layout.rollout_steps - len(left)}
     state = {"step": trainer.step, "scheduler": trainer.scheduler.state_dict(), "sampler": trainer.sampler.state_dict(),
              "nonfinite_total": trainer.nonfinite_total, "rollout_count": trainer.rollout_count,
              "num_tokens": trainer.num_tokens, "processes": trainer.procs.gather_objects([own]),
@@ -62,15 +63,19 @@ def save_checkpoint(trainer) -> Path | None:
     process calls it; returns the path on the main process."""
     cfg, accel = trainer.cfg, trainer.accel
     state = None if cfg.save_only_model else trainer_state(trainer)
+
+    def write_json(path: Path) -> None:  # trainer_state.json, and the run's config.yaml and layout.yaml beside it
+        trainer.control.state.save_to_json(str(path))
+        write_run_files(trainer, path.parent)
+
     if trainer.sharded:
         return sharded_ckpt.save(accel, trainer.model, trainer.policy, trainer.optimizer, trainer.tokenizer,
-                                 cfg.output_dir, trainer.step, state, cfg.save_total_limit,
-                                 write_json=trainer.control.state.save_to_json)
+                                 cfg.output_dir, trainer.step, state, cfg.save_total_limit, write_json=write_json)
     if not accel.is_main_process:
         return None
     return ckpt.save_checkpoint(cfg.output_dir, trainer.step,
                                 lambda path: save_model_files(trainer.policy, trainer.tokenizer, path),
-                                state, cfg.save_total_limit, write_json=trainer.control.state.save_to_json)
+                                state, cfg.save_total_limit, write_json=write_json)
 
 
 def restore(trainer, path: Path) -> None:
@@ -109,7 +114,7 @@ def restore(trainer, path: Path) -> None:
         for name in ("old_logp", "ref_logp"):  # (kept on the model's device, as the rollout made them)
             if getattr(batch, name) is not None:
                 setattr(batch, name, getattr(batch, name).to(trainer.accel.device))
-        trainer.pending = (batch, trainer._plan(batch)[own["pending"]["taken"]:])
+        trainer.pending = (batch, trainer.updates.plan(batch)[own["pending"]["taken"]:])
     if (path / "trainer_state.json").is_file():
         saved = TrainerState.load_from_json(str(path / "trainer_state.json"))
         trainer.control.state.log_history, trainer.control.state.global_step = saved.log_history, saved.global_step

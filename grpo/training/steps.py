@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
 
@@ -133,22 +134,25 @@ def _check_multiple(spg: int, ga: int) -> None:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One optimizer step of a rollout: its pass (iteration), its slice and each micro-batch's rows (indices of this
-    process's rollout rows)."""
+    """One optimizer step of a rollout: its pass (iteration), its slice and its micro-batches: each the rows it takes
+    (indices of this process's rollout rows), as a tensor or as a `grpo.training.micro_batches.Plan`."""
 
     iteration: int
     slice_index: int
-    micro_batches: list[torch.Tensor]
+    micro_batches: list
 
     @property
     def rows(self) -> int:
         return sum(len(m) for m in self.micro_batches)
 
 
-def rollout_plan(layout: Layout, local_rows: int, seed: int, rollout_index: int) -> list[StepPlan]:
+def rollout_plan(layout: Layout, local_rows: int, seed: int, rollout_index: int,
+                 cut: Callable[[torch.Tensor], list] | None = None) -> list[StepPlan]:
     """The optimizer steps one rollout of `local_rows` rows on this process feeds, in order: every slice of pass 0,
     then of pass 1, ... With several slices the rows are shuffled first (seeded by the run's seed and the rollout's
-    index, so a resumed run takes the same slices); with one slice they stay in order."""
+    index, so a resumed run takes the same slices); with one slice they stay in order. `cut(rows)` makes a slice's
+    micro-batches (by tokens, packed: `MicroBatches.plan`), once per slice, every pass taking the same; default:
+    consecutive runs of layout.micro_batch rows."""
     K = layout.steps_per_rollout
     if K == 1:
         order = torch.arange(local_rows)
@@ -156,10 +160,6 @@ def rollout_plan(layout: Layout, local_rows: int, seed: int, rollout_index: int)
         generator = torch.Generator().manual_seed(seed * 1_000_003 + rollout_index + 17)
         order = torch.randperm(local_rows, generator=generator)
     size = local_rows // K
-    slices = [order[k * size:(k + 1) * size] for k in range(K)]
-    plans = []
-    for it in range(layout.num_iterations):
-        for k, rows in enumerate(slices):
-            micro = [rows[s:s + layout.micro_batch] for s in range(0, len(rows), layout.micro_batch)]
-            plans.append(StepPlan(it, k, micro))
-    return plans
+    cut = cut or (lambda rows: [rows[s:s + layout.micro_batch] for s in range(0, len(rows), layout.micro_batch)])
+    slices = [cut(order[k * size:(k + 1) * size]) for k in range(K)]
+    return [StepPlan(it, k, micro) for it in range(layout.num_iterations) for k, micro in enumerate(slices)]

@@ -19,12 +19,28 @@ class TrainResult(dict):
         self.metrics = dict(metrics)
 
 
+def resolved_config(trainer) -> dict:
+    """The config that runs: the keys as given, with what the trainer resolved in place of what it was not told
+    (the task's or the given reward functions and weights, a given model's name, the task left out when a
+    train_dataset was given). A valid recipe: `grpo train config.yaml` reads it."""
+    values = trainer.cfg.to_dict()
+    specs = trainer.rewards.specs
+    values["reward_funcs"] = [s if isinstance(s, (str, dict)) else str(s) for s in specs]
+    values["reward_weights"] = list(trainer.rewards.weights[:len(specs)])
+    values["model_name_or_path"] = getattr(trainer.policy, "name_or_path", None) or values["model_name_or_path"]
+    values["prefill"] = trainer.prefill
+    if trainer.task is None:
+        values["task"] = None
+    return values
+
+
 def write_run_files(trainer, out: Path) -> None:
-    """The run directory's config.yaml (the resolved config) and layout.yaml (the resolved batch layout)."""
+    """The run directory's config.yaml (the resolved config) and layout.yaml (the resolved batch layout); a
+    checkpoint keeps both too."""
     import yaml
 
     out.mkdir(parents=True, exist_ok=True)
-    trainer.cfg.save(out / "config.yaml")
+    (out / "config.yaml").write_text(yaml.safe_dump(resolved_config(trainer), sort_keys=False))
     (out / "layout.yaml").write_text(yaml.safe_dump(trainer.layout.to_dict(), sort_keys=False))
 
 
@@ -42,6 +58,13 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}k"
 
 
+def _prompts(train_set) -> str:
+    from grpo.training.stream import prompt_count
+
+    count = prompt_count(train_set)
+    return "streamed prompts" if count is None else f"{count} prompts"
+
+
 def start_lines(trainer) -> list[str]:
     cfg, policy = trainer.cfg, trainer.policy
     total = sum(whole_numel(p) for p in policy.parameters())
@@ -54,12 +77,13 @@ def start_lines(trainer) -> list[str]:
     device = f"{trainer.accel.device}, {trainer.world} process" + ("es" if trainer.world > 1 else "")
     device += describe(trainer.accel, cfg)
     return [f"model    {cfg.model_name_or_path} ({params} parameters)",
-            f"data     {data}: {len(trainer.train_set)} prompts{evals}",
+            f"data     {data}: {_prompts(trainer.train_set)}{evals}",
             f"rewards  {rewards}",
             *([f"agents   {trainer.agents.describe()}"] if trainer.agents else []),
             f"engine   {trainer.engine.name} ({trainer.engine.reason})"
             + (f"; rollouts from vLLM ({cfg.vllm_mode})" if cfg.use_vllm else ""),
             f"device   {device}",
+            f"passes   {trainer.micro.describe()}",
             f"steps    {trainer.total_steps} optimizer steps from step {trainer.step}; rollouts of {trainer.B} prompts "
             f"x {trainer.G} completions, each feeding {trainer.layout.rollout_steps} step(s) of "
             f"{trainer.layout.step_completions} completions",

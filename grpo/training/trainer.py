@@ -13,13 +13,12 @@
 A rollout feeds steps_per_generation / gradient_accumulation_steps optimizer steps per pass, num_iterations passes
 (TRL's counting; grpo.training.steps). Checkpoints may fall inside a rollout: they keep it, so resume is exact.
 The math lives in `grpo.core` (put together in `grpo.training.objective`), generation and the passes through the
-model in an engine (`grpo.engines`), the rollout's bookkeeping in `grpo.training.rollout`; this file moves tensors.
+model in an engine (`grpo.engines`), the rollout's bookkeeping in `grpo.training.rollout`, the update's micro-batches
+and backward in `grpo.training.update`; this file is the loop.
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -27,33 +26,31 @@ from typing import Any
 import torch
 
 from grpo.agents import make_agent_spec, make_rollout
-from grpo.core import aggregation_normalizer, sync_reference_
+from grpo.core import sync_reference_
 from grpo.engines.base import SamplingParams
-from grpo.engines.policy import MicroBatch, reference_view
+from grpo.engines.policy import reference_view
 from grpo.engines.select import choose_engine, make_engine, make_vllm
-from grpo.training import sharded_checkpoint as sharded_ckpt
+from grpo.training import run_dir, sharded_checkpoint as sharded_ckpt
 from grpo.training.control import RunControl
-from grpo.training.data import PromptSampler, build_prompt_set
+from grpo.training.data import build_prompt_set
 from grpo.training.health import HealthMonitor, report_nonfinite
 from grpo.training.hub import start_hub
+from grpo.training.micro_batches import MicroBatches
 from grpo.training.model import load_model, prepare_model, save_final
-from grpo.training.objective import MicroInputs, Objective
+from grpo.training.objective import Objective
 from grpo.training.rollout import Processes, RolloutBatch, Rollouts
 from grpo.training.sharded import check_sharding, place_reference
-from grpo.training.state import checkpoint_to_resume, restore, save_checkpoint, trainer_state
-from grpo.training.setup import (check_reward_columns, check_sizes, config_of, configure_process,
+from grpo.training.errors import TrainingStopped
+from grpo.training.faults import engine_faults
+from grpo.training.signals import StopSignals, stop_if_signalled
+from grpo.training.state import restore, save_checkpoint, trainer_state
+from grpo.training.setup import (check_inputs, check_reward_columns, check_sizes, config_of, configure_process,
                                  fill_deepspeed_auto, load_task, make_accelerator, make_datasets, make_optimizer,
                                  make_reward_runner, make_schedule, make_step_rewards, seed_everything, tokenizer_for)
-from grpo.training.steps import StepPlan, resolve_layout, rollout_plan
+from grpo.training.stream import make_prompts, prompt_count
+from grpo.training.steps import StepPlan, resolve_layout
 from grpo.training.summary import TrainResult, end_lines, finish_run, log_step, start_lines, write_run_files
-from grpo.training.tracking import MetricSums
-
-# grpo.core metric -> logged name (the seed tutorial's names where it has one).
-LOSS_METRIC_NAMES = {"policy_loss": "policy/loss", "kl": "policy/kl_divergence"}
-
-
-class TrainingStopped(RuntimeError):
-    """The run stopped itself (e.g. repeated non-finite losses); the last good checkpoint is intact."""
+from grpo.training.update import Update, apply_step, clip_gradients
 
 
 class GRPOTrainer:
@@ -75,6 +72,7 @@ class GRPOTrainer:
                  environment_factory=None, *, generator=None,
                  step_reward_funcs: list | None = None, **unsupported):
         self.cfg = cfg = config_of(args, unsupported)
+        check_inputs(cfg, model, train_dataset)  # the model, then the data: in the order a user fixes them
         self.accel = make_accelerator(cfg)
         check_sharding(self.accel, cfg)
         self.sharded = self.accel.distributed_type in ("FSDP", "DEEPSPEED")  # its state saved in shards
@@ -91,7 +89,7 @@ class GRPOTrainer:
                                                              self.agents)
         self.step_rewards = make_step_rewards(cfg, step_reward_funcs)
         train_dataset, eval_dataset = make_datasets(cfg, self.task, train_dataset, eval_dataset)
-        check_reward_columns(self.rewards, list(train_dataset.column_names), self.agents)  # before any model load
+        check_reward_columns(self.rewards, train_dataset, self.agents)  # before any model load
 
         from_path = model is None or isinstance(model, (str, Path))
         if from_path and model is not None:
@@ -99,12 +97,14 @@ class GRPOTrainer:
         self.tokenizer = tokenizer_for(cfg, processing_class, cfg.model_name_or_path if from_path else
                                        model.name_or_path)
         # Tokenize and check the data before the weights load: a bad row or length fails in seconds.
-        self.train_set = build_prompt_set(train_dataset, self.tokenizer, cfg, self.prefill, "dataset_name", self.agents)
+        self.train_set, self.sampler = make_prompts(train_dataset, self.tokenizer, cfg, self.prefill, self.rewards,
+                                                    agents=self.agents)
         self.eval_set = (build_prompt_set(eval_dataset, self.tokenizer, cfg, self.prefill, "eval_dataset_name",
-                                          self.agents) if eval_dataset is not None else None)
-        self.layout = resolve_layout(cfg, self.world, len(self.train_set))
+                                          agents=self.agents) if eval_dataset is not None else None)
+        self.layout = resolve_layout(cfg, self.world, prompt_count(self.train_set))
         self.B, self.G = self.layout.prompts_per_rollout, cfg.num_generations
-        check_sizes(cfg, len(self.train_set), self.B, self.train_set.prompt_ids, None if from_path else model.config)
+        check_sizes(cfg, prompt_count(self.train_set), self.B, self.train_set.prompt_ids,
+                    None if from_path else model.config)
         if from_path:
             model = load_model(cfg, quantization_config)
         self.engine = choose_engine(cfg.engine, model, self.accel.device, self.world, self.accel.distributed_type,
@@ -127,12 +127,15 @@ class GRPOTrainer:
         self.generator, self.backend = make_engine(self.engine, self.model, self.policy, self.accel, self.tokenizer,
                                                    self.params, self.reference, generator,
                                                    gather_for_generation=cfg.ds3_gather_for_generation)
-        self.sampler = PromptSampler(len(self.train_set), cfg.seed if cfg.data_seed is None else cfg.data_seed,
-                                     cfg.shuffle_dataset)
+        packing, why = self.backend.packing(self.policy, cfg.use_remove_padding)
         self.rollouts = Rollouts(cfg, self.generator, self.policy, self.tokenizer, self.train_set, self.sampler,
                                  self.rewards, self.step_rewards, self.procs, self.B, self.G, self.params,
                                  self.agents and make_rollout(self.agents, self))  # (multi-turn, or None)
         self.objective = Objective(cfg, self.procs)
+        self.micro = MicroBatches(cfg.per_device_train_batch_size, cfg.max_tokens_per_micro_batch, packing, self.procs,
+                                  why)
+        self.updates = Update(cfg, self.accel, self.model, self.backend, self.objective, self.procs, self.layout,
+                              self.micro)
         self.control = RunControl(cfg, callbacks, self.layout, self.accel.is_main_process)
         self.rollouts.trainer_state = self.control.state
         self.health = HealthMonitor(accuracy=self.reward_names[0],
@@ -162,9 +165,7 @@ class GRPOTrainer:
         from grpo.training.tracking import NullLogger, RunLogger
 
         cfg, out, main = self.cfg, Path(self.cfg.output_dir), self.accel.is_main_process
-        path = checkpoint_to_resume(cfg, resume_from_checkpoint, self.procs)
-        if path is not None:
-            self._resume(path)
+        run_dir.prepare(self, resume_from_checkpoint)  # one run per directory; restores a checkpoint to resume
         if main:
             write_run_files(self, out)
             print("\n".join(start_lines(self)))
@@ -175,12 +176,16 @@ class GRPOTrainer:
         started = time.perf_counter()
         self.backend.prepare()  # (again, when train() is called a second time)
         self.control.event("on_train_begin")
+        signals = StopSignals(cfg.stop_signals, self.procs).install()
         try:
             if self.step == 0 and self.control.cadence.evaluate_first(self.eval_set is not None):
                 log_step(self, logger, display, 0, self.evaluate())
             while self.step < self.total_steps and not self.control.control.should_training_stop:
-                last = self._step_and_report(logger, display)
+                with engine_faults(cfg, "update"):
+                    last = self._step_and_report(logger, display)
+                stop_if_signalled(self, signals)  # a stop signal: this step's checkpoint, then TrainingInterrupted
         finally:
+            signals.restore()
             display.close()
             logger.close()
             self.backend.release()  # the model goes back as it was loaded
@@ -211,7 +216,7 @@ class GRPOTrainer:
         fresh = self.pending is None or not self.pending[1]
         if fresh:
             batch = self.rollout()
-            self.pending = (batch, self._plan(batch))
+            self.pending = (batch, list(batch.plans))
         batch, plans = self.pending
         t1 = time.perf_counter()
         metrics = self._optimize(batch, [plans.pop(0)])
@@ -230,6 +235,7 @@ class GRPOTrainer:
             batch = self.rollouts.make(self.rollout_count)
         self.rollout_count += 1
         t0 = time.perf_counter()
+        batch.plans = self.updates.plan(batch)  # its optimizer steps and their micro-batches
         self._score_logprobs(batch)
         batch.metrics.update({f"time/{k}": v for k, v in self.rollouts.times.items()})
         batch.metrics["time/logprobs"] = time.perf_counter() - t0
@@ -239,100 +245,30 @@ class GRPOTrainer:
     def _score_logprobs(self, batch: RolloutBatch) -> None:
         """The reference's log-probs (beta > 0); the sampling policy's when the rollout feeds several optimizer steps
         per pass (with one, they come from the first pass, before any step)."""
-        T, size, device = batch.completion_width, self.cfg.per_device_train_batch_size, self.accel.device
-
-        def score(model) -> torch.Tensor:
-            with self.accel.autocast():
-                return torch.cat([self.backend.logprobs(model, batch.input_ids[s:s + size].to(device),
-                                                        batch.attention_mask[s:s + size].to(device), T,
-                                                        self.cfg.temperature)
-                                  for s in range(0, batch.input_ids.shape[0], size)])
         if self.layout.steps_per_rollout > 1:
-            batch.old_logp = score(self.policy)
+            batch.old_logp = self.updates.score(self.policy, batch)
         if self.cfg.beta > 0:
             with reference_view(self.policy, self.reference) as ref:
-                batch.ref_logp = score(ref)
+                batch.ref_logp = self.updates.score(ref, batch)
 
-    # ---- update: optimizer steps over a rollout's rows -----------------------------------------------------------
-    def _plan(self, batch: RolloutBatch) -> list[StepPlan]:
-        return rollout_plan(self.layout, batch.input_ids.shape[0], self.cfg.seed, batch.index)
-
+    # ---- update: optimizer steps over a rollout's rows, in micro-batches (grpo.training.update) -----------------
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """Every optimizer step the rollout feeds; their metrics merged (the gradient norm is the last step's)."""
-        return self._optimize(batch, self._plan(batch))
+        return self._optimize(batch, batch.plans or self.updates.plan(batch))
 
     def _optimize(self, batch: RolloutBatch, plans: list[StepPlan]) -> dict[str, float]:
-        record_old = batch.old_logp is None and self.layout.rollout_steps > 1  # (one slice, several passes)
-        per_row = self.cfg.importance_sampling_level == "sequence"
-        rollout_tokens = float(self.procs.gather(batch.completion_mask.sum().reshape(1)).sum())
-        sums, out = MetricSums(), {}  # loss metrics weighted by tokens over the steps' micro-batches
-        for plan in plans:
-            self.optimizer.zero_grad(set_to_none=True)
-            step_tokens = sum(batch.completion_mask[r].sum() for r in plan.micro_batches).reshape(1)
-            counts = dict(step_tokens=float(self.procs.gather(step_tokens).sum()), step_rows=plan.rows * self.world,
-                          micro_batches=len(plan.micro_batches), processes=self.world, rollout_tokens=rollout_tokens,
-                          steps_per_rollout=self.layout.steps_per_rollout)  # (aggregation_normalizer's)
-            old_parts, loss = [], torch.zeros((), device=self.accel.device)
-            for k, rows in enumerate(plan.micro_batches):
-                sync = k == len(plan.micro_batches) - 1
-                if self.accel.distributed_type == "DEEPSPEED":  # its engine steps in backward unless told that
-                    self.accel.gradient_state._set_sync_gradients(sync)  # more micro-batches follow
-                with self.accel.no_sync(self.model) if not sync else contextlib.nullcontext():
-                    logp, result, tokens = self._micro_step(batch, rows, counts)
-                old_parts.append((rows, logp))
-                loss = loss + result.loss.detach()
-                for key, value in result.metrics.items():  # (a sequence-level ratio's clip fractions are of rows)
-                    sums.add(key, value, float(len(rows)) if per_row and key.startswith("clip_frac") else tokens)
-            if record_old and plan.iteration == 0:  # no optimizer step yet: these are the sampling policy's
-                batch.old_logp = torch.zeros(batch.completion_mask.shape, device=self.accel.device)
-                for rows, old in old_parts:
-                    batch.old_logp[rows, :old.shape[1]] = old
-            out["train/loss"] = float(self.procs.gather(loss.reshape(1).cpu()).sum())  # (each process's share)
-            out["train/learning_rate"] = self.scheduler.get_last_lr()[0]  # the rate this step takes
-            out["train/grad_norm"] = self._optimizer_step(batch)
-            out.update(self.objective.end_step())
-        means = sums.means(skip="advantage", gather_objects=self.procs.gather_objects)  # (advantages: per rollout)
-        out.update({LOSS_METRIC_NAMES.get(k, k if "/" in k else f"policy/{k}"): v for k, v in means.items()})
+        out = self.updates.run(batch, plans, self.optimizer, self.scheduler, self._optimizer_step)
         out["health/nonfinite_steps"] = float(self.nonfinite_total)
         return out
 
-    def _micro_step(self, batch: RolloutBatch, rows, counts: dict):
-        """One micro-batch's loss, backpropagated by the engine. Returns (log-probs, LossOutput, token count)."""
-        device, width = self.accel.device, batch.width(rows)
-        end = batch.input_ids.shape[1] - (batch.completion_width - width)  # no all-padding completion columns
-
-        def part(t: torch.Tensor | None) -> torch.Tensor | None:  # (n, width) of a per-token tensor, on the device
-            return None if t is None else t[rows, :width].to(device)
-
-        micro = MicroBatch(batch.input_ids[rows, :end].to(device), batch.attention_mask[rows, :end].to(device),
-                           width, old_logp=part(batch.old_logp), sampling_logp=part(batch.sampling_logp))
-        tokens = float(batch.completion_mask[rows, :width].sum())  # (counted on the CPU: the device never waits)
-        mask, adv = part(batch.completion_mask), batch.advantages[rows].to(device)
-        normalizer = aggregation_normalizer(self.cfg.loss_aggregation, micro_tokens=tokens, **counts)
-        inputs = MicroInputs(mask, adv[:, :width] if adv.dim() == 2 else adv, micro.old_logp, micro.sampling_logp,
-                             part(batch.ref_logp), normalizer, counts["micro_batches"])
-        in_loss = self.objective.entropy_in_loss
-        with self.accel.autocast():
-            logp, out = self.backend.loss_and_backward(
-                micro, self.cfg.temperature, lambda lp, sub=slice(None), entropy=None:
-                self.objective.loss(lp, entropy, inputs, sub), True, entropy_in_loss=in_loss)  # (entropy: TRL's metric)
-        return logp, out, tokens
-
     def _optimizer_step(self, batch: RolloutBatch) -> float:
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
         self.control.event("on_pre_optimizer_step")
-        # accelerate's: a float16 loss scaler's gradients unscaled first; under DeepSpeed the norm its engine took
-        # when it stepped, in the last micro-batch's backward, clipping by its config's gradient_clipping
-        norm = self.accel.clip_grad_norm_(params, max_norm)
-        grad_norm = float("nan") if norm is None else float(norm)  # (None: a DeepSpeed engine that kept no norm)
-        if norm is not None and not math.isfinite(grad_norm):
+        grad_norm, finite = clip_gradients(self.accel, self.model, self.cfg.max_grad_norm)
+        if not finite:
             self._skip_nonfinite_step(batch, grad_norm)
             return grad_norm
         self.nonfinite_in_a_row = 0
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)  # no gradient buffers held through the next rollout
+        apply_step(self.optimizer, self.scheduler)
         self.backend.after_optimizer_step(stepped=True)
         self.rollouts.engine_stale = True
         self.control.event("on_optimizer_step")

@@ -19,9 +19,10 @@ import torch
 from grpo.core import LossOutput, hidden_loss
 from grpo.engines import policy
 from grpo.engines.base import SamplingParams
-from grpo.engines.cpu import native
+from grpo.engines.cpu import attention, decoding, native
 from grpo.engines.cpu.fused import fuse_decoder_ops, unfuse_decoder_ops
 from grpo.engines.cpu.sampler import CPUSampler
+from grpo.engines.packing import PackedRows, Packing
 from grpo.engines.policy import LossFn, MicroBatch, TransformersBackend, dropout_active, plain_head
 
 
@@ -58,7 +59,9 @@ class CPUBackend(TransformersBackend):
         # reference pass and the update hold no more memory than without it.
         self.lend_head_grad = (self.sampling_estimates and not self.frozen_head and head.weight.device.type == "cpu"
                                and head.weight.dtype == torch.float32 and torch.get_num_threads() == 1
-                               and native.library() is not None)  # (the packed copy is the compiled head's)
+                               and native.library() is not None  # (the packed copy is the compiled head's,
+                               and native.library().lean_wide_vectors()  # which sampling takes with AVX-512
+                               and head.weight.numel() > decoding._SMALL_HEAD)  # for a head not kept as it is)
         self._head_grad_space: torch.Tensor | None = None  # the flat memory under the head's gradient, when lent
         self.sparse_embedding = False
         self.prepare()
@@ -67,16 +70,25 @@ class CPUBackend(TransformersBackend):
         return [self.model] + ([getattr(self.reference, "module", self.reference)] if self.reference is not None
                                else [])
 
+    def packing(self, model, enabled: bool) -> tuple[Packing | None, str]:
+        """Shared prompts in one row with the grouped attention (`attention.py`) where `prepare` switched the
+        model's attention to it; otherwise transformers' packing."""
+        if enabled and attention.switched(model):
+            return Packing(True, "prefix", None, "grouped sdpa"), ""
+        return super().packing(model, enabled)
+
     def prepare(self) -> None:
         self.sparse_embedding = sparse_tied_embedding_grad(self.model)
-        for module in self._modules():  # the MLP activations and RMSNorms as compiled passes
+        for module in self._modules():  # the MLP activations and RMSNorms as compiled passes; grouped attention
             fuse_decoder_ops(module)
+            attention.use_prefix_attention(module)
 
     def release(self) -> None:
         if self.sparse_embedding:
             sparse_tied_embedding_grad(self.model, sparse=False)
         for module in self._modules():
             unfuse_decoder_ops(module)
+            attention.restore_attention(module)
         self._head_grad_space = None
         if isinstance(self.sampler, CPUSampler):
             self.sampler.head_space = None
@@ -95,7 +107,7 @@ class CPUBackend(TransformersBackend):
         storage = self._head_grad_storage()
         fused = completion_loss(self.model, micro.input_ids, micro.attention_mask, micro.width, temperature,
                                 lambda lp, rows: loss_fn(lp, rows, None).loss, with_entropy=with_entropy,
-                                logp_estimate=estimate, weight_grad_storage=storage)
+                                logp_estimate=estimate, weight_grad_storage=storage, packed=micro.packed)
         if storage is not None:
             grad = plain_head(self.model).weight.grad
             if grad is None or grad.data_ptr() != storage.data_ptr():
@@ -142,7 +154,8 @@ against 3; no weight gradient), 0.67 s of W3's 2-iteration update, and no (V, H)
 
 def completion_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
                     temperature: float, row_loss, with_entropy: bool = False,
-                    logp_estimate: torch.Tensor | None = None, weight_grad_storage: torch.Tensor | None = None):
+                    logp_estimate: torch.Tensor | None = None, weight_grad_storage: torch.Tensor | None = None,
+                    packed: PackedRows | None = None):
     """The loss `row_loss(logp rows, rows)` summed over the rows of this micro-batch, with its gradient formed in the
     same pass as the log-probs (`grpo.core.hidden_loss`: the LM head applied three times instead of four).
 
@@ -154,6 +167,9 @@ def completion_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
 
     `weight_grad_storage`: memory of the head weight's shape for its gradient when `.grad` is None (hidden_loss's
     weight_grad_storage), or None.
+
+    `packed`: the padding-free layout of these rows (grpo.engines.packing): the decoder runs on it and the head on
+    the real tokens only (`hidden_loss`'s layout); the rows, log-probs and estimates stay (N, T).
 
     Returns (loss, logp (N, T) detached, entropy (N, T) detached or None), or None when this path does not apply:
     a head that is not a plain linear layer, or, without an estimate, one row's (T, V) logits larger than the cap.
@@ -167,12 +183,17 @@ def completion_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
         logp_estimate = None  # faster on the benchmark's W1, whose 100-token head is cheap next to the loss)
     if head is None or per_row == 0 or (logp_estimate is None and per_row > cap):
         return None
-    hidden = policy._completion_hidden(model, input_ids, attention_mask, completion_len)
-    return hidden_loss(hidden, head.weight, input_ids[:, -completion_len:], row_loss, temperature, bias=head.bias,
+    if packed is not None:
+        hidden, tokens = policy.packed_hidden(model, packed), packed.targets  # (n_tok, H), (n_tok,)
+    else:
+        hidden = policy._completion_hidden(model, input_ids, attention_mask, completion_len)
+        tokens = input_ids[:, -completion_len:]
+    return hidden_loss(hidden, head.weight, tokens, row_loss, temperature, bias=head.bias,
                        with_entropy=with_entropy, rows_per_chunk=max(1, cap // per_row),
                        weight_grad_in_place=head.weight.is_leaf,
                        kernels=native.tile_kernels(hidden.dtype, hidden.device), logp_estimate=logp_estimate,
-                       weight_grad_storage=weight_grad_storage if head.weight.is_leaf else None)
+                       weight_grad_storage=weight_grad_storage if head.weight.is_leaf else None,
+                       layout=None if packed is None else packed.layout)
 
 
 def sparse_tied_embedding_grad(model, sparse: bool = True) -> bool:

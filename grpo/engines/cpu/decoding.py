@@ -73,8 +73,8 @@ class LeanDecoder:
         if getattr(config, "use_sliding_window", False) or (
                 config.model_type == "mistral" and getattr(config, "sliding_window", None)):
             return False
-        if getattr(config, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
-            return False
+        if getattr(config, "_attn_implementation", "sdpa") not in ("sdpa", "eager", "grpo_prefix_sdpa"):
+            return False  # (grpo_prefix_sdpa: sdpa but for packed passes, grpo/engines/cpu/attention.py)
         inner = model.get_decoder()
         module = importlib.import_module(type(inner).__module__)
         if not hasattr(module, "apply_rotary_pos_emb") or not all(
@@ -172,6 +172,10 @@ def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
     return norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)).to(x.dtype)
 
 
+_SMALL_HEAD = 2**18
+"""Output-layer values (1 MiB of float32) up to which sampling multiplies by the weight as it is (`packed_head`)."""
+
+
 def packed_head(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, space: torch.Tensor | None = None):
     """A function h (rows, H) -> logits (rows, V) equal to F.linear(h, weight, bias) up to rounding, with the
     weight repacked once for this batch size (CPU, float32). With one intra-op thread the compiled head
@@ -181,10 +185,16 @@ def packed_head(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, spac
     either repacking costs less than 64 sampled tokens save. The weight changes at every optimizer step, so pack once
     per rollout. The compiled head packs into `space` when given (see native.CompiledHead): ~30 ms for the 155 MB
     head into memory already touched (the trainer hands over its last head gradient's), against 70-90 ms into a fresh
-    allocation, most of it page faults. Falls back to F.linear."""
+    allocation, most of it page faults. The compiled head needs the library's AVX-512 kernel: its plain-C kernel
+    ran 10-20x slower than oneDNN on a CPU without AVX-512 (Zen 3: 476 against 27 ms for W2's head, 1.4 against 0.08
+    ms for the default job's 263-token head). A head of at most _SMALL_HEAD values, which stays in cache, takes
+    F.linear: as fast, with nothing to pack (oneDNN's packing of the default job's head took ~8 ms per rollout).
+    Falls back to F.linear."""
     cpu32 = weight.device.type == "cpu" and weight.dtype == torch.float32
+    if weight.numel() <= _SMALL_HEAD:
+        return lambda h: F.linear(h, weight, bias)
     lib = native.library() if cpu32 and torch.get_num_threads() == 1 else None
-    if lib is not None:
+    if lib is not None and lib.lean_wide_vectors():
         return native.CompiledHead(lib, weight, bias, rows, space)
     reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
     if not cpu32 or reorder is None or not torch.backends.mkldnn.is_available():

@@ -158,6 +158,7 @@ _SIGNATURES = {  # name: (argument types, result type), as in lean_step.c and so
     "lean_head_packed_floats": ([_I32, _I32], _I64),
     "lean_pack_head": ([_I32, _I32, _PTR, _PTR], None),
     "lean_head": ([_I32, _I32, _I32, _PTR, _PTR, _PTR, _PTR], None),
+    "lean_wide_vectors": ([], _I32),
     "lean_sample_scratch_floats": ([_I32], _I64),
     "lean_sample": ([_I32, _I32, _PTR, _PTR, _PTR, _PTR, _PTR], _I32),
     "lean_tile_stats": ([_I32, _I32, _I64, _PTR, _F32, _PTR, _I64, _PTR, _PTR, _PTR, _PTR], None),
@@ -253,6 +254,7 @@ class CompiledStep:
                            self._pointer(inner.embed_tokens.weight), self._pointer(inner.norm.weight),
                            self._pointer(self.keep[0]), self._pointer(self.keep[1]), layers, self.scratch.data_ptr())
         self.layers, self.out = layers, torch.empty(rows, hidden)
+        self.keep_buffer = cache.layers[0].key_buffer.data_ptr()  # where the C side reads the first layer's keys
 
     def _pack(self, pairs: list) -> torch.Tensor:
         """The (out, in) weights of (weight, bias) pairs, stacked along out and transposed, as one (in, out) matrix in
@@ -275,6 +277,18 @@ class CompiledStep:
             tensor = tensor.contiguous()
         self.keep.append(tensor)
         return tensor.data_ptr()
+
+    def keep_rows(self, rows: int) -> None:
+        """Run the first `rows` rows from now on: the sampler has moved the rows still generating to the front of
+        the cache's buffers (`kv_cache.keep_cache_rows`), which stay where the C side points."""
+        if not 0 < rows <= self.rows:
+            raise ValueError(f"compiled decode step: can keep 1 to {self.rows} rows, not {rows}")
+        layer = self.cache.layers[0]
+        if layer.key_buffer.shape[0] != rows or layer.key_buffer.data_ptr() != self.keep_buffer:
+            raise ValueError("compiled decode step: the cache's rows must be moved to the front of its buffers "
+                             "first (kv_cache.keep_cache_rows)")
+        self.rows = self.model.rows = rows
+        self.out = self.out[:rows]
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache, key_mask: torch.Tensor | None):
         """Same arguments and result as `decoding.LeanDecoder.hidden`, checked before C reads them; the returned
@@ -337,7 +351,7 @@ class CompiledHead:
         if h.dtype != torch.float32 or hidden != self.hidden:
             raise ValueError(f"compiled LM head: expected float32 hidden states of width {self.hidden}, got "
                              f"{h.dtype} of width {hidden}")
-        out = self.out if rows == self.out.shape[0] else torch.empty(rows, self.out.shape[1])
+        out = self.out[:rows] if rows <= self.out.shape[0] else torch.empty(rows, self.out.shape[1])
         self.lib.lean_head(rows, hidden, out.shape[1], h.data_ptr(), self.packed.data_ptr(),
                            None if self.bias is None else self.bias.data_ptr(), out.data_ptr())
         return out

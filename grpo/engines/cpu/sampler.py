@@ -52,13 +52,24 @@ class CPUSampler(sampling.TransformersSampler):
             return None
         decoder = LeanDecoder(self.model)
         project = packed_head(head.weight, head.bias, rows, self.head_space)
-        hidden = decoder.compiled(cache, rows) or decoder.hidden  # the C step where it applies
-        width = mask.shape[1]
         key_mask = None if bool(mask.all()) else torch.cat(
             [mask.bool(), torch.ones((rows, p.max_new_tokens), dtype=torch.bool, device=mask.device)], dim=1)
+        return _Step(decoder.compiled(cache, rows) or decoder.hidden, project, cache, key_mask, mask.shape[1])
 
-        def step(tokens: torch.Tensor, positions: torch.Tensor, t: int) -> torch.Tensor:
-            visible = None if key_mask is None else key_mask[:, :width + t + 1]
-            return project(hidden(tokens, positions, cache, visible))
 
-        return step
+class _Step:
+    """The CPU engine's one-token step: the decoder's step (compiled or lean), then the packed head; `keep(index)`
+    drops the rows that have ended (the sampler has moved the cache's rows already)."""
+
+    def __init__(self, hidden, project, cache, key_mask: torch.Tensor | None, width: int):
+        self.hidden, self.project, self.cache, self.key_mask, self.width = hidden, project, cache, key_mask, width
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, t: int) -> torch.Tensor:
+        visible = None if self.key_mask is None else self.key_mask[:, :self.width + t + 1]
+        return self.project(self.hidden(tokens, positions, self.cache, visible))
+
+    def keep(self, index: torch.Tensor) -> None:
+        if self.key_mask is not None:
+            self.key_mask = self.key_mask[index]
+        if isinstance(self.hidden, native.CompiledStep):
+            self.hidden.keep_rows(index.shape[0])

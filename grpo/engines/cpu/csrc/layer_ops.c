@@ -7,8 +7,8 @@
  * lean_rms_norm / lean_rms_norm_grad: y = w * x / sqrt(mean(x^2) + eps) per row, in the operation order of
  *   transformers' Llama RMSNorm, and (dx, dw) from dy. torch runs ~6 operators forward and ~10 backward.
  *
- * Single-threaded, no allocation. AVX-512 where the CPU has it, otherwise plain C; both give the torch functions'
- * results up to float32 rounding (tests/test_fused.py). */
+ * Single-threaded, no allocation. AVX-512 where the CPU has it, else AVX2 (vecmath.h's GRPO_AVX2), else plain C; all
+ * give the torch functions' results up to float32 rounding (tests/test_fused.py). */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -30,12 +30,25 @@ static inline __m512 sigmoid16(__m512 g) {
 }
 #endif
 
+#ifdef GRPO_AVX2
+static inline __m256 sigmoid8(__m256 g) {
+    const __m256 e = exp8(_mm256_or_ps(g, _mm256_set1_ps(-0.0f)));  /* -|g|: the sign bit set */
+    const __m256 one = _mm256_set1_ps(1.0f), inv = _mm256_div_ps(one, _mm256_add_ps(one, e));
+    return _mm256_blendv_ps(inv, _mm256_mul_ps(e, inv), _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ));
+}
+#endif
+
 void lean_swiglu(int64_t n, const float *restrict g, const float *restrict u, float *restrict h) {
     int64_t j = 0;
 #ifdef __AVX512F__
     for (; j + 16 <= n; j += 16) {
         const __m512 gv = _mm512_loadu_ps(g + j);
         _mm512_storeu_ps(h + j, _mm512_mul_ps(_mm512_mul_ps(gv, sigmoid16(gv)), _mm512_loadu_ps(u + j)));
+    }
+#elif defined(GRPO_AVX2)
+    for (; j + 8 <= n; j += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + j);
+        _mm256_storeu_ps(h + j, _mm256_mul_ps(_mm256_mul_ps(gv, sigmoid8(gv)), _mm256_loadu_ps(u + j)));
     }
 #endif
     for (; j < n; j++) h[j] = g[j] * sigmoid1(g[j]) * u[j];
@@ -52,6 +65,14 @@ void lean_swiglu_grad(int64_t n, const float *restrict dh, const float *restrict
         _mm512_storeu_ps(du + j, _mm512_mul_ps(d, _mm512_mul_ps(gv, s)));
         const __m512 slope = _mm512_mul_ps(s, _mm512_fmadd_ps(gv, _mm512_sub_ps(one, s), one));
         _mm512_storeu_ps(dg + j, _mm512_mul_ps(_mm512_mul_ps(d, _mm512_loadu_ps(u + j)), slope));
+    }
+#elif defined(GRPO_AVX2)
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; j + 8 <= n; j += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + j), s = sigmoid8(gv), d = _mm256_loadu_ps(dh + j);
+        _mm256_storeu_ps(du + j, _mm256_mul_ps(d, _mm256_mul_ps(gv, s)));
+        const __m256 slope = _mm256_mul_ps(s, _mm256_fmadd_ps(gv, _mm256_sub_ps(one, s), one));
+        _mm256_storeu_ps(dg + j, _mm256_mul_ps(_mm256_mul_ps(d, _mm256_loadu_ps(u + j)), slope));
     }
 #endif
     for (; j < n; j++) {
@@ -72,7 +93,13 @@ static inline float dot(const float *restrict a, const float *restrict b, int32_
     return _mm512_reduce_add_ps(acc);
 #else
     float acc = 0.0f;
-    for (int32_t k = 0; k < n; k++) acc += a[k] * b[k];
+    int32_t k = 0;
+#ifdef GRPO_AVX2
+    __m256 acc8 = _mm256_setzero_ps();
+    for (; k + 8 <= n; k += 8) acc8 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc8);
+    acc = sum8(acc8);
+#endif
+    for (; k < n; k++) acc += a[k] * b[k];
     return acc;
 #endif
 }

@@ -11,8 +11,12 @@
 
 #include <math.h>
 #include <stdint.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define GRPO_AVX2 1  /* the 8-lane paths, for CPUs with AVX2 and FMA but no AVX-512 (the scalar exp's branch keeps
+                      * compilers from vectorizing the loops that call it: SiLU's pass ran ~7 ns per element) */
 #endif
 
 static inline float exp_nonpositive(float x) {
@@ -57,6 +61,35 @@ static inline __m512 exp16(__m512 x) {
 static inline __mmask16 lanes(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u); }
 #endif
 
+#ifdef GRPO_AVX2
+/* exp16's 8-lane twin: the same polynomial; 2^n built from its exponent bits (no scalef without AVX-512). */
+static inline __m256 exp8(__m256 x) {
+    const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_NLT_UQ);  /* x >= -87, or NaN */
+    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);  /* max returns its second operand for NaN: NaN stays NaN */
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860682030941723212e-6f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    /* n in [-126, 128]: 2^n = (n + 127) << 23 as float bits, inf at n = 128 (x past 88), as exp16 */
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)), live);
+}
+
+static inline float sum8(__m256 v) {
+    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 h = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+#endif
+
 /* sum_j e_j, and sum_j e_j d_j into *sum_ed when it is not NULL, with d_j = max(r_j - top, -88) and e_j = exp(d_j)
  * (0 for -inf entries; NaN stays NaN: the floor keeps it). With `out`, e_j is also written to out[j] (out may be
  * r). The softmax of attention scores, of a sampled row's blocks, and of the LM head's logit tiles. */
@@ -76,7 +109,21 @@ static inline float exp_sums(const float *r, int64_t n, float top, float *out, f
     return _mm512_reduce_add_ps(se);
 #else
     float se = 0.0f, sd = 0.0f;
-    for (int64_t j = 0; j < n; j++) {
+    int64_t j = 0;
+#ifdef GRPO_AVX2
+    __m256 se8 = _mm256_setzero_ps(), sd8 = _mm256_setzero_ps();
+    const __m256 t = _mm256_set1_ps(top), floor = _mm256_set1_ps(-88.0f);
+    for (; j + 8 <= n; j += 8) {
+        const __m256 d = _mm256_max_ps(floor, _mm256_sub_ps(_mm256_loadu_ps(r + j), t));
+        const __m256 e = exp8(d);
+        se8 = _mm256_add_ps(se8, e);
+        sd8 = _mm256_fmadd_ps(e, d, sd8);
+        if (out) _mm256_storeu_ps(out + j, e);
+    }
+    se = sum8(se8);
+    sd = sum8(sd8);
+#endif
+    for (; j < n; j++) {
         const float d = floor88(r[j] - top), e = exp_nonpositive(d);
         se += e;
         sd += e * d;

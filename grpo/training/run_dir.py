@@ -1,0 +1,146 @@
+"""One run per directory: a new run never writes over another's results, and a resumed run is the run it resumes.
+
+`train()` into an output_dir that holds a run's files (config.yaml, metrics.jsonl, checkpoint-*/, final/, ...) is
+refused unless it resumes (resume, --resume, resume_from_checkpoint) or `overwrite_output_dir` is set, which deletes
+those files first (only those: a file grpo does not write is left alone). A resumed run compares its resolved
+config (grpo.training.summary.resolved_config, kept in each checkpoint) with the checkpoint's:
+
+- what makes it another run is refused: the model, the data, the rewards, the group size, the seed, the batch
+  layout of a rollout (prompts per rollout, optimizer steps per rollout, passes), LoRA, the dtype;
+- what only steers the rest of the run (learning_rate, beta, clipping, max_steps, temperature, the micro-batch
+  size, ...) is taken, and printed as `old -> new`: learning_rate and AdamW's settings are written into the
+  restored optimizer and schedule (which would otherwise keep the checkpoint's), as a user who lowers the rate to
+  calm a run means;
+- where the output goes, how often it logs, evaluates and saves, and the launch details say nothing.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from grpo.config import ConfigError
+from grpo.training.checkpoint import PREFIX
+from grpo.training.state import checkpoint_to_resume
+from grpo.training.summary import resolved_config
+
+RUN_FILES = ("config.yaml", "layout.yaml", "metrics.jsonl", "samples", "tensorboard", "final", "plot.png",
+             "nonfinite", "wandb_run_id")
+IDENTITY = ("model_name_or_path", "model_revision", "torch_dtype", "bf16", "fp16", "task", "task_difficulty",
+            "task_train_size", "dataset_name", "dataset_config", "dataset_split", "prompt_column", "system_prompt",
+            "chat_template", "use_chat_template", "prefill", "max_prompt_length", "num_generations", "seed",
+            "data_seed", "shuffle_dataset", "reward_funcs", "step_reward_funcs", "use_peft", "lora_r", "lora_alpha",
+            "lora_dropout", "lora_target_modules", "lora_modules_to_save", "use_rslora", "use_dora", "load_in_4bit")
+LAYOUT_IDENTITY = ("processes", "prompts_per_rollout", "steps_per_rollout", "num_iterations",
+                   "steps_per_epoch")
+QUIET = ("output_dir", "overwrite_output_dir", "resume", "resume_from_checkpoint", "stop_signals", "run_name",
+         "project", "disable_tqdm", "num_threads", "metric_names", "num_completions_to_print", "report_to",
+         "per_device_eval_batch_size", "push_to_hub")
+QUIET_PREFIXES = ("log", "eval_", "save_", "hub_", "wandb_")
+
+
+def run_files(out: Path) -> list[str]:
+    """The names in `out` that a run writes (sorted)."""
+    if not out.is_dir():
+        return []
+    return sorted(p.name for p in out.iterdir() if p.name in RUN_FILES or p.name.startswith(PREFIX))
+
+
+def prepare(trainer, requested: Any) -> None:
+    """At the start of train(): the run directory's rules, then the checkpoint to continue from (if any) restored,
+    with the changes the config may make. The main process decides; every process raises the same ConfigError and
+    applies the same changes. Collective."""
+    cfg, main = trainer.cfg, trainer.accel.is_main_process
+    path = checkpoint_to_resume(cfg, requested, trainer.procs)
+    resuming = bool(requested if requested is not None else (cfg.resume_from_checkpoint or cfg.resume))
+    decision = [None, []]  # (refusal, changes)
+    if main:
+        try:
+            if path is not None:
+                decision[1] = compare_with_checkpoint(trainer, path)
+            elif not resuming and not getattr(trainer, "owns_output_dir", False):
+                claim(Path(cfg.output_dir), cfg.overwrite_output_dir)
+        except ConfigError as err:
+            decision[0] = str(err)
+    if trainer.world > 1:
+        from accelerate.utils import broadcast_object_list
+
+        broadcast_object_list(decision)
+    if decision[0] is not None:
+        raise ConfigError(decision[0])
+    trainer.owns_output_dir = True  # (a second train() of this trainer continues in it)
+    if path is not None:
+        trainer._resume(path)
+        apply_changes(trainer, {k for k, _, _ in decision[1]})
+
+
+def claim(out: Path, overwrite: bool) -> None:
+    """Refuse a directory that holds another run's files, or (overwrite) delete those files."""
+    found = run_files(out)
+    if not found:
+        return
+    if not overwrite:
+        shown = ", ".join(found[:6]) + (", ..." if len(found) > 6 else "")
+        raise ConfigError(f"output_dir: {out} holds a run ({shown}); continue it with --resume (resume: true), choose "
+                          "another output_dir, or set overwrite_output_dir: true to delete that run's files and start "
+                          "over.")
+    for name in found:
+        target = out / name
+        shutil.rmtree(target) if target.is_dir() else target.unlink()
+    print(f"overwrite_output_dir: deleted the previous run's {', '.join(found)} in {out}.")
+
+
+def saved_files(path: Path, cfg) -> tuple[dict | None, dict | None]:
+    """The config and layout a checkpoint was written with (older checkpoints: those of its run directory)."""
+    def read(name: str) -> dict | None:
+        for where in (path, Path(cfg.output_dir)):
+            if (where / name).is_file():
+                return yaml.safe_load((where / name).read_text())
+        return None
+
+    return read("config.yaml"), read("layout.yaml")
+
+
+def compare_with_checkpoint(trainer, path: Path) -> list[tuple[str, Any, Any]]:
+    """Refuse (ConfigError) a resume whose config makes it another run; return the other changes (key, old, new)
+    and print them."""
+    saved, saved_layout = saved_files(path, trainer.cfg)
+    if saved is None:
+        print(f"resume: {path} has no config.yaml to compare this run's config with.")
+        return []
+    now, layout = resolved_config(trainer), trainer.layout.to_dict()
+    refused = [(k, saved[k], now[k]) for k in IDENTITY if k in saved and k in now and saved[k] != now[k]]
+    refused += [(f"layout.{k}", saved_layout[k], layout[k]) for k in LAYOUT_IDENTITY
+                if saved_layout and k in saved_layout and saved_layout[k] != layout[k]]
+    if refused:
+        changes = "; ".join(f"{k} {old!r} -> {new!r}" for k, old, new in refused)
+        raise ConfigError(f"resume: {changes} would make this another run than the one {path} belongs to; resume with "
+                          "the checkpoint's values, or start a new run from its weights (model_name_or_path: "
+                          f"{path}, another output_dir).")
+    changed = [(k, saved[k], now[k]) for k in now if k in saved and saved[k] != now[k] and k not in QUIET
+               and not k.startswith(QUIET_PREFIXES)]
+    if changed:
+        print("resume: changed since the checkpoint, taken from now on: "
+              + "; ".join(f"{k} {old!r} -> {new!r}" for k, old, new in changed))
+    return changed
+
+
+def apply_changes(trainer, changed: set[str]) -> None:
+    """After the checkpoint's optimizer and schedule are restored: the config's learning_rate, AdamW settings and
+    schedule replace theirs (restored, they would silently keep the checkpoint's)."""
+    import torch
+
+    cfg, scheduler = trainer.cfg, trainer.scheduler
+    if not changed & {"learning_rate", "adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay", "max_steps",
+                      "num_train_epochs", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio"}:
+        return
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):  # (a user's own scheduler keeps its state)
+        return
+    scheduler.base_lrs = [cfg.learning_rate] * len(scheduler.base_lrs)
+    for group, factor in zip(trainer.optimizer.param_groups, scheduler.lr_lambdas):
+        group.update(lr=cfg.learning_rate * factor(scheduler.last_epoch), weight_decay=cfg.weight_decay,
+                     betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
+    scheduler._last_lr = [group["lr"] for group in trainer.optimizer.param_groups]
