@@ -239,7 +239,7 @@ def _eval(args) -> int:
 
     agents = make_agent_spec(cfg)  # (the tools' worker processes start before the model loads)
     tokenizer = load_tokenizer(str(model_path))
-    prompts = build_prompt_set(dataset, tokenizer, cfg, prefill, "--dataset", agents)
+    prompts = build_prompt_set(dataset, tokenizer, cfg, prefill, "--dataset", agents=agents)
     model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
     torch.manual_seed(args.seed)
     gen = make_sampler(choose_engine("auto", model, torch.device("cpu"), 1, "NO"), model, tokenizer)
