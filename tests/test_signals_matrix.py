@@ -116,11 +116,14 @@ def test_signals_at_random_points_resume_to_the_uninterrupted_weights(tmp_path, 
         out = tmp_path / f"run{i}"
         rc, err, where = interrupt(command(tmp_path, out, procs, 29610 + i), env, out, procs, signum, rng)
         stopped = [line for line in err.splitlines() if line.startswith("grpo: stopped:")]
-        assert len(stopped) == 1 and "Resume: " in stopped[0], err[-3000:]
-        assert procs == 2 or rc == 75, (rc, err[-3000:])  # (torchrun reports its workers' 75 as its own 1)
-        done = subprocess.run(command(tmp_path, out, procs, 29640 + i, resume=True), env=env, capture_output=True,
-                              text=True)
-        assert done.returncode == 0, done.stderr[-3000:]
+        if rc == 0 and not stopped:  # the signal came after the last step: the run finished (handlers stay till then)
+            stopped = ["finished before the signal was acted on"]
+        else:
+            assert len(stopped) == 1 and "Resume: " in stopped[0], err[-3000:]
+            assert procs == 2 or rc == 75, (rc, err[-3000:])  # (torchrun reports its workers' 75 as its own 1)
+            done = subprocess.run(command(tmp_path, out, procs, 29640 + i, resume=True), env=env,
+                                  capture_output=True, text=True)
+            assert done.returncode == 0, done.stderr[-3000:]
         got = final(out)
         diff = max((got[k] - want[procs][k]).abs().max().item() for k in got)
         rows.append(dict(run=i, processes=procs, signal=signal.Signals(signum).name, logged_steps_then=where,
@@ -146,3 +149,4 @@ def test_signals_at_random_points_resume_to_the_uninterrupted_weights(tmp_path, 
           f"max |dtheta| {max(r['max_abs_diff'] for r in rows)}; double SIGINT: exit {rc}, '{last}', "
           f"resumed max |dtheta| {twice}")
     assert all(r["max_abs_diff"] == 0.0 for r in rows) and twice == 0.0
+    assert sum(r["exit"] != 0 for r in rows) >= 15  # (most signals land inside the run)

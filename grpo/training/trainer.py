@@ -176,26 +176,29 @@ class GRPOTrainer:
         started = time.perf_counter()
         self.backend.prepare()  # (again, when train() is called a second time)
         self.control.event("on_train_begin")
+        # Installed until train() returns: a signal after the last step lets the run finish (it is then complete).
         signals = StopSignals(cfg.stop_signals, self.procs).install()
         try:
-            if self.step == 0 and self.control.cadence.evaluate_first(self.eval_set is not None):
-                log_step(self, logger, display, 0, self.evaluate())
-            while self.step < self.total_steps and not self.control.control.should_training_stop:
-                with engine_faults(cfg, "update"):
-                    last = self._step_and_report(logger, display)
-                stop_if_signalled(self, signals)  # a stop signal: this step's checkpoint, then TrainingInterrupted
+            try:
+                if self.step == 0 and self.control.cadence.evaluate_first(self.eval_set is not None):
+                    log_step(self, logger, display, 0, self.evaluate())
+                while self.step < self.total_steps and not self.control.control.should_training_stop:
+                    with engine_faults(cfg, "update"):
+                        last = self._step_and_report(logger, display)
+                    stop_if_signalled(self, signals)  # a stop signal: this step's checkpoint, then TrainingInterrupted
+            finally:
+                display.close()
+                logger.close()
+                self.backend.release()  # the model goes back as it was loaded
+            self.save_model(out / "final")
+            if main:
+                finish_run(out)
+                print("\n".join(end_lines(self, last, time.perf_counter() - started)))
+            self.control.event("on_train_end")
+            if self.hub is not None:
+                self.hub.finished(out / "final", self.step)
         finally:
             signals.restore()
-            display.close()
-            logger.close()
-            self.backend.release()  # the model goes back as it was loaded
-        self.save_model(out / "final")
-        if main:
-            finish_run(out)
-            print("\n".join(end_lines(self, last, time.perf_counter() - started)))
-        self.control.event("on_train_end")
-        if self.hub is not None:
-            self.hub.finished(out / "final", self.step)
         return TrainResult(last, global_step=self.step)
 
     def _step_and_report(self, logger, display) -> dict[str, float]:
