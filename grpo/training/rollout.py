@@ -265,12 +265,12 @@ class Rollouts:
         # Seeds belong to rows; a dynamic-sampling refill round gets rows of its own.
         seeds = [row_seed(self.cfg.seed, index, first + r + round_ * 1_000_000) for r in range(n_local)]
         agent = None
-        if self.agent is None:
-            with engine_faults(self.cfg, "generation"):  # (out of memory, a dead vLLM: an error naming the setting)
+        with engine_faults(self.cfg, "generation"):  # (out of memory, a dead vLLM: an error naming the setting)
+            if self.agent is None:
                 out = self.generator.generate(prompt_ids, self.params, seeds)
-        else:  # tools, environments or a rollout_func: the prompts may come back extended
-            with engine_faults(self.cfg, "generation"):
+            else:  # tools, environments or a rollout_func: the prompts may come back extended
                 out = agent = self.agent.generate(prompts, prompt_ids, columns, self.params, seeds)
+        if agent is not None:
             prompts, prompt_ids, columns = agent.prompts, agent.prompt_ids, {**columns, **agent.columns}
         t1 = time.perf_counter()
         texts = self.tokenizer.batch_decode([strip_eos(c, self.eos_ids) for c in out.ids], skip_special_tokens=False)
