@@ -203,11 +203,13 @@ def test_compiled_head_packs_into_the_space_it_is_given(monkeypatch):
 
 
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
-def test_portable_build_without_avx512_gives_the_same_products(tmp_path, monkeypatch):
-    # The plain C paths (what a CPU without AVX-512 compiles) against the product they replace.
+@pytest.mark.parametrize("without", [["-mno-avx512f"], ["-mno-avx512f", "-mno-avx2", "-mno-fma"]],
+                         ids=["avx2", "plain-c"])
+def test_portable_builds_give_the_same_products(without, tmp_path, monkeypatch):
+    # The 8-lane (AVX2 and FMA, no AVX-512) and the plain C paths against the products they replace.
     compiler = shutil.which("cc") or shutil.which("gcc")
     target = tmp_path / "portable.so"
-    native._build([compiler], target, [*native.FLAGS, "-mno-avx512f"] if native._x86() else native.FLAGS)
+    native._build([compiler], target, [*native.FLAGS, *without] if native._x86() else native.FLAGS)
     lib = native._declare(ctypes.CDLL(str(target)))
     torch.manual_seed(0)
     weight, h, bias = torch.randn(37, 24), torch.randn(20, 24), torch.randn(37)

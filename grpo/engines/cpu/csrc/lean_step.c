@@ -53,7 +53,7 @@ int64_t lean_scratch_floats(int32_t rows, int32_t hidden, int32_t q, int32_t kv,
 #define NB 32
 #ifdef __AVX512F__
 #define MB 8
-#else  /* 16 registers of 8 floats: 8 x 32 accumulators spill; 4 x 32 measured 42 GFLOP/s against 33 (Zen 3) */
+#else
 #define MB 4
 #endif
 
@@ -83,6 +83,56 @@ void lean_pack_rows(int32_t K, int32_t N, int32_t col0, int32_t n, const float *
             for (int k = 0; k < K; k++) packed[(size_t)(c / NB) * NB * K + (size_t)k * NB + c % NB] = 0.0f;
 }
 
+/* Stores an (mb, nb) block of accumulators acc (row stride `stride`) into out's columns n0.. , plus bias. */
+static inline void store_block(int mb, int nb, const float *acc, int stride, const float *restrict bias, int n0,
+                               float *restrict out, int N) {
+    for (int i = 0; i < mb; i++) {
+        float *restrict o = out + (size_t)i * N + n0;
+        const float *a = acc + (size_t)i * stride;
+        for (int j = 0; j < nb; j++) o[j] = bias ? a[j] + bias[n0 + j] : a[j];
+    }
+}
+
+#ifdef GRPO_AVX2
+/* out (M, N) = x (M, K) @ W (K, N) + bias (N, or NULL), W packed by lean_pack_rows, for AVX2 without AVX-512: 16
+ * registers of 8 floats. Each half panel (16 columns) times a block of 6 rows accumulates in 12 registers over all
+ * of K, with 2 for the weights and 1 for the broadcast row value (the classic 6 x 16 kernel); the plain-C block
+ * below spills at 4 x 32 on these registers. Every output is the same k-ordered sum of fused multiply-adds as
+ * there. Zen 3, M 64: 47-52 -> 68-80 GFLOP/s for the default job's products (K 128 / 512, N 128 - 1024). */
+#define RB 6
+static void gemm(int M, int K, int N, const float *restrict x, const float *restrict packed,
+                 const float *restrict bias, float *restrict out) {
+    for (int n0 = 0; n0 < N; n0 += NB) {
+        const int nb = N - n0 < NB ? N - n0 : NB;
+        const float *restrict panel = packed + (size_t)n0 * K;
+        for (int half = 0; half < nb; half += 16) {
+            for (int m0 = 0; m0 < M; m0 += RB) {
+                const float *r[RB];
+                for (int i = 0; i < RB; i++) r[i] = x + (size_t)(m0 + i < M ? m0 + i : M - 1) * K;
+                __m256 acc[RB][2];
+                for (int i = 0; i < RB; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+                const float *restrict w = panel + half;
+                for (int k = 0; k < K; k++, w += NB) {
+                    if (m0 == 0 && half == 0) __builtin_prefetch(w + 1024);  /* the next panel, 4 KB ahead */
+                    const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+                    for (int i = 0; i < RB; i++) {
+                        const __m256 v = _mm256_broadcast_ss(r[i] + k);
+                        acc[i][0] = _mm256_fmadd_ps(v, w0, acc[i][0]);
+                        acc[i][1] = _mm256_fmadd_ps(v, w1, acc[i][1]);
+                    }
+                }
+                float block[RB][16];
+                for (int i = 0; i < RB; i++) {
+                    _mm256_storeu_ps(block[i], acc[i][0]);
+                    _mm256_storeu_ps(block[i] + 8, acc[i][1]);
+                }
+                store_block(M - m0 < RB ? M - m0 : RB, nb - half < 16 ? nb - half : 16, &block[0][0], 16, bias,
+                            n0 + half, out + (size_t)m0 * N, N);
+            }
+        }
+    }
+}
+#else
 /* out (M, N) = x (M, K) @ W (K, N) + bias (N, or NULL), W packed by lean_pack_rows. A block of MB rows x NB columns
  * is accumulated in registers over all of K; a panel is read from memory once and from cache for the other row
  * blocks. Rows past M repeat row M-1 and are not stored, so every block runs the same unrolled loop. */
@@ -109,14 +159,11 @@ static void gemm(int M, int K, int N, const float *restrict x, const float *rest
                     for (int j = 0; j < NB; j++) acc[i][j] += xv * w[j];
                 }
             }
-            const int mb = M - m0 < MB ? M - m0 : MB;
-            for (int i = 0; i < mb; i++) {
-                float *restrict o = out + (size_t)(m0 + i) * N + n0;
-                for (int j = 0; j < nb; j++) o[j] = bias ? acc[i][j] + bias[n0 + j] : acc[i][j];
-            }
+            store_block(M - m0 < MB ? M - m0 : MB, nb, &acc[0][0], NB, bias, n0, out + (size_t)m0 * N, N);
         }
     }
 }
+#endif
 
 /* sum_j a[j] b[j], in 16 interleaved partial sums (a strict left-to-right float sum cannot be vectorized). */
 static inline float dot(const float *restrict a, const float *restrict b, int n) {
@@ -186,6 +233,77 @@ static void add_into(size_t count, float *restrict x, const float *restrict y) {
     for (size_t j = 0; j < count; j++) x[j] += y[j];
 }
 
+/* One query head's attention over L cached positions: o (d) = softmax(scale q K^T, masked) V, keys and values (L, d)
+ * rows; scores (L) is scratch. Masked keys (mask[t] == 0) get weight 0. */
+static void attend(const float *restrict q, const float *restrict K, const float *restrict V, int L, int d,
+                   float scale, const uint8_t *mask, float *restrict scores, float *restrict o) {
+    float best = -INFINITY;
+#ifdef GRPO_AVX2
+    if (d % 8 == 0) {  /* 8 keys' dots at a time and a register-held output (the plain loops below ran ~10x slower
+                        * per flop: one dependent chain and a horizontal sum per key, the output on the stack) */
+        int t = 0;
+        for (; t + 8 <= L; t += 8) {
+            const float *restrict k = K + (size_t)t * d;
+            __m256 a[8];
+            for (int i = 0; i < 8; i++) a[i] = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k + (size_t)i * d));
+            for (int j = 8; j < d; j += 8) {
+                const __m256 qj = _mm256_loadu_ps(q + j);
+                for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qj, _mm256_loadu_ps(k + (size_t)i * d + j), a[i]);
+            }
+            const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+            const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+            const __m256 dots = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                                              _mm256_permute2f128_ps(u0, u1, 0x31));  /* keys t .. t+7 */
+            _mm256_storeu_ps(scores + t, _mm256_mul_ps(dots, _mm256_set1_ps(scale)));
+        }
+        for (; t < L; t++) scores[t] = dot(q, K + (size_t)t * d, d) * scale;
+        for (t = 0; t < L; t++) {
+            if (mask && !mask[t]) scores[t] = -INFINITY;
+            if (scores[t] > best) best = scores[t];
+        }
+        const __m256 inv = _mm256_set1_ps(1.0f / exp_sums(scores, L, best, scores, NULL));
+        int j0 = 0;
+        for (; j0 + 32 <= d; j0 += 32) {  /* 32 output dims at a time in 4 registers */
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (t = 0; t < L; t++) {
+                const __m256 w = _mm256_broadcast_ss(scores + t);
+                const float *restrict v = V + (size_t)t * d + j0;
+                a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), a0);
+                a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), a1);
+                a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 16), a2);
+                a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 24), a3);
+            }
+            _mm256_storeu_ps(o + j0, _mm256_mul_ps(a0, inv));
+            _mm256_storeu_ps(o + j0 + 8, _mm256_mul_ps(a1, inv));
+            _mm256_storeu_ps(o + j0 + 16, _mm256_mul_ps(a2, inv));
+            _mm256_storeu_ps(o + j0 + 24, _mm256_mul_ps(a3, inv));
+        }
+        for (; j0 < d; j0 += 8) {
+            __m256 a0 = _mm256_setzero_ps();
+            for (t = 0; t < L; t++)
+                a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(scores + t), _mm256_loadu_ps(V + (size_t)t * d + j0), a0);
+            _mm256_storeu_ps(o + j0, _mm256_mul_ps(a0, inv));
+        }
+        return;
+    }
+#endif
+    for (int t = 0; t < L; t++) {
+        scores[t] = (mask && !mask[t]) ? -INFINITY : dot(q, K + (size_t)t * d, d) * scale;
+        if (scores[t] > best) best = scores[t];
+    }
+    const float total = exp_sums(scores, L, best, scores, NULL);  /* masked keys (-inf) get 0 */
+    for (int j0 = 0; j0 < d; j0 += 64) {  /* 64 output dims at a time stay in registers */
+        const int w = d - j0 < 64 ? d - j0 : 64;
+        float acc[64] = {0.0f};
+        for (int t = 0; t < L; t++) {
+            const float p = scores[t];
+            const float *restrict v = V + (size_t)t * d + j0;
+            for (int j = 0; j < w; j++) acc[j] += p * v[j];
+        }
+        for (int j = 0; j < w; j++) o[j0 + j] = acc[j] / total;
+    }
+}
+
 /* One token per row. tokens, positions: (rows). length: positions already in the cache (this token is written
  * at index length). key_mask: (rows, mask_stride) bytes, nonzero where a row may attend (left padding is 0), or
  * NULL when every cached position is real. out: (rows, H), the final normed hidden states. */
@@ -213,26 +331,9 @@ void lean_step(const Model *m, const int64_t *tokens, const int64_t *positions, 
         for (int r = 0; r < R; r++) {
             const uint8_t *mask = key_mask ? key_mask + (size_t)r * mask_stride : NULL;
             for (int qh = 0; qh < QH; qh++) {
-                const float *q = qkv + (size_t)r * W3 + (size_t)qh * d;
                 const size_t base = ((size_t)r * KVH + qh / group) * m->capacity * d;
-                const float *K = ly->keys + base, *V = ly->values + base;
-                float best = -INFINITY;
-                for (int t = 0; t < L; t++) {
-                    scores[t] = (mask && !mask[t]) ? -INFINITY : dot(q, K + (size_t)t * d, d) * m->scale;
-                    if (scores[t] > best) best = scores[t];
-                }
-                const float total = exp_sums(scores, L, best, scores, NULL);  /* masked keys (-inf) get 0 */
-                float *restrict o = att + (size_t)r * Q + (size_t)qh * d;
-                for (int j0 = 0; j0 < d; j0 += 64) {  /* 64 output dims at a time stay in registers */
-                    const int w = d - j0 < 64 ? d - j0 : 64;
-                    float acc[64] = {0.0f};
-                    for (int t = 0; t < L; t++) {
-                        const float p = scores[t];
-                        const float *restrict v = V + (size_t)t * d + j0;
-                        for (int j = 0; j < w; j++) acc[j] += p * v[j];
-                    }
-                    for (int j = 0; j < w; j++) o[j0 + j] = acc[j] / total;
-                }
+                attend(qkv + (size_t)r * W3 + (size_t)qh * d, ly->keys + base, ly->values + base, L, d, m->scale,
+                       mask, scores, att + (size_t)r * Q + (size_t)qh * d);
             }
         }
         gemm(R, Q, H, att, ly->o, ly->o_bias, h);
