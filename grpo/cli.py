@@ -132,7 +132,7 @@ def _train(args, argv: list[str] | None) -> int:
     cfg = GRPOConfig.load(recipe or DEFAULT_RECIPE, overrides)
     set_resume_command(resume_command(argv))
     try:
-        return _run(cfg)
+        return _run(cfg, owns_process=argv is None)  # (argv None: the `grpo` command itself, not a caller's main())
     except KeyboardInterrupt:  # a Ctrl-C before training started, or a second one during it
         from grpo.training.checkpoint import complete_checkpoints
         from grpo.training.errors import resume_hint
@@ -143,7 +143,9 @@ def _train(args, argv: list[str] | None) -> int:
         return EXIT_INTERRUPTED
 
 
-def _run(cfg) -> int:
+def _run(cfg, owns_process: bool) -> int:
+    import signal
+
     from grpo.training.trainer import GRPOTrainer, TrainingStopped
 
     if not torch_has_gpu():
@@ -158,6 +160,12 @@ def _run(cfg) -> int:
     except TrainingStopped as err:
         _say(f"grpo: stopped: {err}")
         return err.exit_code
+    if owns_process:
+        # The run is complete. A stop signal from here to the exit has nothing left to stop: ignored, it cannot kill
+        # this process with its default action (SIGTERM) or an uncaught KeyboardInterrupt (SIGINT) while another
+        # process of the launch still writes final/ (its launcher would then end that one too).
+        for name in cfg.stop_signals:
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
     return 0
 
 
@@ -208,7 +216,9 @@ def _eval(args) -> int:
     from grpo.training.data import build_prompt_set, load_dataset_any
     from grpo.training.model import load_tokenizer
 
-    model_path = Path(args.model)
+    from grpo.config.base import shipped_model
+
+    model_path = Path(shipped_model(args.model))
     if (model_path / "final" / "config.json").exists():
         model_path = model_path / "final"
     if not (model_path / "config.json").exists():

@@ -182,6 +182,22 @@ def test_a_dict_of_environments_routes_rows_by_their_environment_column(tmp_path
     assert batch.metrics["reward/Counter/none_frac"] == 0.5  # echo rows: does not apply
 
 
+def test_remove_unused_columns_keeps_the_column_that_picks_each_rows_environment(tmp_path, tools_model_dir):
+    seen = []
+
+    def zero(completions, **kwargs):
+        seen.append(sorted(kwargs))
+        return [0.0] * len(completions)
+
+    say = "<tool_call>\n" + json.dumps({"name": "say", "arguments": {"text": "0"}}) + "\n</tool_call>"
+    trainer = make_trainer(tmp_path, tools_model_dir, [say, "<answer>x</answer>"], reward_funcs=[zero],
+                           environment_factory={"a": Echo, "b": Echo}, train_dataset=env_data(4, ["a", "b"] * 2),
+                           overrides={"task": None, "prompts_per_step": 4, "remove_unused_columns": True})
+    batch = trainer.rollout()
+    assert batch.metrics["tools/call_rate"] == 1.0 and batch.metrics["tools/errors/unknown_tool"] == 0.0
+    assert "environment" in seen[0] and "start" not in seen[0]  # the other columns are dropped, as asked
+
+
 def test_an_environment_call_past_its_deadline_retires_the_instance(tmp_path, tools_model_dir):
     say = "<tool_call>\n" + json.dumps({"name": "say", "arguments": {"text": "30"}}) + "\n</tool_call>"
     trainer = make_trainer(tmp_path, tools_model_dir, [say + say, "<answer>x</answer>"], reward_funcs=["math_accuracy"],

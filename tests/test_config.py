@@ -83,3 +83,13 @@ def test_docs_config_md_is_generated_from_the_dataclass():
 
     path = Path(__file__).parent.parent / "docs" / "config.md"
     assert path.read_text() == config_reference(), "docs/config.md is stale: run `grpo train --help-config > docs/config.md`"
+
+
+def test_a_shipped_model_is_named_by_its_name_unless_a_directory_of_that_name_exists(tmp_path, monkeypatch):
+    from grpo.config.base import ASSETS
+
+    assert GRPOConfig(model_name_or_path="tiny-tools").model_name_or_path == str(ASSETS / "tiny-tools")
+    assert GRPOConfig(model_name_or_path="Qwen/Qwen2.5-0.5B").model_name_or_path == "Qwen/Qwen2.5-0.5B"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny-tools").mkdir()  # the user's own directory wins
+    assert GRPOConfig(model_name_or_path="tiny-tools").model_name_or_path == "tiny-tools"

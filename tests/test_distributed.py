@@ -156,11 +156,11 @@ log_completions_steps: 0
 def test_a_tool_run_on_two_processes_matches_one(tmp_path):
     """The shipped tiny-tools model calls its calculator (in each process's own worker processes): the two
     processes' rows together are the one process's trajectories, tool calls and rewards, and the weights agree.
-    Calling the tool is rewarded: the shipped model's answers are rarely right, and with no reward at all the
-    gradient would be float noise that Adam scales up to whole learning-rate steps (measured: 1.5e-3 apart).
-    adam_epsilon 1e-4 for the same reason: with 1e-8, gradient entries near 0 (float noise of the all-reduce's
-    summation order) still become steps of about lr (measured: 4e-4 apart on a few entries, grad norms equal to
-    2e-6 relative, every trajectory identical); with 1e-4 equal gradients give equal weights."""
+    Calling the tool is rewarded, so groups differ in reward: where no group does, the gradient is float noise
+    that Adam scales up to whole learning-rate steps (measured: 1.5e-3 apart). adam_epsilon 1e-4 for the same
+    reason: with 1e-8, gradient entries near 0 (float noise of the all-reduce's summation order) still become
+    steps of about lr (measured: 4e-4 apart on a few entries, grad norms equal to 2e-6 relative, every trajectory
+    identical); with 1e-4 equal gradients give equal weights."""
     model = Path(__file__).resolve().parents[1] / "grpo" / "assets" / "tiny-tools"
     env = job(tmp_path, model)
     (tmp_path / "recipe.yaml").write_text(TOOLS_RECIPE.format(model=model))

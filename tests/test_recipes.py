@@ -17,9 +17,9 @@ RECIPES = sorted((ROOT / "recipes").glob("*.yaml")) + [DEFAULT_RECIPE]
 def test_recipe_loads(recipe):
     cfg = GRPOConfig.load(recipe)
     assert cfg.task == ("calculator" if recipe.name == "calculator_tools.yaml" else "arithmetic")
-    if cfg.task == "calculator":  # the tool task's model is the shipped tool-calling one, named from the repo root
-        assert cfg.tools == ["calculator"] and cfg.model_name_or_path == "grpo/assets/tiny-tools"
-        assert (ROOT / cfg.model_name_or_path / "config.json").is_file()
+    if cfg.task == "calculator":  # the tool task's model is the shipped tool-calling one, named by its name
+        assert cfg.tools == ["calculator"] and cfg.model_name_or_path == str(ROOT / "grpo" / "assets" / "tiny-tools")
+        assert (Path(cfg.model_name_or_path) / "config.json").is_file()
 
 
 @pytest.mark.parametrize("recipe", sorted((ROOT / "recipes" / "gpu").glob("*.yaml")), ids=lambda p: p.name)

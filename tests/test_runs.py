@@ -16,6 +16,7 @@ import errno
 import json
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -287,3 +288,24 @@ def test_grpo_train_exits_75_with_the_resume_command_and_twice_ctrl_c_stops_at_o
     assert err.strip().splitlines()[-1] == (f"grpo: interrupted: the newest checkpoint is {out}/checkpoint-3; resume: "
                                             f"grpo train {path} output_dir={out} --resume")
     assert "Traceback" not in err and not (out / "final").exists()
+
+
+def test_the_grpo_command_ignores_stop_signals_once_its_run_is_complete(tiny_model_dir, tmp_path):
+    """A launcher's signal reaching one worker after its train() returned (another still writing final/) must not
+    kill it (SIGTERM's default action, or an uncaught KeyboardInterrupt: exit -2, seen in the slow signal matrix).
+    As the command (argv from sys.argv) the run ends with the stop signals ignored; a caller's main([...]) keeps
+    its own handlers."""
+    path, out = recipe(tmp_path, tiny_model_dir), tmp_path / "run"
+    SIGNAL_REWARD.__init__(signal.SIGTERM, at=10**9)
+    script = ("import signal, sys; from grpo import cli; sys.argv = ['grpo', 'train', sys.argv[1], sys.argv[2]]; "
+              "code = cli.main(); print(code, [signal.getsignal(s).name for s in "
+              "(signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)])")
+    here = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent)])}
+    done = subprocess.run([sys.executable, "-c", script, str(path), f"output_dir={out}"], env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "0 ['SIG_IGN', 'SIG_IGN', 'SIG_IGN']"
+    assert cli_main(["train", str(path), f"output_dir={tmp_path / 'again'}"]) == 0
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

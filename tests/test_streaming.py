@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.config import ConfigError
-from grpo.training.stream import StreamingPrompts
+from grpo.training.stream import StreamingPrompts, epochs_done
 from rewards_for_tests import count_a
 
 
@@ -45,10 +45,13 @@ def test_stream_order_is_the_files_and_resumes_mid_epoch(tmp_path):
 
     stream, _ = make_datasets(cfg, None, None, None)
     a = StreamingPrompts(stream, Tok(), cfg, "")
-    got = [a.rows(a.next(2))[0] for _ in range(3)]
+    got = [a.rows(a.next(2))[0] for _ in range(2)]
+    assert epochs_done(a, 2, 1) == 0.0  # the first pass: its length is not known yet
+    got += [a.rows(a.next(2))[0]]
     assert got == [["p0", "p1"], ["p2", "p3"], ["p4", "p0"]]  # the third call crosses into epoch 1
     state = a.state_dict()
-    assert state == {"epoch": 1, "position": 1, "served": 6, "skipped": 0}
+    assert state == {"epoch": 1, "position": 1, "served": 6, "skipped": 0, "rows_per_pass": 5}
+    assert epochs_done(a, 3, 1) == 1.2  # train/epoch: one pass of 5 rows and 1 row of the next (not 3 steps / 1)
     b = StreamingPrompts(stream, Tok(), cfg, "")
     b.load_state_dict(state)
     assert [a.rows(a.next(3))[0] for _ in range(2)] == [b.rows(b.next(3))[0] for _ in range(2)]
@@ -99,7 +102,7 @@ def test_bad_rows_skipped_and_counted(tmp_path, tiny_model_dir):
     trainer = GRPOTrainer(reward_funcs=["math_accuracy"], args=cfg)
     metrics = trainer.train()
     assert metrics["data/skipped_rows"] == 2.0  # 6 good prompts served over 3 steps of 2: rows 1 and 5 skipped once
-    assert trainer.sampler.state_dict() == {"epoch": 0, "position": 8, "served": 6, "skipped": 2}
+    assert trainer.sampler.state_dict() == {"epoch": 0, "position": 8, "served": 6, "skipped": 2, "rows_per_pass": 0}
     # a map-style dataset skips them up front
     cfg = config(tiny_model_dir, tmp_path / "run2", dataset_name=path, dataset_on_bad_row="skip", max_steps=1,
                  save_steps=0)

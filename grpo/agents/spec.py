@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Callable
 
-from grpo.agents.environments import Environments
+from grpo.agents.environments import COLUMN, Environments
 from grpo.agents.template import ToolTemplate
 from grpo.agents.tools import Tool, ToolError, ToolSet, import_object, resolve_tool
 from grpo.config import ConfigError
@@ -31,6 +31,12 @@ class AgentSpec:
 
     def run_in_workers(self, calls: list[tuple[str, dict]]) -> list[tuple[str, str | None]]:
         return self.workers.run(calls, self.timeout_s, self.max_chars) if calls else []
+
+    def needed_columns(self, columns: dict[str, list]) -> dict[str, list]:
+        """The dataset columns the rollout itself reads, kept when `remove_unused_columns` drops the others: the
+        `environment` column that picks each row's environment from a dict of factories."""
+        envs = self.environments
+        return {COLUMN: columns[COLUMN]} if envs is not None and envs.multi and COLUMN in columns else {}
 
     def reward_funcs(self) -> list[tuple[str, Callable]]:
         """The environments' `get_reward`, as extra reward functions (weight 1)."""

@@ -1,4 +1,4 @@
-"""What every part of the config package shares: the error type, the field helper and the shipped model's path."""
+"""What every part of the config package shares: the error type, the field helper and the shipped models' paths."""
 
 from __future__ import annotations
 
@@ -6,7 +6,15 @@ from dataclasses import field
 from pathlib import Path
 from typing import Any
 
-DEFAULT_MODEL = str(Path(__file__).parent.parent / "assets" / "tiny-arith")
+ASSETS = Path(__file__).parent.parent / "assets"
+DEFAULT_MODEL = str(ASSETS / "tiny-arith")
+SHIPPED_MODELS = ("tiny-arith", "tiny-tools")
+"""Models shipped in the package, which `model_name_or_path` (and `grpo eval --model`) may name by their name alone."""
+
+
+def shipped_model(name: str) -> str:
+    """The path of the shipped model `name` names, when no local directory of that name exists; else name."""
+    return str(ASSETS / name) if name in SHIPPED_MODELS and not Path(name).exists() else name
 
 
 class ConfigError(ValueError):

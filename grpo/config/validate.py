@@ -44,10 +44,11 @@ def _trl_forms(cfg) -> None:
         cfg.bf16 = not cfg.fp16
     if cfg.output_dir is None:  # TRL's default
         cfg.output_dir = "trainer_output"
-    if cfg.model_name_or_path is None:  # TRL ModelConfig's unset: the shipped model
-        from grpo.config.base import DEFAULT_MODEL
+    from grpo.config.base import DEFAULT_MODEL, shipped_model
 
+    if cfg.model_name_or_path is None:  # TRL ModelConfig's unset: the shipped model
         cfg.model_name_or_path = DEFAULT_MODEL
+    cfg.model_name_or_path = shipped_model(cfg.model_name_or_path)  # `tiny-tools`: the one in the package
     if cfg.min_p is None:
         cfg.min_p = 0.0
 

@@ -198,7 +198,7 @@ def build_prompt_set(dataset, tokenizer, cfg: GRPOConfig, prefill: str, name: st
     columns = {c: table[c] for c in dataset.column_names if c != column}
     tools = agents.prompt_tools(tokenizer)(columns, len(prompts)) if agents else None
     ids = tokenize_prompts(prompts, tokenizer, cfg, prefill, tools=tools)
-    kept = {} if cfg.remove_unused_columns else columns
+    kept = columns if not cfg.remove_unused_columns else agents.needed_columns(columns) if agents else {}
     messages = [as_messages(p, tokenizer, cfg) for p in prompts]
     return PromptSet(messages, ids, kept, prompt_renderer(tokenizer, cfg, prefill), skipped=skipped)
 

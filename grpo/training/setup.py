@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from grpo.config import ConfigError, GRPOConfig
+from grpo.config.base import shipped_model
 from grpo.training.data import load_dataset_any
 from grpo.training.stream import is_stream, shuffled_stream
 
@@ -35,7 +36,7 @@ def check_inputs(cfg: GRPOConfig, model, train_dataset) -> None:
     from grpo.training.data import check_data_path
 
     if model is None or isinstance(model, (str, Path)):
-        check_model_path(str(model) if model is not None else cfg.model_name_or_path)
+        check_model_path(shipped_model(str(model)) if model is not None else cfg.model_name_or_path)
     if train_dataset is None and cfg.dataset_name is not None:
         check_data_path(cfg.dataset_name, "dataset_name")
     if cfg.eval_dataset_name is not None:

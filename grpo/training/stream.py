@@ -67,6 +67,7 @@ class StreamingPrompts:
         self.column_names = names
         self.answer_columns = tuple(c for c in answer_columns if c in names)
         self.epoch = self.position = self.served = self.skipped = 0
+        self.rows_per_pass = 0  # known once a pass has ended
         self._rows: OrderedDict[int, tuple[Any, list[int], dict[str, Any]]] = OrderedDict()
         self._calls: list[list[int]] = []
         self._iter = None
@@ -125,6 +126,7 @@ class StreamingPrompts:
                 ends += 1
                 if self.position == 0 or ends > 1:
                     raise ConfigError(f"{self.name}: a whole pass over the stream gave no usable row.")
+                self.rows_per_pass = self.position
                 self.epoch, self.position, self._iter = self.epoch + 1, 0, None
                 continue
             index = self._index(row, self.position - 1)
@@ -151,7 +153,8 @@ class StreamingPrompts:
         return keys
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position, "served": self.served, "skipped": self.skipped}
+        return {"epoch": self.epoch, "position": self.position, "served": self.served, "skipped": self.skipped,
+                "rows_per_pass": self.rows_per_pass}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if "served" not in state:
@@ -159,6 +162,7 @@ class StreamingPrompts:
                               "length; resume it with that dataset (not streamed).")
         self.epoch, self.position, self.served, self.skipped = (state["epoch"], state["position"], state["served"],
                                                                  state["skipped"])
+        self.rows_per_pass = state.get("rows_per_pass", 0)
         self._iter, self._rows, self._calls = None, OrderedDict(), []
 
     # ---- the prompt set ------------------------------------------------------------------------------------------
@@ -189,6 +193,15 @@ def make_prompts(dataset, tokenizer, cfg: GRPOConfig, prefill: str, rewards, nam
     prompts = build_prompt_set(dataset, tokenizer, cfg, prefill, name, answers, agents)
     sampler = PromptSampler(len(prompts), cfg.seed if cfg.data_seed is None else cfg.data_seed, cfg.shuffle_dataset)
     return prompts, sampler
+
+
+def epochs_done(prompts: PromptSet | StreamingPrompts, steps: int, steps_per_epoch: int) -> float:
+    """`train/epoch` after `steps` optimizer steps: over a dataset with a length, steps / steps per epoch; over a
+    stream, the passes made so far (whole ones, plus the current one's fraction once a pass has given the stream's
+    length; a stream's first pass reads 0 until it ends)."""
+    if not isinstance(prompts, StreamingPrompts):
+        return steps / steps_per_epoch
+    return prompts.epoch + (prompts.position / prompts.rows_per_pass if prompts.rows_per_pass else 0.0)
 
 
 def prompt_count(prompts: PromptSet | StreamingPrompts) -> int | None:

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from grpo.config.base import shipped_model
 from grpo.agents import make_agent_spec, make_rollout
 from grpo.core import sync_reference_
 from grpo.engines.base import SamplingParams
@@ -47,7 +48,7 @@ from grpo.training.state import restore, save_checkpoint, trainer_state
 from grpo.training.setup import (check_inputs, check_reward_columns, check_sizes, config_of, configure_process,
                                  fill_deepspeed_auto, load_task, make_accelerator, make_datasets, make_optimizer,
                                  make_reward_runner, make_schedule, make_step_rewards, seed_everything, tokenizer_for)
-from grpo.training.stream import make_prompts, prompt_count
+from grpo.training.stream import epochs_done, make_prompts, prompt_count
 from grpo.training.steps import StepPlan, resolve_layout
 from grpo.training.summary import TrainResult, end_lines, finish_run, log_step, start_lines, write_run_files
 from grpo.training.update import Update, apply_step, clip_gradients
@@ -93,7 +94,7 @@ class GRPOTrainer:
 
         from_path = model is None or isinstance(model, (str, Path))
         if from_path and model is not None:
-            cfg.model_name_or_path = str(model)
+            cfg.model_name_or_path = shipped_model(str(model))  # `tiny-tools`: the one in the package
         self.tokenizer = tokenizer_for(cfg, processing_class, cfg.model_name_or_path if from_path else
                                        model.name_or_path)
         # Tokenize and check the data before the weights load: a bad row or length fails in seconds.
@@ -228,7 +229,7 @@ class GRPOTrainer:
             self.num_tokens += batch.metrics.get("completion/tokens", 0.0)
             self._last_samples = batch.samples
         metrics.update({"train/num_tokens": self.num_tokens,
-                        "train/epoch": (self.step + 1) / self.layout.steps_per_epoch,
+                        "train/epoch": epochs_done(self.train_set, self.step + 1, self.layout.steps_per_epoch),
                         "time/update": time.perf_counter() - t1, "time/step": time.perf_counter() - t0})
         return metrics
 
