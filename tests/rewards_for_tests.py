@@ -11,6 +11,15 @@ def called_a_tool(completions, **kwargs):
     return [float(isinstance(c, list) and any(m.get("role") == "tool" for m in c)) for c in completions]
 
 
+def paced_count_a(completions, **kwargs):
+    """count_a, taking 1 s: a run of the signal matrix lasts at least a rollout past any step it is signalled after
+    (quiet, a tiny model's 6 steps took a fraction of a second, and the signals landed after the run's end)."""
+    import time
+
+    time.sleep(1.0)
+    return count_a(completions, **kwargs)
+
+
 def slow_count_a(completions, **kwargs):
     """count_a, taking 2.5 s: a rollout long enough for two Ctrl-C's a second apart to land inside it."""
     import time

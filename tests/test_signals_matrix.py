@@ -2,7 +2,8 @@
 torchrun, alternating), each resumed with --resume to the uninterrupted run's final weights; and a double Ctrl-C.
 
 Each run waits for a random number of logged steps, then a random fraction of a second more (so the signal lands in
-generation, scoring, the update or a save), then sends SIGTERM, SIGINT or SIGUSR1 in turn: with one process to it,
+generation, scoring, the update or a save; the reward takes 1 s, so a rollout is still to come after the steps
+waited for), then sends SIGTERM, SIGINT or SIGUSR1 in turn: with one process to it,
 with two to one worker chosen at random (the other learns of it in the per-step all-reduce). A rollout feeds two
 optimizer steps (num_iterations 2), so some stops fall inside a rollout. Run:
 
@@ -30,7 +31,7 @@ RECIPE = """\
 model_name_or_path: {model}
 dataset_name: {data}
 task: null
-reward_funcs: ["rewards_for_tests:count_a"]
+reward_funcs: ["rewards_for_tests:paced_count_a"]
 num_generations: 4
 prompts_per_step: 2
 per_device_train_batch_size: 4
