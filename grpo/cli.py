@@ -209,14 +209,13 @@ def _eval(args) -> int:
 
     from grpo.agents import AgentRollout, make_agent_spec
     from grpo.config import ConfigError, GRPOConfig
+    from grpo.config.base import shipped_model
     from grpo.engines.base import SamplingParams
     from grpo.engines.select import choose_engine, make_sampler
     from grpo.evaluate import evaluate_prompts
     from grpo.rewards import RewardRunner, resolve_reward
     from grpo.training.data import build_prompt_set, load_dataset_any
     from grpo.training.model import load_tokenizer
-
-    from grpo.config.base import shipped_model
 
     model_path = Path(shipped_model(args.model))
     if (model_path / "final" / "config.json").exists():

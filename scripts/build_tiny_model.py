@@ -68,11 +68,11 @@ FORMAT_BREAKS = (("</think>\n", ""), ("</think>\n<answer>", "</think><answer>"))
 
 
 @dataclasses.dataclass
-class BuildConfig:
-    """Everything that determines the checkpoint; written into PROVENANCE.md."""
+class ModelSettings:
+    """The model and its pre-training, shared by the tiny models' builds (build_tiny_tools_model.py too)."""
 
     seed: int = 0
-    difficulty: int = 2  # of the arithmetic task
+    difficulty: int = 2  # of the task
     hidden: int = 128
     layers: int = 4
     heads: int = 4
@@ -82,6 +82,12 @@ class BuildConfig:
     lr: float = 3e-3
     warmup: int = 100  # linear warm-up steps, then cosine decay to lr / 10
     weight_decay: float = 0.01
+
+
+@dataclasses.dataclass
+class BuildConfig(ModelSettings):
+    """Everything that determines the checkpoint; written into PROVENANCE.md."""
+
     p_step_error: float = 0.35  # per reasoning step: the teacher writes a wrong result
     p_format_error: float = 0.1  # per solution: the teacher breaks the format
     train_problems: int = 20_000  # rows drawn from the train split; batches sample from them

@@ -79,20 +79,10 @@ CHAT_TEMPLATE = (
 
 
 @dataclasses.dataclass
-class BuildConfig:
-    """Everything that determines the checkpoint; written into PROVENANCE.md."""
+class BuildConfig(build_tiny_model.ModelSettings):
+    """Everything that determines the checkpoint (the model's and its pre-training's settings, then the teacher's
+    and the evaluation's); written into PROVENANCE.md."""
 
-    seed: int = 0
-    difficulty: int = 2  # of the calculator task
-    hidden: int = 128
-    layers: int = 4
-    heads: int = 4
-    intermediate: int = 512
-    steps: int = 1500
-    batch_size: int = 64
-    lr: float = 3e-3
-    warmup: int = 100
-    weight_decay: float = 0.01
     p_tool: float = 0.3  # per problem: the teacher calls the calculator
     p_head_error: float = 0.8  # per problem answered in its head with a multi-digit operand: the answer is wrong
     train_problems: int = 20_000

@@ -327,9 +327,7 @@ class Rollouts:
                                                                 cmask)
         batch = RolloutBatch(input_ids, attention, cmask, advantages)
         if s.logprobs is not None:
-            batch.sampling_logp = torch.zeros_like(cmask)
-            for i, row in enumerate(s.logprobs):
-                batch.sampling_logp[i, :len(row)] = torch.tensor(row[:cmask.shape[1]], dtype=cmask.dtype)
+            batch.sampling_logp = pad_rows(s.logprobs, cmask.shape[1])
         self.times["scoring"] += time.perf_counter() - t0
         batch.metrics = {**self._metrics(s, rewards, outcome), **step_metrics}
         if s.agent_stats is not None:

@@ -15,7 +15,6 @@ import numpy as np
 import torch
 
 from grpo.config import ConfigError, GRPOConfig
-from grpo.config.base import shipped_model
 from grpo.training.data import load_dataset_any
 from grpo.training.stream import is_stream, shuffled_stream
 
@@ -30,13 +29,14 @@ def config_of(args, unsupported: dict) -> GRPOConfig:
     return args if isinstance(args, GRPOConfig) else from_trl(args) if args is not None else GRPOConfig()
 
 
-def check_inputs(cfg: GRPOConfig, model, train_dataset) -> None:
-    """The paths a user gives, in the order they would fix them: the model, then the dataset (rewards come next,
-    in make_reward_runner). One line each, naming the key."""
+def check_inputs(cfg: GRPOConfig, model_from_path: bool, train_dataset) -> None:
+    """The paths a user gives, in the order they would fix them: the model (when it is loaded from
+    model_name_or_path, not passed as a model), then the dataset (rewards come next, in make_reward_runner). One line
+    each, naming the key."""
     from grpo.training.data import check_data_path
 
-    if model is None or isinstance(model, (str, Path)):
-        check_model_path(shipped_model(str(model)) if model is not None else cfg.model_name_or_path)
+    if model_from_path:
+        check_model_path(cfg.model_name_or_path)
     if train_dataset is None and cfg.dataset_name is not None:
         check_data_path(cfg.dataset_name, "dataset_name")
     if cfg.eval_dataset_name is not None:

@@ -73,7 +73,10 @@ class GRPOTrainer:
                  environment_factory=None, *, generator=None,
                  step_reward_funcs: list | None = None, **unsupported):
         self.cfg = cfg = config_of(args, unsupported)
-        check_inputs(cfg, model, train_dataset)  # the model, then the data: in the order a user fixes them
+        from_path = model is None or isinstance(model, (str, Path))
+        if from_path and model is not None:
+            cfg.model_name_or_path = shipped_model(str(model))  # `tiny-tools`: the one in the package
+        check_inputs(cfg, from_path, train_dataset)  # the model, then the data: in the order a user fixes them
         self.accel = make_accelerator(cfg)
         check_sharding(self.accel, cfg)
         self.sharded = self.accel.distributed_type in ("FSDP", "DEEPSPEED")  # its state saved in shards
@@ -92,9 +95,6 @@ class GRPOTrainer:
         train_dataset, eval_dataset = make_datasets(cfg, self.task, train_dataset, eval_dataset)
         check_reward_columns(self.rewards, train_dataset, self.agents)  # before any model load
 
-        from_path = model is None or isinstance(model, (str, Path))
-        if from_path and model is not None:
-            cfg.model_name_or_path = shipped_model(str(model))  # `tiny-tools`: the one in the package
         self.tokenizer = tokenizer_for(cfg, processing_class, cfg.model_name_or_path if from_path else
                                        model.name_or_path)
         # Tokenize and check the data before the weights load: a bad row or length fails in seconds.
