@@ -40,7 +40,7 @@ from grpo.training.micro_batches import MicroBatches
 from grpo.training.model import load_model, prepare_model, save_final
 from grpo.training.objective import Objective
 from grpo.training.rollout import Processes, RolloutBatch, Rollouts
-from grpo.training.sharded import check_sharding, place_reference
+from grpo.training.sharded import check_sharding, place_reference, reduce_in_float32
 from grpo.training.errors import TrainingStopped
 from grpo.training.faults import engine_faults
 from grpo.training.signals import StopSignals, stop_if_signalled
@@ -79,6 +79,7 @@ class GRPOTrainer:
         check_inputs(cfg, from_path, train_dataset)  # the model, then the data: in the order a user fixes them
         self.accel = make_accelerator(cfg)
         check_sharding(self.accel, cfg)
+        reduce_in_float32(self.accel)  # (FSDP2 with bf16: gradients reduce in float32, as verl's)
         self.sharded = self.accel.distributed_type in ("FSDP", "DEEPSPEED")  # its state saved in shards
         self.procs = Processes(self.accel)
         self.world, self.rank = self.procs.world, self.procs.rank
