@@ -47,7 +47,8 @@ from grpo.training.signals import StopSignals, stop_if_signalled
 from grpo.training.state import restore, save_checkpoint, trainer_state
 from grpo.training.setup import (check_inputs, check_reward_columns, check_sizes, config_of, configure_process,
                                  fill_deepspeed_auto, load_task, make_accelerator, make_datasets, make_optimizer,
-                                 make_reward_runner, make_schedule, make_step_rewards, seed_everything, tokenizer_for)
+                                 make_reward_runner, make_schedule, make_step_rewards, seed_everything, tokenizer_for,
+                                 warn_low_precision_training)
 from grpo.training.stream import epochs_done, make_prompts, prompt_count
 from grpo.training.steps import StepPlan, resolve_layout
 from grpo.training.summary import TrainResult, end_lines, finish_run, log_step, start_lines, write_run_files
@@ -118,6 +119,8 @@ class GRPOTrainer:
         self.optimizer = optimizers[0] or make_optimizer(model, cfg)
         self.scheduler = optimizers[1] or torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, make_schedule(cfg, self.total_steps))
+        warn_low_precision_training(model, self.optimizer, cfg, self.accel.distributed_type,
+                                    self.accel.mixed_precision)
         fill_deepspeed_auto(self.accel, cfg)
         self.model, self.optimizer = self.accel.prepare(model, self.optimizer)
         self.reference = place_reference(self.reference, self.accel)  # (sharded as the policy is, under FSDP2, ZeRO-3)
