@@ -58,3 +58,124 @@ def test_the_rounded_away_share_is_of_low_precision_weights_only():
     assert rounded_away([w], 1e-3) == pytest.approx(3 / 4)
     assert rounded_away([w], 1e-2) == 0.0
     assert rounded_away([torch.ones(4)], 1e-9) == 0.0  # float32: nothing to warn about
+
+
+def _head_case(dtype=torch.bfloat16):
+    """Hidden states and an LM head whose logits have a std of about 4 (a trained model's range), and the float64
+    log-probs of exactly those (rounded) values."""
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(2, 24, 64).to(dtype), (0.5 * torch.randn(500, 64)).to(dtype)
+    tokens = torch.randint(0, 500, (2, 24))
+    exact = torch.log_softmax(hidden.double() @ weight.double().T, -1).gather(-1, tokens[..., None])[..., 0]
+    return hidden, weight, tokens, exact
+
+
+def test_cast_lm_head_to_fp32_gives_log_probs_closer_to_the_exact_ones():
+    """bf16 logits are rounded to 8 significant bits before the softmax (about 0.016 at a logit of 4); the float32
+    head's product is exact to float32, for bf16 weights and for float32 weights under bf16 autocast alike."""
+    from grpo.core import hidden_logprobs
+
+    hidden, weight, tokens, exact = _head_case()
+    off, _ = hidden_logprobs(hidden, weight, tokens)
+    on, _ = hidden_logprobs(hidden, weight, tokens, float32_head=True)
+    hidden32, weight32 = hidden.float().requires_grad_(), weight.float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast_off, _ = hidden_logprobs(hidden32, weight32, tokens)
+        autocast_on, _ = hidden_logprobs(hidden32, weight32, tokens, float32_head=True)
+    errors = [float((x.double() - exact).abs().max()) for x in (off, on, autocast_off, autocast_on)]
+    assert errors[1] < 1e-4 and errors[3] < 1e-4 and min(errors[0], errors[2]) > 1e-2, errors
+    autocast_on.sum().backward()  # the gradient is taken in float32 too: d logp / d h = W_y - sum_v p_v W_v
+    p = torch.softmax(hidden.double() @ weight.double().T, -1)
+    want = weight.double()[tokens] - p @ weight.double()
+    torch.testing.assert_close(hidden32.grad.double(), want, atol=1e-5, rtol=0)
+
+
+def test_cast_lm_head_to_fp32_is_taken_and_gives_policy_and_reference_a_float32_head(tiny_model_dir, tmp_path):
+    """The key (TRL's, from a trl.GRPOConfig too) casts the head of the policy and of the reference to float32 and
+    leaves the tied embedding's outputs in the weights' dtype; a step trains."""
+    trl = pytest.importorskip("trl")
+    from grpo.config import from_trl
+
+    assert from_trl(trl.GRPOConfig(output_dir="x", use_cpu=True, cast_lm_head_to_fp32=True,
+                                   report_to="none")).cast_lm_head_to_fp32
+    cfg = GRPOConfig(output_dir=str(tmp_path / "run"), task=None, num_generations=2, per_device_train_batch_size=2,
+                     max_completion_length=4, max_steps=1, report_to=[], beta=0.04, torch_dtype="bfloat16",
+                     cast_lm_head_to_fp32=True, disable_tqdm=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (bf16 weights with AdamW: the warning of the test above)
+        t = GRPOTrainer(model=tiny_model_dir, reward_funcs=[_length], args=cfg,
+                        train_dataset=Dataset.from_dict({"prompt": [f"q{i}\n" for i in range(4)]}))
+        for model in (t.policy, t.reference):
+            assert model.get_output_embeddings().weight.dtype == torch.float32
+            assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+            assert model.get_input_embeddings()(torch.tensor([[1, 2]])).dtype == torch.bfloat16
+        assert t.policy.get_output_embeddings().weight is not t.reference.get_output_embeddings().weight
+        t.train()
+    assert t.step == 1 and all(torch.isfinite(p).all() for p in t.policy.parameters())
+
+
+def test_the_heads_backward_recomputes_the_logits_the_forward_normalised_outside_autocast():
+    """Backward runs outside autocast (torch's advice); the tiled head's backward recomputes its logit tiles under
+    the forward's autocast state, so they are the bf16 logits whose log-sum-exp the forward saved. The softmax's
+    gradient then sums to zero over the vocabulary (d logp_y / d b = onehot(y) - p): recomputed in float32 instead,
+    p would sum to exp(lse32 - lse16), about 1e-3 off, and so would the bias gradient's sum."""
+    from grpo.core import hidden_logprobs
+
+    hidden, weight, tokens, _ = _head_case(torch.float32)
+    hidden = (2 * hidden).requires_grad_()
+    weight = weight.requires_grad_()
+    bias = torch.zeros(500, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logp, _ = hidden_logprobs(hidden, weight, tokens, bias=bias)
+        reference = torch.log_softmax(torch.nn.functional.linear(hidden, weight, bias).float(), -1)
+        reference = reference.gather(-1, tokens[..., None])[..., 0]
+    (logp.sum()).backward()  # outside autocast, as the update now calls it
+    assert abs(float(bias.grad.sum())) < 1e-4 * tokens.numel()
+    got = (hidden.grad.clone(), weight.grad.clone())
+    hidden.grad = weight.grad = None
+    reference.sum().backward()  # plain autograd under the same autocast
+    for mine, plain in zip(got, (hidden.grad, weight.grad)):
+        assert float((mine - plain).norm() / plain.norm()) < 1e-2  # (plain autograd rounds its products to bf16)
+
+
+def test_the_update_runs_its_backward_outside_autocast_and_its_forward_inside(tiny_model_dir, tmp_path, monkeypatch):
+    from grpo.engines.policy import TransformersBackend
+
+    seen = {}
+    backward = TransformersBackend.backward
+
+    def recording(self, loss):
+        seen["backward"] = torch.is_autocast_enabled("cpu")
+        seen["loss_dtype"] = loss.dtype
+        return backward(self, loss)
+
+    monkeypatch.setattr(TransformersBackend, "backward", recording)
+    changed, _ = _one_step(tiny_model_dir, tmp_path, torch_dtype="float32", bf16=True, learning_rate=1e-3)
+    assert seen == {"backward": False, "loss_dtype": torch.float32} and changed > 0.9
+
+
+def test_full_determinism_runs_the_update_and_repeats_it_bit_for_bit(tiny_model_dir, tmp_path, monkeypatch):
+    """full_determinism turns on torch's strict deterministic mode (an op without a deterministic kernel raises):
+    the transformers engine's update under bf16 autocast (the tiled head's index_add_ and scatter_add_ backward,
+    sdpa's backward) runs under it, and two runs end at the same weights. (On CUDA, torch's docs list index_add_,
+    scatter_add_ and sdpa's flash and mem-efficient backward as switching to deterministic kernels: untested here.)"""
+    import os
+
+    from safetensors.torch import load_file
+
+    for key in ("CUBLAS_WORKSPACE_CONFIG", "FLASH_ATTENTION_DETERMINISTIC"):
+        monkeypatch.delenv(key, raising=False)  # (monkeypatch puts back what was there when the test ends)
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", torch.backends.cudnn.deterministic)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark)
+    try:
+        weights = []
+        for run in ("a", "b"):
+            _one_step(tiny_model_dir, tmp_path / run, bf16=True, learning_rate=1e-3, full_determinism=True,
+                      engine="transformers")
+            assert torch.are_deterministic_algorithms_enabled()
+            assert not torch.is_deterministic_algorithms_warn_only_enabled() and os.environ["CUBLAS_WORKSPACE_CONFIG"]
+            weights.append(load_file(str(tmp_path / run / "final" / "model.safetensors")))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])

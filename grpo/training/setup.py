@@ -350,8 +350,14 @@ def configure_process(cfg: GRPOConfig) -> None:
     if cfg.full_determinism:
         import os
 
+        # As transformers' enable_full_determinism (TRL's), without CUDA_LAUNCH_BLOCKING (not needed once cuBLAS
+        # has its workspace setting). Under the strict flag torch picks deterministic kernels where it has them:
+        # index_add_ and scatter_add_ (the tiled head's backward) and sdpa's flash and mem-efficient backward on
+        # CUDA (cuDNN attention is excluded); an op with none raises. The flash-attn package reads its own setting.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        os.environ.setdefault("FLASH_ATTENTION_DETERMINISTIC", "1")
         torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     if cfg.tf32 is not None and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
         torch.backends.cudnn.allow_tf32 = cfg.tf32
