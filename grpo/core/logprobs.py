@@ -217,17 +217,11 @@ def _head_forward(h: Tensor, weight: Tensor, bias: Tensor | None, y: Tensor, tem
     return lse, target - lse, entropy
 
 
-def _autocast_state(device: torch.device) -> tuple[str, bool, torch.dtype]:
-    """(device type, whether autocast is on for it, its dtype) as the caller's forward runs."""
-    return device.type, torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
-
-
-def _autocast_as(state: tuple[str, bool, torch.dtype]):
-    """The autocast state `state` again (what torch.amp.custom_bwd does, for whichever device the tensors are on):
-    backward recomputes the head's logit tiles, and they must be the logits the forward normalised, whatever
-    autocast state backward itself runs in (torch runs it outside autocast)."""
-    kind, enabled, dtype = state
-    return torch.autocast(kind, dtype=dtype, enabled=enabled)
+def _autocast_state(device: torch.device) -> tuple[str, torch.dtype, bool]:
+    """torch.autocast's (device type, dtype, enabled) as the forward runs: backward recomputes the head's logit tiles
+    under it again (torch.amp.custom_bwd's rule, for whichever device the tensors are on), so they are the logits
+    the forward normalised whatever state backward runs in (torch runs it outside autocast)."""
+    return device.type, torch.get_autocast_dtype(device.type), torch.is_autocast_enabled(device.type)
 
 
 class _HeadGrads:
@@ -324,7 +318,7 @@ class _HiddenLogprob(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_entropy):
         """With p = softmax(x): d logp_y / dx = onehot(y) - p and dH / dx_j = -p_j (log p_j + H), so per tile
         d(loss)/dx = -p (g + g_H (log p + H)), plus g at the target column, added once at the end."""
-        with _autocast_as(ctx.autocast):
+        with torch.autocast(*ctx.autocast):
             return _HiddenLogprob._backward(ctx, grad_logp, grad_entropy)
 
     @staticmethod
