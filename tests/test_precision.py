@@ -110,6 +110,8 @@ def test_cast_lm_head_to_fp32_is_taken_and_gives_policy_and_reference_a_float32_
             assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
             assert model.get_input_embeddings()(torch.tensor([[1, 2]])).dtype == torch.bfloat16
         assert t.policy.get_output_embeddings().weight is not t.reference.get_output_embeddings().weight
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # the model's own forward (the path of
+            assert t.policy(input_ids=torch.tensor([[1, 2]])).logits.dtype == torch.float32  # a wrapped model)
         t.train()
     assert t.step == 1 and all(torch.isfinite(p).all() for p in t.policy.parameters())
 
@@ -179,3 +181,18 @@ def test_full_determinism_runs_the_update_and_repeats_it_bit_for_bit(tiny_model_
         torch.use_deterministic_algorithms(False)
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def test_cast_lm_head_to_fp32_refuses_an_adapted_head():
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from grpo.config import ConfigError
+    from grpo.training.model import cast_lm_head_to_fp32
+
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False))
+    adapted = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "lm_head"]))
+    with pytest.raises(ConfigError, match=r"cast_lm_head_to_fp32: the LM head is a peft\.tuners\.lora\.layer\.Linear, "
+                                          r"not a torch\.nn\.Linear"):
+        cast_lm_head_to_fp32(adapted)

@@ -147,8 +147,10 @@ def cast_lm_head_to_fp32(model) -> None:
     base = model.get_base_model() if is_peft(model) else model
     head = base.get_output_embeddings()
     if type(head) is not torch.nn.Linear:
-        raise ConfigError(f"cast_lm_head_to_fp32: the LM head is a {type(head).__name__}, not a plain Linear (a LoRA "
-                          "adapter on it?); remove lm_head from lora_target_modules or set cast_lm_head_to_fp32 false.")
+        kind = f"{type(head).__module__}.{type(head).__name__}"
+        raise ConfigError(f"cast_lm_head_to_fp32: the LM head is a {kind}, not a torch.nn.Linear (a LoRA adapter on "
+                          "it?); remove lm_head from lora_target_modules and lora_modules_to_save, or set "
+                          "cast_lm_head_to_fp32 false.")
     dtype = head.weight.dtype
     head.float()
     head.forward = types.MethodType(_float32_linear, head)  # (a bound method: a deep copy binds to the copy's head)

@@ -293,7 +293,7 @@ def rounded_away(params, lr: float, sample: int = 2**16) -> float:
     elements; 0 when no parameter is low precision."""
     same = total = 0
     for p in params:
-        if p.dtype in (torch.bfloat16, torch.float16):
+        if p.dtype in (torch.bfloat16, torch.float16) and p.device.type != "meta":  # (meta: loaded on another rank)
             w = p.detach().reshape(-1)[:sample]
             same += int(((w.float() + lr).to(p.dtype) == w).sum())
             total += w.numel()
