@@ -55,6 +55,14 @@ def test_4bit_on_cpu_is_a_clear_error(tiny_model_dir, tmp_path):
                     train_dataset=Dataset.from_dict({"prompt": ["x"]}))
 
 
+def test_4bit_with_vllm_is_refused_by_name():
+    """QLoRA's base is packed 4-bit data: vLLM's copy cannot take it plus a LoRA delta (a shape error at the first
+    weight push), so the config refuses the pair before anything loads."""
+    with pytest.raises(ConfigError, match="load_in_4bit: 4-bit \\(QLoRA\\) weights cannot be handed to vLLM"):
+        GRPOConfig(load_in_4bit=True, use_peft=True, use_vllm=True)
+    GRPOConfig(load_in_4bit=True, use_peft=True)  # the transformers sampler runs it
+
+
 def test_one_pass_loss_buffer_cap_is_larger_for_a_frozen_head(tiny_model_dir, monkeypatch):
     """completion_loss takes the one-pass path only when a row's (T, V) logits fit the cap: the small cap for a
     trained head, the large one for a frozen head (no weight gradient shares the memory). The loss it returns is

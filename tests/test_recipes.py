@@ -24,9 +24,14 @@ def test_recipe_loads(recipe):
 
 @pytest.mark.parametrize("recipe", sorted((ROOT / "recipes" / "gpu").glob("*.yaml")), ids=lambda p: p.name)
 def test_gpu_recipe_loads(recipe):
-    """The GPU recipes name a hub model and dataset (not reachable here): they load and validate."""
+    """The GPU recipes name a hub model and dataset (not reachable here): they load and validate, and train float32
+    weights under bf16 autocast (AdamW on bf16 weights at lr 1e-6 rounds almost every step away:
+    tests/test_precision.py)."""
+    from grpo.training.setup import make_accelerator
+
     cfg = GRPOConfig.load(recipe)
-    assert cfg.task is None and cfg.dataset_name and cfg.torch_dtype == "bfloat16"
+    assert cfg.task is None and cfg.dataset_name and (cfg.torch_dtype, cfg.bf16) == ("float32", True)
+    assert make_accelerator(cfg).mixed_precision == "bf16"
 
 
 def test_process_supervision_recipe_runs(tmp_path):

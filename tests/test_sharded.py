@@ -245,3 +245,27 @@ def test_what_the_sharded_paths_do_not_run_is_refused_before_the_model_loads(mon
     for sharded in (fsdp2, zero3):
         with pytest.raises(ConfigError, match="reference_weights: disk"):
             check_sharding(sharded, GRPOConfig(reference_weights="disk"))
+    for sharded in (fsdp2, zero3):  # the reference's state dict is this process's shards (ZeRO-3: "module." names)
+        with pytest.raises(ConfigError, match="sync_ref_model: not built with sharded weights"):
+            check_sharding(sharded, GRPOConfig(sync_ref_model=True, beta=0.04))
+    check_sharding(zero2, GRPOConfig(sync_ref_model=True, beta=0.04))  # whole weights in each process: it runs
+
+
+def test_fsdp2_under_bf16_reduces_gradients_in_float32():
+    """accelerate turns `mixed_precision: bf16` into a policy that reduce-scatters gradients in bf16; the trainer
+    gives fully_shard one that reduces them in float32 (verl's default) and computes in bf16 as before."""
+    import torch
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from grpo.training.sharded import float32_reduce, reduce_in_float32
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    plugin.set_mixed_precision("bf16")  # what AcceleratorState does for an FSDP2 launch with bf16
+    assert plugin.mixed_precision_policy.reduce_dtype == torch.bfloat16  # accelerate's own choice
+    reduce_in_float32(accelerator("FSDP", fsdp_plugin=plugin))  # (what the trainer calls before prepare)
+    policy = plugin.mixed_precision_policy
+    assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (torch.bfloat16, torch.float32,
+                                                                               torch.bfloat16)
+    assert float32_reduce(None) is None  # no mixed precision: float32 throughout already
+    assert float32_reduce(type(policy)(param_dtype=torch.bfloat16)).reduce_dtype == torch.float32  # None: bf16's
+    assert float32_reduce(type(policy)()).reduce_dtype is None  # float32 parameters: nothing to change

@@ -38,6 +38,9 @@ class GRPOConfig:
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory (slower).")
     gradient_checkpointing_kwargs: dict | None = _f(None, "Passed to gradient_checkpointing_enable().")
     disable_dropout: bool = _f(False, "Turn every dropout off, so the update's log-probs match sampling's.")
+    cast_lm_head_to_fp32: bool = _f(False, "The LM head in float32 (TRL's key, the ScaleRL recipe): its weight cast "
+                                    "to float32 and its product taken in float32 with autocast off, for the policy "
+                                    "and the reference, so bf16 logits are not rounded before the softmax.")
     use_liger_kernel: bool = _f(False, "Patch the model's layers with Liger's Triton kernels (pip install "
                                 "liger-kernel; CUDA), as TRL does: the log-probs still come from grpo's own head.")
     load_in_4bit: bool = _f(False, "QLoRA: load the base model in 4 bits through bitsandbytes (needs a CUDA GPU).")

@@ -63,6 +63,7 @@ TABLE: list[TRLKey] = [
     *_rows("trl", "field",
            ("model_init_kwargs", None), ("ds3_gather_for_generation", True, "FSDP2 too (docs/distributed.md)"),
            ("trust_remote_code", False), ("disable_dropout", False),
+           ("cast_lm_head_to_fp32", False, "tied embeddings too, their outputs cast back (as TRL's code does)"),
            ("num_generations", 8), ("max_completion_length", 512), ("shuffle_dataset", True),
            ("generation_batch_size", None), ("steps_per_generation", None), ("temperature", 1.0), ("top_p", 1.0),
            ("top_k", 0), ("min_p", None, "null and 0 both mean off"),
@@ -93,8 +94,6 @@ TABLE: list[TRLKey] = [
     *_rows("trl", "default",
            ("router_aux_loss_coef", None, "no MoE load-balancing loss is added (at the default, TRL adds an MoE "
             "model's own coefficient; grpo does not)"),
-           ("cast_lm_head_to_fp32", False, "the LM head's log-probs are already computed in float32 tiles "
-            "(grpo.core.hidden_logprobs)"),
            ("pad_to_multiple_of", "auto", "each micro-batch is padded to its own longest row; padding to a multiple "
             "is for Neuron's compiler", [None]),
            ("cache_implementation", None, "grpo's samplers keep their own KV cache"),

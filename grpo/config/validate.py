@@ -212,6 +212,9 @@ def _validate_optimization(cfg) -> None:
           f"unknown value {cfg.preset!r}; choose one of {', '.join(PRESETS)}.")
     check(not (cfg.load_in_4bit and not cfg.use_peft), "load_in_4bit", "4-bit weights train through LoRA adapters "
           "only; set use_peft (or pass peft_config).")
+    check(not (cfg.load_in_4bit and cfg.use_vllm), "load_in_4bit", "4-bit (QLoRA) weights cannot be handed to vLLM: "
+          "the packed 4-bit base would need dequantizing before the LoRA delta merges into it, which is not built. "
+          "Set use_vllm: false (the transformers sampler runs the 4-bit model) or load the base in bfloat16.")
 
 
 def _validate_loss(cfg) -> None:

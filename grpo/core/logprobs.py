@@ -217,6 +217,13 @@ def _head_forward(h: Tensor, weight: Tensor, bias: Tensor | None, y: Tensor, tem
     return lse, target - lse, entropy
 
 
+def _autocast_state(device: torch.device) -> tuple[str, torch.dtype, bool]:
+    """torch.autocast's (device type, dtype, enabled) as the forward runs: backward recomputes the head's logit tiles
+    under it again (torch.amp.custom_bwd's rule, for whichever device the tensors are on), so they are the logits
+    the forward normalised whatever state backward runs in (torch runs it outside autocast)."""
+    return device.type, torch.get_autocast_dtype(device.type), torch.is_autocast_enabled(device.type)
+
+
 class _HeadGrads:
     """The gradients of the tiled head, filled tile by tile: hidden (count, H) flat, weight (V, H), bias (V,).
 
@@ -288,6 +295,7 @@ class _HiddenLogprob(torch.autograd.Function):
                 kernels):
         ctx.set_materialize_grads(False)
         ctx.weight, ctx.kernels = weight if grad_in_place else None, kernels
+        ctx.autocast = _autocast_state(hidden.device)
         rows, cols, size = hidden.shape
         h_all, y_all = hidden.reshape(-1, size), tokens.reshape(-1)
         dtype = _upcast(hidden.dtype)
@@ -310,6 +318,11 @@ class _HiddenLogprob(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_entropy):
         """With p = softmax(x): d logp_y / dx = onehot(y) - p and dH / dx_j = -p_j (log p_j + H), so per tile
         d(loss)/dx = -p (g + g_H (log p + H)), plus g at the target column, added once at the end."""
+        with torch.autocast(*ctx.autocast):
+            return _HiddenLogprob._backward(ctx, grad_logp, grad_entropy)
+
+    @staticmethod
+    def _backward(ctx, grad_logp, grad_entropy):
         hidden, weight, bias, tokens, lse, entropy = ctx.saved_tensors
         size = hidden.shape[-1]
         h_all, y_all = hidden.reshape(-1, size), tokens.reshape(-1)
@@ -441,6 +454,7 @@ def hidden_logprobs(
     vocab_block: int | None = None,
     weight_grad_in_place: bool = False,
     kernels=None,
+    float32_head: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Token log-probs (and entropies) straight from final hidden states and the LM-head weight.
 
@@ -468,6 +482,9 @@ def hidden_logprobs(
             (m, b) logit tile of vocabulary rows v0 .. v0+b into the running statistics of `_head_forward` (in
             place), and `tile_grad(x, inv_t, lse, g, g_entropy, entropy)` turns it into d loss / d logits without
             the target's +g (in place; returns it). grpo.engines.cpu.native.TileKernels is one (compiled C).
+        float32_head: the head's products in float32 with autocast off (TRL's cast_lm_head_to_fp32), whatever the
+            dtypes of hidden and weight and the caller's autocast: logits of bf16 hidden states are not rounded to
+            bf16 before the softmax. Gradients flow back to hidden, weight and bias in their own dtypes.
 
     Returns:
         (logp, entropy): (N, T) float32 log-probs (float64 for float64 input) and entropies of the same dtype, or
@@ -486,5 +503,12 @@ def hidden_logprobs(
         raise ValueError(f"hidden_logprobs: vocab_block must be a positive number of rows or None, got {vocab_block}")
     if vocab_block is None:
         vocab_block = _auto_block(min(chunk_size, tokens.numel()), hidden.device)
+    if float32_head:  # (the Function keeps autocast off in its backward too: it replays the forward's state)
+        in_place = weight_grad_in_place and weight.dtype == torch.float32  # (else .float() is a copy, not the leaf)
+        kernels = kernels if hidden.dtype == torch.float32 else None  # (the caller chose them for hidden's dtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            return _HiddenLogprob.apply(hidden.float(), weight.float(), None if bias is None else bias.float(),
+                                        tokens.long(), temperature, chunk_size, vocab_block, with_entropy, in_place,
+                                        kernels)
     return _HiddenLogprob.apply(hidden, weight, bias, tokens.long(), temperature, chunk_size, vocab_block,
                                 with_entropy, weight_grad_in_place, kernels)

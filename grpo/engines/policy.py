@@ -69,12 +69,15 @@ class TransformersBackend:
     def loss_and_backward(self, micro: MicroBatch, temperature: float, loss_fn: LossFn,
                           with_entropy: bool, entropy_in_loss: bool = False) -> tuple[torch.Tensor, LossOutput]:
         """Backpropagate the micro-batch's loss; returns (its log-probs (n, width) detached, its LossOutput).
-        `entropy_in_loss`: the loss uses the entropies (an entropy bonus or mask), so they keep their gradient."""
-        out = completion_logprobs(self.model, micro.input_ids, micro.attention_mask, micro.width, temperature,
-                                  with_entropy=with_entropy or entropy_in_loss, tile_kernels=self.tile_kernels,
-                                  entropy_grad=entropy_in_loss, packed=micro.packed)
-        logp, entropy = out if with_entropy or entropy_in_loss else (out, None)
-        result = loss_fn(logp, slice(None), entropy)
+        `entropy_in_loss`: the loss uses the entropies (an entropy bonus or mask), so they keep their gradient.
+        The forward and the loss run under the run's autocast (mixed precision), the backward outside it, as torch
+        advises (autograd replays the forward's casts)."""
+        with self.accel.autocast():
+            out = completion_logprobs(self.model, micro.input_ids, micro.attention_mask, micro.width, temperature,
+                                      with_entropy=with_entropy or entropy_in_loss, tile_kernels=self.tile_kernels,
+                                      entropy_grad=entropy_in_loss, packed=micro.packed)
+            logp, entropy = out if with_entropy or entropy_in_loss else (out, None)
+            result = loss_fn(logp, slice(None), entropy)
         self.backward(result.loss)
         return logp.detach(), result
 
@@ -167,7 +170,8 @@ def _packed_logprobs(model, packed: PackedRows, temperature: float, with_entropy
         hidden = packed_hidden(model, packed)[None]  # (1, n_tok, H)
         logp, entropy = hidden_logprobs(hidden, head.weight, targets, temperature=temperature, bias=head.bias,
                                         with_entropy=with_entropy, weight_grad_in_place=head.weight.is_leaf,
-                                        kernels=tile_kernels and tile_kernels(hidden.dtype, hidden.device))
+                                        kernels=tile_kernels and tile_kernels(hidden.dtype, hidden.device),
+                                        float32_head=getattr(head, "grpo_float32_head", False))
     else:
         out = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask(_dtype(model)),
                     position_ids=packed.position_ids, logits_to_keep=packed.keep_columns, use_cache=False,
@@ -212,7 +216,8 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
         # trainer calls .backward() on an unwrapped model.
         logp, entropy = hidden_logprobs(hidden, head.weight, targets, temperature=temperature, bias=head.bias,
                                         with_entropy=with_entropy, weight_grad_in_place=head.weight.is_leaf,
-                                        kernels=tile_kernels and tile_kernels(hidden.dtype, hidden.device))
+                                        kernels=tile_kernels and tile_kernels(hidden.dtype, hidden.device),
+                                        float32_head=getattr(head, "grpo_float32_head", False))
         return (logp, entropy if entropy_grad else entropy.detach()) if with_entropy else logp
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
                 logits_to_keep=completion_len + 1, use_cache=False)

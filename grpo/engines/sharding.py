@@ -188,14 +188,34 @@ def whole_tensors(model, keep: Callable[[str], bool] = lambda name: True) -> Ite
 
 
 def _gathered_whole(params: list, tensor: torch.Tensor, kind: str | None, layer=None) -> torch.Tensor:
-    """`tensor`'s whole value, with `params` gathered for it; plus `layer`'s active LoRA deltas when given."""
+    """`tensor`'s whole value, with `params` gathered for it; plus `layer`'s active LoRA adapters merged in when
+    given (each a delta, or DoRA's rescaled weight)."""
     with _gathered(params):
-        value = _whole(tensor, kind)
+        base = value = _whole(tensor, kind)
         for adapter in layer.active_adapters if layer is not None else ():
             if adapter in layer.lora_A or adapter in layer.lora_embedding_A:
                 delta = layer.get_delta_weight(adapter)  # (a DTensor under FSDP2: computed by its shards)
-                value = value + (delta.full_tensor() if _is_dtensor(delta) else delta).to(value.dtype)
+                delta = (delta.full_tensor() if _is_dtensor(delta) else delta).to(base.dtype)
+                if adapter in getattr(layer, "lora_magnitude_vector", {}):  # DoRA: the base rescaled too
+                    delta = _dora_merged(layer, adapter, base, delta) - base
+                value = value + delta
     return value
+
+
+def _dora_merged(layer, adapter: str, base: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """DoRA's merged weight for one adapter, as peft's forward computes it (and `merge` writes it):
+    W' = m / ||W + dW|| * (W + dW), the norm of each output row of the unmerged base W (peft's
+    `DoraLinearLayer.get_weight_norm`), m the adapter's magnitude vector. Several adapters each rescale the base
+    (peft's forward adds (m_a / n_a - 1) W + m_a / n_a dW_a per adapter), which the caller sums."""
+    if type(layer.get_base_layer()) is not torch.nn.Linear:
+        raise ValueError(f"hf_weights: DoRA on a {type(layer.get_base_layer()).__name__} layer is not merged here "
+                         "(Linear layers only); target Linear modules with use_dora, or turn use_dora off.")
+    magnitude = layer.lora_magnitude_vector[adapter]
+    fan_in_fan_out = getattr(layer, "fan_in_fan_out", False)
+    flip = (lambda t: t.T) if fan_in_fan_out else (lambda t: t)  # peft's `transpose(t, fan_in_fan_out)`
+    m = magnitude.weight.full_tensor() if _is_dtensor(magnitude.weight) else magnitude.weight
+    norm = magnitude.get_weight_norm(base, flip(delta), scaling=1).detach()  # (out,)
+    return flip((m.detach().to(norm.dtype) / norm).view(-1, 1)).to(base.dtype) * (base + delta)
 
 
 def hf_weights(model) -> Iterator[tuple[str, torch.Tensor]]:

@@ -101,6 +101,8 @@ def prepare_model(model, cfg: GRPOConfig, peft_config=None, reference_dir: Path 
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         model.config.use_cache = False
+    if cfg.cast_lm_head_to_fp32:  # (before the reference is copied from the policy: it gets the same head)
+        cast_lm_head_to_fp32(model)
     if peft_config is not None and cfg.sync_ref_model:
         raise ConfigError("sync_ref_model: with LoRA the reference is the model with its adapters off, nothing to "
                           "sync (TRL refuses it too); train all weights or turn it off.")
@@ -111,6 +113,8 @@ def prepare_model(model, cfg: GRPOConfig, peft_config=None, reference_dir: Path 
         else:
             reference = reference_copy(model, cfg).eval()
             reference.requires_grad_(False)
+            if cfg.cast_lm_head_to_fp32 and not getattr(reference.get_output_embeddings(), "grpo_float32_head", 0):
+                cast_lm_head_to_fp32(reference)  # (loaded again under ZeRO-3, not copied)
     return model, reference
 
 
@@ -124,6 +128,36 @@ def reference_copy(model, cfg: GRPOConfig):
         raise ConfigError("model_name_or_path: under DeepSpeed ZeRO-3 the reference model is loaded from the "
                           "policy's path; pass the model as a path (not a loaded model), or set beta=0.")
     return load_model(cfg)
+
+
+def _float32_linear(self, hidden: torch.Tensor) -> torch.Tensor:
+    """An LM head's forward in float32 with autocast off: (..., V) float32 logits (TRL's cast_lm_head_to_fp32)."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        return torch.nn.functional.linear(hidden.float(), self.weight.float(),
+                                          None if self.bias is None else self.bias.float())
+
+
+def cast_lm_head_to_fp32(model) -> None:
+    """TRL's `cast_lm_head_to_fp32` on `model` (the policy or the reference): the LM head's weight cast to float32
+    and its forward taken in float32 with autocast off; tied input embeddings, whose weight that is too, give their
+    outputs in the model's dtype again. `grpo_float32_head` tells the tiled head (`grpo.core.hidden_logprobs`) to do
+    the same. A LoRA adapter on the head is refused, as TRL refuses it."""
+    import types
+
+    base = model.get_base_model() if is_peft(model) else model
+    head = base.get_output_embeddings()
+    if type(head) is not torch.nn.Linear:
+        kind = f"{type(head).__module__}.{type(head).__name__}"
+        raise ConfigError(f"cast_lm_head_to_fp32: the LM head is a {kind}, not a torch.nn.Linear (a LoRA adapter on "
+                          "it?); remove lm_head from lora_target_modules and lora_modules_to_save, or set "
+                          "cast_lm_head_to_fp32 false.")
+    dtype = head.weight.dtype
+    head.float()
+    head.forward = types.MethodType(_float32_linear, head)  # (a bound method: a deep copy binds to the copy's head)
+    head.grpo_float32_head = True
+    embedding = base.get_input_embeddings()
+    if embedding is not None and embedding.weight is head.weight and dtype != torch.float32:
+        embedding.register_forward_hook(lambda module, args, output: output.to(dtype))
 
 
 def disable_dropout(model) -> None:

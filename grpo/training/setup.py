@@ -286,6 +286,36 @@ def make_optimizer(model, cfg: GRPOConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, fused=True if fusable else None, **kwargs)
 
 
+def rounded_away(params, lr: float, sample: int = 2**16) -> float:
+    """The share of the low-precision (bfloat16, float16) elements of `params` that a step of size `lr` leaves
+    unchanged: w + lr rounds back to w in the parameter's dtype (it does when lr is under half a unit in the last
+    place of w: bf16 at |w| = 0.02 takes steps of 6e-5 or more). Estimated from each tensor's first `sample`
+    elements; 0 when no parameter is low precision."""
+    same = total = 0
+    for p in params:
+        if p.dtype in (torch.bfloat16, torch.float16) and p.device.type != "meta":  # (meta: loaded on another rank)
+            w = p.detach().reshape(-1)[:sample]
+            same += int(((w.float() + lr).to(p.dtype) == w).sum())
+            total += w.numel()
+    return same / total if total else 0.0
+
+
+def warn_low_precision_training(model, optimizer, cfg: GRPOConfig, distributed_type: str, mixed_precision: str):
+    """Warn when a torch optimizer steps bfloat16/float16 trainable weights with no float32 master copy (TRL trains
+    the same way when told `dtype: bfloat16`, so this is a warning, not a refusal): small steps round away. DeepSpeed
+    keeps float32 master weights in its optimizer, and FSDP2 with mixed precision upcasts trainable weights."""
+    low = [p for p in model.parameters() if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16)]
+    master_copy = distributed_type == "DEEPSPEED" or (distributed_type == "FSDP" and mixed_precision != "no")
+    if not low or master_copy or not type(optimizer).__module__.startswith("torch.optim"):
+        return
+    lost, dtype = rounded_away(low, cfg.learning_rate), str(low[0].dtype).removeprefix("torch.")
+    warnings.warn(f"torch_dtype: {dtype} trainable weights are stepped by {type(optimizer).__name__} with no "
+                  f"float32 master copy; at learning_rate {cfg.learning_rate:g} a step of that size leaves "
+                  f"{lost:.1%} of them unchanged (rounded away). Set torch_dtype: float32 and bf16: true (bf16 "
+                  "compute over float32 weights, as TRL and verl train), or train under DeepSpeed ZeRO or FSDP2 with "
+                  "mixed precision, which keep float32 master weights.", stacklevel=3)
+
+
 def make_accelerator(cfg: GRPOConfig):
     """accelerate's Accelerator for the config: mixed precision (bf16, fp16) and the CPU when asked or without a GPU."""
     from accelerate import Accelerator
@@ -320,8 +350,14 @@ def configure_process(cfg: GRPOConfig) -> None:
     if cfg.full_determinism:
         import os
 
+        # As transformers' enable_full_determinism (TRL's), without CUDA_LAUNCH_BLOCKING (not needed once cuBLAS
+        # has its workspace setting). Under the strict flag torch picks deterministic kernels where it has them:
+        # index_add_ and scatter_add_ (the tiled head's backward) and sdpa's flash and mem-efficient backward on
+        # CUDA (cuDNN attention is excluded); an op with none raises. The flash-attn package reads its own setting.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        os.environ.setdefault("FLASH_ATTENTION_DETERMINISTIC", "1")
         torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     if cfg.tf32 is not None and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
         torch.backends.cudnn.allow_tf32 = cfg.tf32

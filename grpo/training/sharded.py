@@ -9,6 +9,7 @@ recipe (each decoder layer a unit), ZeRO-3 by a DeepSpeed engine without an opti
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 
 import torch
@@ -59,6 +60,11 @@ def check_sharding(accelerator, cfg: GRPOConfig) -> None:
     if shards_weights(accelerator) and cfg.reference_weights == "disk":
         raise ConfigError("reference_weights: disk keeps a whole copy of the reference on each process; with sharded "
                           "weights (FSDP2, ZeRO-3) the reference is sharded like the policy. Set it to auto.")
+    if shards_weights(accelerator) and cfg.sync_ref_model:
+        raise ConfigError("sync_ref_model: not built with sharded weights (FSDP2, ZeRO-3): the sharded reference's "
+                          "state dict holds this process's shards (ZeRO-3: an engine's 'module.' names and empty "
+                          "parameters), so the sync and its checkpoint would be wrong. Set sync_ref_model: false, or "
+                          "shard optimizer state only (ZeRO-2, recipes/accelerate/zero2.yaml) or use DDP.")
     if not cfg.ds3_gather_for_generation:
         if not shards_weights(accelerator):
             raise ConfigError("ds3_gather_for_generation: false applies to sharded weights (FSDP2, DeepSpeed "
@@ -67,6 +73,24 @@ def check_sharding(accelerator, cfg: GRPOConfig) -> None:
             raise ConfigError("ds3_gather_for_generation: vLLM always receives whole weights (gathered one tensor "
                               "at a time into its engine); false applies to the transformers sampler. Remove the "
                               "key or set use_vllm: false.")
+
+
+def float32_reduce(policy):
+    """FSDP2's mixed-precision policy `policy` with gradients reduce-scattered in float32 (verl's default):
+    accelerate's `mixed_precision: bf16` reduces them in bf16, which loses precision as ranks add up. None (no
+    mixed precision) and a policy that already reduces in float32 are returned as they are; reduce_dtype None
+    means the param_dtype's."""
+    if policy is None or policy.param_dtype in (None, torch.float32) or policy.reduce_dtype == torch.float32:
+        return policy
+    return dataclasses.replace(policy, reduce_dtype=torch.float32)
+
+
+def reduce_in_float32(accelerator) -> None:
+    """Under FSDP2 with mixed precision: the plugin's policy (the one `prepare` gives `fully_shard`) reduces
+    gradients in float32. Before `prepare`."""
+    if accelerator.distributed_type == "FSDP":
+        plugin = accelerator.state.fsdp_plugin
+        plugin.mixed_precision_policy = float32_reduce(plugin.mixed_precision_policy)
 
 
 def place_reference(reference, accelerator):

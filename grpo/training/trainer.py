@@ -40,14 +40,15 @@ from grpo.training.micro_batches import MicroBatches
 from grpo.training.model import load_model, prepare_model, save_final
 from grpo.training.objective import Objective
 from grpo.training.rollout import Processes, RolloutBatch, Rollouts
-from grpo.training.sharded import check_sharding, place_reference
+from grpo.training.sharded import check_sharding, place_reference, reduce_in_float32
 from grpo.training.errors import TrainingStopped
 from grpo.training.faults import engine_faults
 from grpo.training.signals import StopSignals, stop_if_signalled
 from grpo.training.state import restore, save_checkpoint, trainer_state
 from grpo.training.setup import (check_inputs, check_reward_columns, check_sizes, config_of, configure_process,
                                  fill_deepspeed_auto, load_task, make_accelerator, make_datasets, make_optimizer,
-                                 make_reward_runner, make_schedule, make_step_rewards, seed_everything, tokenizer_for)
+                                 make_reward_runner, make_schedule, make_step_rewards, seed_everything, tokenizer_for,
+                                 warn_low_precision_training)
 from grpo.training.stream import epochs_done, make_prompts, prompt_count
 from grpo.training.steps import StepPlan, resolve_layout
 from grpo.training.summary import TrainResult, end_lines, finish_run, log_step, start_lines, write_run_files
@@ -79,6 +80,7 @@ class GRPOTrainer:
         check_inputs(cfg, from_path, train_dataset)  # the model, then the data: in the order a user fixes them
         self.accel = make_accelerator(cfg)
         check_sharding(self.accel, cfg)
+        reduce_in_float32(self.accel)  # (FSDP2 with bf16: gradients reduce in float32, as verl's)
         self.sharded = self.accel.distributed_type in ("FSDP", "DEEPSPEED")  # its state saved in shards
         self.procs = Processes(self.accel)
         self.world, self.rank = self.procs.world, self.procs.rank
@@ -117,6 +119,8 @@ class GRPOTrainer:
         self.optimizer = optimizers[0] or make_optimizer(model, cfg)
         self.scheduler = optimizers[1] or torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, make_schedule(cfg, self.total_steps))
+        warn_low_precision_training(model, self.optimizer, cfg, self.accel.distributed_type,
+                                    self.accel.mixed_precision)
         fill_deepspeed_auto(self.accel, cfg)
         self.model, self.optimizer = self.accel.prepare(model, self.optimizer)
         self.reference = place_reference(self.reference, self.accel)  # (sharded as the policy is, under FSDP2, ZeRO-3)

@@ -111,10 +111,10 @@ class Update:
         normalizer = aggregation_normalizer(self.cfg.loss_aggregation, micro_tokens=tokens, **counts)
         inputs = MicroInputs(mask, adv, micro.old_logp, micro.sampling_logp, ref, normalizer, counts["micro_batches"])
         in_loss = self.objective.entropy_in_loss
-        with self.accel.autocast():
-            logp, out = self.backend.loss_and_backward(
-                micro, self.cfg.temperature, lambda lp, sub=slice(None), entropy=None:
-                self.objective.loss(lp, entropy, inputs, sub), True, entropy_in_loss=in_loss)  # (entropy: TRL's metric)
+        # (the backend runs the forward and the loss under the run's autocast, the backward outside it)
+        logp, out = self.backend.loss_and_backward(
+            micro, self.cfg.temperature, lambda lp, sub=slice(None), entropy=None:
+            self.objective.loss(lp, entropy, inputs, sub), True, entropy_in_loss=in_loss)  # (entropy: TRL's metric)
         return logp, out, tokens
 
 
