@@ -81,8 +81,7 @@ def test_packed_passes_give_the_padded_log_probs(tiny_model_dir, attention, pack
     from grpo.engines import policy
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=attention)
-    packing = Packing(packing.shared_prompts, {"sdpa": "bool", "eager": "additive"}[attention]
-                      if packing.shared_prompts else None, packing.pair_cost)
+    packing = Packing(packing.shared_prompts, "additive" if packing.shared_prompts else None, packing.pair_cost)
     ids, attention_mask, width = ragged_batch(vocab=model.config.vocab_size)
     rows = pack(ids, attention_mask, width, packing)
     real = rows.layout
@@ -122,7 +121,7 @@ def test_each_attention_gets_the_packing_it_can_take(tiny_model_dir):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
     packing, why = choose_packing(model)
-    assert packing.shared_prompts and packing.mask == "bool" and why == ""
+    assert packing.shared_prompts and packing.mask == "additive" and why == ""  # (sdpa too: D13)
     model.config._attn_implementation = "eager"
     assert choose_packing(model)[0].mask == "additive"
     model.config._attn_implementation = "flash_attention_2"  # (the flag only: no kernel runs here)
@@ -322,3 +321,32 @@ def test_the_flash_layout_with_its_boundaries_gives_the_padded_log_probs(tiny_mo
         got = completion_logprobs(model, ids, attention_mask, width, 1.0, packed=rows)
     real = rows.layout
     torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5)
+
+
+def test_the_shared_prompt_mask_is_one_tensor_that_every_layer_shares(tiny_model_dir):
+    """D13: sdpa converts a boolean mask to a float copy in every call, and each layer keeps its copy for backward
+    (layers x R x L^2 x 2 bytes in bf16). The packed pass hands sdpa an additive mask in the dtype attention computes
+    in (bf16 under autocast over float32 weights), so every layer saves the same tensor; the log-probs are the
+    padded pass's up to bf16 rounding."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
+    layers = model.config.num_hidden_layers
+    ids, attention_mask, width = ragged_batch(vocab=model.config.vocab_size)
+    packing, _ = choose_packing(model)
+    copies = {}
+    for kind in ("bool", "additive"):
+        rows = pack(ids, attention_mask, width, Packing(True, kind, packing.pair_cost))
+        shape = (rows.input_ids.shape[0], 1, rows.input_ids.shape[1], rows.input_ids.shape[1])
+        saved = []
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(
+                lambda t: saved.append(t) or t, lambda t: t):
+            logp = completion_logprobs(model, ids, attention_mask, width, 1.0, packed=rows)
+        masks = [t for t in saved if tuple(t.shape) == shape]
+        assert len(masks) == layers and {t.dtype for t in masks} == {torch.bfloat16}
+        copies[kind] = len({t.data_ptr() for t in masks})
+    assert copies == {"bool": layers, "additive": 1} and packing.mask == "additive"
+    with torch.no_grad():
+        want = completion_logprobs(model, ids, attention_mask, width, 1.0)
+    real = rows.layout
+    assert float((logp.detach() - want).abs()[real].mean()) < 2e-2

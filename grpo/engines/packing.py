@@ -34,9 +34,12 @@ import torch
 
 from grpo.engines.kv_cache import distinct_rows
 
-# Attention implementations that take a custom 4D mask as transformers passes it: a boolean one (sdpa) or an
-# additive one (eager). Flex attention gets a BlockMask from transformers' own packed-sequence path instead.
-_CUSTOM_MASK = {"sdpa": "bool", "eager": "additive"}
+# Attention implementations that take a custom 4D mask as transformers passes it, additive in the attention's dtype.
+# Not boolean for sdpa: torch converts a boolean mask to a float copy inside every scaled_dot_product_attention call,
+# and each layer keeps its own copy for backward (layers x R x L^2 x 2 bytes in bf16: ~43 GB for 24 layers at 64
+# rows of 4k tokens), where an additive mask already in the query's dtype is one tensor all layers share (D13).
+# Flex attention gets a BlockMask from transformers' own packed-sequence path instead.
+_CUSTOM_MASK = {"sdpa": "additive", "eager": "additive"}
 
 
 @dataclass(frozen=True)
@@ -238,21 +241,25 @@ class PackedRows:
 
     def attention_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
         """The (R, 1, L, L) mask of shared prompts on the rows' device: position i sees position j <= i of its own
-        unit when j is on the prompt or on i's own completion (boolean for sdpa; 0 / dtype's min added for eager);
-        None for whole sequences, which transformers masks from the position ids."""
+        unit when j is on the prompt or on i's own completion (0 added where it sees, dtype's min elsewhere; `dtype`
+        the attention's, so no layer converts it; boolean with Packing.mask "bool"); None for whole sequences, which
+        transformers masks from the position ids. Built with two boolean (R, L, L) temporaries besides the mask."""
         if self.packing.mask == "prefix":  # a 4D placeholder transformers passes on as it is; the grouped
             return torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.segments.device)  # attention ignores it
         if not self.packing.shared_prompts:
             return None
         idx = torch.arange(self.segments.shape[1], device=self.segments.device)
-        causal = idx[:, None] >= idx[None, :]  # (L, L)
-        same = self.segments[:, :, None] == self.segments[:, None, :]  # (R, L, L)
-        seen = (self.branches[:, None, :] == 0) | (self.branches[:, :, None] == self.branches[:, None, :])
-        allowed = (same & seen & causal)[:, None]
+        allowed = self.segments[:, :, None] == self.segments[:, None, :]  # (R, L, L): the same unit
+        allowed &= idx[:, None] >= idx[None, :]  # causal
+        seen = self.branches[:, :, None] == self.branches[:, None, :]  # its own completion ...
+        seen |= self.branches[:, None, :] == 0  # ... or the prompt
+        allowed &= seen
+        del seen
         if self.packing.mask == "bool":
-            return allowed
-        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
-            ~allowed, torch.finfo(dtype).min)
+            return allowed[:, None]
+        out = torch.full((allowed.shape[0], 1, *allowed.shape[1:]), torch.finfo(dtype).min, dtype=dtype,
+                         device=allowed.device)
+        return out.masked_fill_(allowed[:, None], 0)
 
 
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int, packing: Packing) -> PackedRows | None:

@@ -142,14 +142,19 @@ def _shared_prompt_hidden(model, input_ids: torch.Tensor, attention_mask: torch.
 def packed_hidden(model, packed: PackedRows) -> torch.Tensor:
     """The decoder's final hidden states (n_tok, H) at the positions that predict the scored tokens of a packed
     micro-batch (`PackedRows.score_index`)."""
-    out = model.get_decoder()(input_ids=packed.input_ids, attention_mask=packed.attention_mask(_dtype(model)),
-                              position_ids=packed.position_ids, use_cache=False, **packed.attention_kwargs())
+    mask = packed.attention_mask(_dtype(model, packed.input_ids.device))
+    out = model.get_decoder()(input_ids=packed.input_ids, attention_mask=mask, position_ids=packed.position_ids,
+                              use_cache=False, **packed.attention_kwargs())
     hidden = out.last_hidden_state  # (R, L, H)
     return hidden.reshape(-1, hidden.shape[-1]).index_select(0, packed.score_index)
 
 
-def _dtype(model) -> torch.dtype:
-    """The dtype of the model's activations (that of its input embedding), for an additive attention mask."""
+def _dtype(model, device: torch.device) -> torch.dtype:
+    """The dtype attention computes in, for an additive mask that no layer converts (a converted copy is kept for
+    backward in every layer): autocast's where it is on for `device`, else the model's activations' (that of its
+    input embedding)."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     weight = getattr(embedding, "weight", None)
     return weight.dtype if weight is not None and weight.is_floating_point() else torch.float32
@@ -169,7 +174,7 @@ def _packed_logprobs(model, packed: PackedRows, temperature: float, with_entropy
                                         with_entropy=with_entropy, weight_grad_in_place=head.weight.is_leaf,
                                         kernels=tile_kernels and tile_kernels(hidden.dtype, hidden.device))
     else:
-        out = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask(_dtype(model)),
+        out = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask(_dtype(model, targets.device)),
                     position_ids=packed.position_ids, logits_to_keep=packed.keep_columns, use_cache=False,
                     **packed.attention_kwargs())
         logits = out.logits.reshape(-1, out.logits.shape[-1]).index_select(0, packed.kept_index)[None]  # (1, n_tok, V)
