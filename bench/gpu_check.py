@@ -1,6 +1,6 @@
 """The GPU check: grpo's engine and trainer on one GPU, in one command, one JSON line per check on stdout.
 
-    python bench/gpu_check.py                 # on a CUDA machine: about 6-9 minutes on one H100
+    python bench/gpu_check.py                 # on a CUDA machine (estimated 6-9 minutes on one H100)
     python bench/gpu_check.py --only B2,C1    # a subset;  --quick: shorter training checks
     python bench/gpu_check.py --cpu           # tiny shapes on the CPU (CI runs this): tests the script itself
 
@@ -106,6 +106,15 @@ def importable(name: str) -> bool:
         return False
 
 
+def import_status(name: str) -> str:
+    """"yes", or why `import name` fails here (absent, or present and broken: a version it needs, say)."""
+    try:
+        __import__(name)
+    except Exception as err:  # noqa: BLE001 - any failure to import is the answer
+        return f"no ({type(err).__name__}: {str(err)[:120]})"
+    return "yes"
+
+
 def qwen_like(ctx: Context, dtype: torch.dtype, attn: str = "sdpa", layers: int | None = None):
     """A random Qwen2 of Qwen2.5-0.5B's shape (vocabulary 151,936, hidden 896, 14 heads, 2 KV heads, tied head; 24
     layers unless `layers`), or tiny shapes on the CPU."""
@@ -169,8 +178,8 @@ def check_env(ctx: Context) -> dict:
         props = torch.cuda.get_device_properties(0)
         info.update(gpu=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
                     mem_gib=round(props.total_memory / 2**30, 1))
-    info["imports"] = {name: importable(name) for name in ("flash_attn", "datasets", "trl", "vllm", "deepspeed",
-                                                           "rich", "math_verify")}
+    info["imports"] = {name: import_status(name) for name in ("flash_attn", "datasets", "trl", "vllm", "deepspeed",
+                                                              "rich", "math_verify")}
     major_minor = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
     return {**info, **criteria({"torch >= 2.11": major_minor >= (2, 11)})}
 
