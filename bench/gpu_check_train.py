@@ -43,13 +43,15 @@ def train(ctx: Context, cfg) -> dict:
     trainer.train()
     seconds = time.perf_counter() - start
     changed = sum(int((p.detach() != before[n]).sum()) for n, p in trainer.policy.named_parameters() if n in before)
+    total = sum(v.numel() for v in before.values())
     rows = [json.loads(line) for line in open(Path(cfg.output_dir) / "metrics.jsonl") if '"reward/total"' in line]
     rewards = [r["reward/total"] for r in rows]
     last = rows[-1]
     keys = ("policy/ratio_mean", "policy/kl_divergence", "train/grad_norm", "policy/clip_frac")
     return dict(steps=len(rows), seconds=round(seconds, 2), s_per_step=round(seconds / max(1, len(rows)), 3),
-                peak_gib=peak_gib(ctx), frac_weights_changed=round(changed / sum(v.numel() for v in before.values()), 4),
-                reward_first10=round(statistics.mean(rewards[:10]), 4), reward_last10=round(statistics.mean(rewards[-10:]), 4),
+                peak_gib=peak_gib(ctx), frac_weights_changed=round(changed / total, 4),
+                reward_first10=round(statistics.mean(rewards[:10]), 4),
+                reward_last10=round(statistics.mean(rewards[-10:]), 4),
                 times={k: round(v, 4) for k, v in last.items() if k.startswith("time/")},
                 last={k: last.get(k) for k in keys}, param_dtype=str(next(trainer.policy.parameters()).dtype),
                 engine=trainer.engine.name, passes=trainer.micro.describe())
