@@ -220,10 +220,10 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     the T completion tokens are predicted by positions P-1 .. P+T-2. With `with_entropy`, returns
     (logp, entropy (N, T), detached unless `entropy_grad`) instead.
 
-    Fast path (a plain linear LM head, one process): the decoder's hidden states at those T positions go through
-    `grpo.core.hidden_logprobs`, which applies the head one cache-sized tile of positions x vocabulary at a time and
-    recomputes each tile in backward, so the (N, T, V) logits and their gradient never exist (V is ~150k for real
-    models). Without gradients (the reference pass) rows that share a prompt encode it once
+    Fast path (a plain linear LM head, one process or DDP: `tiled_head`): the decoder's hidden states at those T
+    positions go through `grpo.core.hidden_logprobs`, which applies the head one cache-sized tile of positions x
+    vocabulary at a time and recomputes each tile in backward, so the (N, T, V) logits and their gradient never
+    exist (V is ~150k for real models). Without gradients (the reference pass) rows that share a prompt encode it once
     (`_shared_prompt_hidden`). Otherwise the model returns logits for just those positions (`logits_to_keep`),
     scored in chunks. `tile_kernels(dtype, device)`: the CPU engine's compiled tile kernels, or None.
 
