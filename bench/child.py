@@ -11,6 +11,7 @@ A fresh process per run keeps the memory figure clean (its own peak resident set
                       computing no-grad log-probs (reference, old policy); `*_cpu_s`: the same in CPU seconds
     completion_tokens tokens generated in each step (must be B x G x T on both sides)
     peak_rss_mb       the process's peak resident set size at the end of the last step (before any final save)
+    peak_gpu_mb       on a CUDA machine, the peak GPU memory torch allocated by then (None on the CPU)
     setup_rss_mb      resident set size when the first step starts (model, reference, optimizer, libraries)
 """
 
@@ -43,6 +44,13 @@ def peak_rss_mb() -> float:
     return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
 
+def peak_gpu_mb() -> float | None:
+    """Peak GPU memory torch allocated in this process so far, in MiB; None without CUDA."""
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
+
+
 def now() -> tuple[float, float]:
     """(wall seconds, CPU seconds of this process, all threads)."""
     return time.perf_counter(), time.process_time()
@@ -57,6 +65,7 @@ class StepClock:
         self.steps: list[dict[str, float]] = []
         self.setup_rss_mb = 0.0
         self.peak_rss_mb = 0.0
+        self.peak_gpu_mb: float | None = None
         self.threads = 0
 
     def begin(self) -> None:
@@ -78,6 +87,7 @@ class StepClock:
         self.steps.append(dict(self.current))
         self.current = defaultdict(float)
         self.peak_rss_mb = peak_rss_mb()
+        self.peak_gpu_mb = peak_gpu_mb()
         (w0, c0), (w1, c1) = self.marks[-2:]
         print(f"[bench.child] step {len(self.steps)}: {w1 - w0:.2f} s wall, {c1 - c0:.2f} s CPU, "
               f"peak RSS {self.peak_rss_mb:.0f} MiB", file=sys.stderr, flush=True)
@@ -86,7 +96,7 @@ class StepClock:
         pairs = list(zip(self.marks, self.marks[1:]))
         out = {"step_s": [b[0] - a[0] for a, b in pairs], "step_cpu_s": [b[1] - a[1] for a, b in pairs],
                "completion_tokens": [int(s.get("completion_tokens", 0)) for s in self.steps],
-               "peak_rss_mb": self.peak_rss_mb, "setup_rss_mb": self.setup_rss_mb, "threads": self.threads}
+               "peak_rss_mb": self.peak_rss_mb, "peak_gpu_mb": self.peak_gpu_mb, "setup_rss_mb": self.setup_rss_mb, "threads": self.threads}
         for phase in PHASES:
             out[f"{phase}_s"] = [s.get(phase, 0.0) for s in self.steps]
             out[f"{phase}_cpu_s"] = [s.get(f"{phase}_cpu", 0.0) for s in self.steps]

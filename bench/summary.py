@@ -59,6 +59,7 @@ def side_figures(records: list[dict], warmup: int, tokens_per_step: int | None) 
             # processes took the cores, and the wall figures of this run are not to be trusted.
             "cpu_util": statistics.median(c / (w * threads) for c, w in zip(cpus, walls)),
             "peak_rss_mb": max(r["peak_rss_mb"] for r in records),
+            "peak_gpu_mb": max((r.get("peak_gpu_mb") or 0 for r in records), default=0) or None,
             "setup_rss_mb": max(r["setup_rss_mb"] for r in records),
             "time_split_s": split(records, warmup, ""), "cpu_split_s": split(records, warmup, "_cpu"),
             "steady_steps": len(walls)}
@@ -100,7 +101,7 @@ def summarize(w: Workload, records: dict[str, list[dict]], warmup: int, matmul: 
         figures[side] = side_figures(runs, warmup, tokens) if runs else None
     for side, fig in figures.items():
         for key in ("s_per_step", "tokens_per_s", "completion_tokens_per_step", "cpu_s_per_step",
-                    "tokens_per_cpu_s", "cpu_util", "peak_rss_mb", "setup_rss_mb", "time_split_s", "cpu_split_s",
+                    "tokens_per_cpu_s", "cpu_util", "peak_rss_mb", "peak_gpu_mb", "setup_rss_mb", "time_split_s", "cpu_split_s",
                     "steady_steps"):
             out[f"{side}_{key}"] = fig and fig[key]
         out[f"{side}_floor_ratio"] = fig and floor_s and fig["s_per_step"] / floor_s

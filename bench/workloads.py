@@ -63,6 +63,10 @@ WORKLOADS = {
     # row of a micro-batch computes about twice the real tokens.
     "R1": dataclasses.replace(_W1, name="R1", vocab=1000, prompts_per_step=8, completion_length=256,
                               eos_weight=3.0),
+    # The GPU check's (bench/gpu_check.py, check D): Qwen2.5-0.5B's shape with random weights (494M parameters),
+    # 4 x 8 completions of 256 tokens, micro-batches of 8.
+    "Q05": dataclasses.replace(_W1, name="Q05", vocab=151_936, hidden=896, layers=24, heads=14, kv_heads=2,
+                               intermediate=4864, prompts_per_step=4, completion_length=256),
     # CI's miniature: the same code paths (reference model, micro-batching, two iterations) in seconds.
     "mini": Workload(name="mini", vocab=100, hidden=32, layers=1, heads=2, kv_heads=2, intermediate=64,
                      prompts_per_step=2, num_generations=2, completion_length=8, prompt_length=8, micro_batch=2,

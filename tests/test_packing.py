@@ -81,8 +81,7 @@ def test_packed_passes_give_the_padded_log_probs(tiny_model_dir, attention, pack
     from grpo.engines import policy
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=attention)
-    packing = Packing(packing.shared_prompts, {"sdpa": "bool", "eager": "additive"}[attention]
-                      if packing.shared_prompts else None, packing.pair_cost)
+    packing = Packing(packing.shared_prompts, "additive" if packing.shared_prompts else None, packing.pair_cost)
     ids, attention_mask, width = ragged_batch(vocab=model.config.vocab_size)
     rows = pack(ids, attention_mask, width, packing)
     real = rows.layout
@@ -122,12 +121,12 @@ def test_each_attention_gets_the_packing_it_can_take(tiny_model_dir):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
     packing, why = choose_packing(model)
-    assert packing.shared_prompts and packing.mask == "bool" and why == ""
+    assert packing.shared_prompts and packing.mask == "additive" and why == ""  # (sdpa too: D13)
     model.config._attn_implementation = "eager"
     assert choose_packing(model)[0].mask == "additive"
     model.config._attn_implementation = "flash_attention_2"  # (the flag only: no kernel runs here)
     packing, _ = choose_packing(model)
-    assert not packing.shared_prompts and packing.pair_cost is None  # one row: cu_seqlens from position ids
+    assert not packing.shared_prompts and packing.pair_cost is None and packing.mask == "varlen"  # one row, cu_seqlens
     model.config._attn_implementation = "paged|eager"
     assert choose_packing(model) == (None, "attention 'paged|eager' is not one transformers masks packed sequences "
                                            "for")
@@ -271,3 +270,83 @@ def test_the_cpu_engines_grouped_attention_gives_the_padded_log_probs_and_gradie
         torch.testing.assert_close(completion_logprobs(model, ids, attention_mask, width, 0.7), want)
     attention.restore_attention(model)
     assert model.config._attn_implementation == "sdpa" and not attention.switched(model)
+
+
+def test_the_flash_layout_hands_transformers_its_sequence_boundaries():
+    """Flash attention's one row (D10): prompts [5, 6] and [3] with completions [7, 8, 9] and [4, 2]. Laid whole:
+    [5, 6, 7, 8 | 3, 4] (each completion less its last token), positions [0, 1, 2, 3 | 0, 1]. The sequences start at
+    0 and 4 and the row ends at 6: cu_seq_lens [0, 4, 6] (int32), the longest 4; passed as transformers' varlen
+    kwargs (an int, so reading it costs no host sync)."""
+    ids, attention, width = padded([[5, 6], [3]], [[7, 8, 9], [4, 2]])
+    rows = pack(ids, attention, width, Packing(False, "varlen", None))
+    assert rows.input_ids.tolist() == [[5, 6, 7, 8, 3, 4]] and rows.position_ids.tolist() == [[0, 1, 2, 3, 0, 1]]
+    kwargs = rows.attention_kwargs()
+    assert kwargs["cu_seq_lens_q"].dtype == torch.int32 and kwargs["cu_seq_lens_q"].tolist() == [0, 4, 6]
+    assert kwargs["cu_seq_lens_k"] is kwargs["cu_seq_lens_q"]
+    assert kwargs["max_length_q"] == kwargs["max_length_k"] == 4 and type(kwargs["max_length_q"]) is int
+    assert rows.to("cpu").attention_kwargs()["max_length_q"] == 4
+    assert pack(ids, attention, width, ONE_ROW).attention_kwargs() == {}  # other layouts pass nothing
+
+
+def _varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """A stand-in for flash attention's varlen kernel in plain torch: causal attention within each sequence that
+    cu_seq_lens_q marks; it refuses to run without the boundaries (as a pass that syncs to find them would)."""
+    cu = kwargs["cu_seq_lens_q"].tolist()
+    assert attention_mask is None and kwargs["max_length_q"] == max(b - a for a, b in zip(cu, cu[1:]))
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    out = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        query[..., a:b, :], key[..., a:b, :], value[..., a:b, :], is_causal=True, scale=scaling)
+        for a, b in zip(cu, cu[1:])], dim=2)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def test_the_flash_layout_with_its_boundaries_gives_the_padded_log_probs(tiny_model_dir, monkeypatch):
+    """The packed forward of the flash layout, through an attention that reads only the boundaries handed over
+    (`_varlen_attention`), gives the padded pass's log-probs: the boundaries are the right ones, and they reach every
+    layer's attention through the model's forward."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
+    ids, attention_mask, width = ragged_batch(vocab=model.config.vocab_size)
+    with torch.no_grad():
+        want = completion_logprobs(model, ids, attention_mask, width, 1.0)
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "flash_attention_2", _varlen_attention)
+    model.config._attn_implementation = "flash_attention_2"
+    packing, _ = choose_packing(model)
+    assert packing.mask == "varlen"
+    rows = pack(ids, attention_mask, width, packing)
+    with torch.no_grad():
+        got = completion_logprobs(model, ids, attention_mask, width, 1.0, packed=rows)
+    real = rows.layout
+    torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5)
+
+
+def test_the_shared_prompt_mask_is_one_tensor_that_every_layer_shares(tiny_model_dir):
+    """D13: sdpa converts a boolean mask to a float copy in every call, and each layer keeps its copy for backward
+    (layers x R x L^2 x 2 bytes in bf16). The packed pass hands sdpa an additive mask in the dtype attention computes
+    in (bf16 under autocast over float32 weights), so every layer saves the same tensor; the log-probs are the
+    padded pass's up to bf16 rounding."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
+    layers = model.config.num_hidden_layers
+    ids, attention_mask, width = ragged_batch(vocab=model.config.vocab_size)
+    packing, _ = choose_packing(model)
+    copies = {}
+    for kind in ("bool", "additive"):
+        rows = pack(ids, attention_mask, width, Packing(True, kind, packing.pair_cost))
+        shape = (rows.input_ids.shape[0], 1, rows.input_ids.shape[1], rows.input_ids.shape[1])
+        saved = []
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(
+                lambda t: saved.append(t) or t, lambda t: t):
+            logp = completion_logprobs(model, ids, attention_mask, width, 1.0, packed=rows)
+        masks = [t for t in saved if tuple(t.shape) == shape]
+        assert len(masks) == layers and {t.dtype for t in masks} == {torch.bfloat16}
+        copies[kind] = len({t.data_ptr() for t in masks})
+    assert copies == {"bool": layers, "additive": 1} and packing.mask == "additive"
+    with torch.no_grad():
+        want = completion_logprobs(model, ids, attention_mask, width, 1.0)
+    real = rows.layout
+    assert float((logp.detach() - want).abs()[real].mean()) < 2e-2

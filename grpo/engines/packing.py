@@ -6,7 +6,9 @@ real tokens into a few rows of a packed layout instead (`PackedRows`), in one of
 * **sequences**: each prompt and its completion, whole, one after the other; position ids restart at 0 for each.
   transformers recognises packed sequences from the position ids alone (`masking_utils.find_packed_sequence_indices`)
   and builds a block-diagonal causal mask (sdpa, eager, flex attention, sliding windows included), or gives flash
-  attention the sequence boundaries (cu_seqlens); no mask is passed.
+  attention the sequence boundaries (cu_seqlens); no mask is passed. For flash attention `pack` knows the
+  boundaries already and hands them over (`PackedRows.attention_kwargs`: cu_seq_lens_q/k, max_length_q/k), so
+  transformers does not derive them from the position ids with ~3 host syncs in every layer.
 * **shared prompts**: the rows of a micro-batch that share a prompt (a group's G completions) share one copy of it:
   `[prompt | completion 1 | completion 2 | ...]`, each completion's positions continuing from the prompt's end, and a
   4D mask lets a completion's tokens see the prompt and their own earlier tokens only (`PackedRows.attention_mask`).
@@ -32,9 +34,12 @@ import torch
 
 from grpo.engines.kv_cache import distinct_rows
 
-# Attention implementations that take a custom 4D mask as transformers passes it: a boolean one (sdpa) or an
-# additive one (eager). Flex attention gets a BlockMask from transformers' own packed-sequence path instead.
-_CUSTOM_MASK = {"sdpa": "bool", "eager": "additive"}
+# Attention implementations that take a custom 4D mask as transformers passes it, additive in the attention's dtype.
+# Not boolean for sdpa: torch converts a boolean mask to a float copy inside every scaled_dot_product_attention call,
+# and each layer keeps its own copy for backward (layers x R x L^2 x 2 bytes in bf16: ~43 GB for 24 layers at 64
+# rows of 4k tokens), where an additive mask already in the query's dtype is one tensor all layers share (D13).
+# Flex attention gets a BlockMask from transformers' own packed-sequence path instead.
+_CUSTOM_MASK = {"sdpa": "additive", "eager": "additive"}
 
 
 @dataclass(frozen=True)
@@ -46,7 +51,7 @@ class Packing:
 
     shared_prompts: bool
     mask: str | None  # "bool" or "additive" with shared prompts ("prefix": the CPU engine's grouped attention, one
-    # row); None: transformers' packed-sequence path
+    # row); None: transformers' packed-sequence path; "varlen": that path with the boundaries passed (flash, one row)
     pair_cost: float | None
     reason: str = ""
 
@@ -98,7 +103,7 @@ def choose_packing(model, enabled: bool = True) -> tuple[Packing | None, str]:
     if layers is None:
         return None, "its layers are not all attention layers (linear attention or state-space layers)"
     if impl.startswith("flash_attention"):  # varlen kernels: one row, cost linear in its length
-        return Packing(False, None, None, f"{impl}: sequence boundaries from position ids"), ""
+        return Packing(False, "varlen", None, f"{impl}: sequence boundaries passed as cu_seq_lens"), ""
     if impl in _CUSTOM_MASK and layers == {"full"}:
         return Packing(True, _CUSTOM_MASK[impl], pair_cost(config), impl), ""
     return Packing(False, None, pair_cost(config), f"{impl}: transformers' packed-sequence mask"), ""
@@ -206,16 +211,24 @@ class PackedRows:
     kept_index: torch.Tensor  # (n_tok,): flat index into R x k of each scored token's logits on the logits path
     packing: Packing
     prefix: PrefixIndex | None = None  # with Packing.mask "prefix": where each token goes for grouped attention
+    cu_seq_lens: torch.Tensor | None = None  # with Packing.mask "varlen": (sequences + 1,) int32 boundaries, flat
+    max_length: int = 0  # with Packing.mask "varlen": the longest sequence (a Python int: no host sync to read)
 
     def to(self, device) -> "PackedRows":
         return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device, non_blocking=True)
                                             for f in dataclasses.fields(self)
-                                            if f.name != "packing" and getattr(self, f.name) is not None})
+                                            if isinstance(getattr(self, f.name), (torch.Tensor, PrefixIndex))})
 
     def attention_kwargs(self) -> dict:
         """Keyword arguments the model's forward passes on to its attention function: the grouped attention's index
-        (grpo/engines/cpu/attention.py) with Packing.mask "prefix", else none."""
-        return {} if self.prefix is None else {"grpo_prefix": self.prefix}
+        (grpo/engines/cpu/attention.py) with Packing.mask "prefix"; the sequence boundaries flash attention's varlen
+        kernel takes (transformers' names, 5.17 to 5.24) with "varlen"; else none."""
+        if self.prefix is not None:
+            return {"grpo_prefix": self.prefix}
+        if self.cu_seq_lens is not None:
+            return {"cu_seq_lens_q": self.cu_seq_lens, "cu_seq_lens_k": self.cu_seq_lens,
+                    "max_length_q": self.max_length, "max_length_k": self.max_length}
+        return {}
 
     def unpack(self, values: torch.Tensor) -> torch.Tensor:
         """(n_tok,) values of the scored tokens -> (n, W), 0 past each row's end; differentiable."""
@@ -228,21 +241,25 @@ class PackedRows:
 
     def attention_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
         """The (R, 1, L, L) mask of shared prompts on the rows' device: position i sees position j <= i of its own
-        unit when j is on the prompt or on i's own completion (boolean for sdpa; 0 / dtype's min added for eager);
-        None for whole sequences, which transformers masks from the position ids."""
+        unit when j is on the prompt or on i's own completion (0 added where it sees, dtype's min elsewhere; `dtype`
+        the attention's, so no layer converts it; boolean with Packing.mask "bool"); None for whole sequences, which
+        transformers masks from the position ids. Built with two boolean (R, L, L) temporaries besides the mask."""
         if self.packing.mask == "prefix":  # a 4D placeholder transformers passes on as it is; the grouped
             return torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.segments.device)  # attention ignores it
         if not self.packing.shared_prompts:
             return None
         idx = torch.arange(self.segments.shape[1], device=self.segments.device)
-        causal = idx[:, None] >= idx[None, :]  # (L, L)
-        same = self.segments[:, :, None] == self.segments[:, None, :]  # (R, L, L)
-        seen = (self.branches[:, None, :] == 0) | (self.branches[:, :, None] == self.branches[:, None, :])
-        allowed = (same & seen & causal)[:, None]
+        allowed = self.segments[:, :, None] == self.segments[:, None, :]  # (R, L, L): the same unit
+        allowed &= idx[:, None] >= idx[None, :]  # causal
+        seen = self.branches[:, :, None] == self.branches[:, None, :]  # its own completion ...
+        seen |= self.branches[:, None, :] == 0  # ... or the prompt
+        allowed &= seen
+        del seen
         if self.packing.mask == "bool":
-            return allowed
-        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
-            ~allowed, torch.finfo(dtype).min)
+            return allowed[:, None]
+        out = torch.full((allowed.shape[0], 1, *allowed.shape[1:]), torch.finfo(dtype).min, dtype=dtype,
+                         device=allowed.device)
+        return out.masked_fill_(allowed[:, None], 0)
 
 
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int, packing: Packing) -> PackedRows | None:
@@ -368,8 +385,18 @@ def _layout(input_ids, plen, clen, prompt_width, width, units, sizes, rows, pack
     keep = torch.unique(columns)
     kept_index = (score_index // length) * keep.numel() + torch.searchsorted(keep, columns)
     prefix = prefix_index(spans) if packing.mask == "prefix" else None  # (one row: flat indices are positions)
+    cu_seq_lens, max_length = _boundaries(positions) if packing.mask == "varlen" else (None, 0)
     return PackedRows(ids.view(n_rows, length), positions.view(n_rows, length), segments.view(n_rows, length),
-                      branch.view(n_rows, length), score_index, targets, layout, keep, kept_index, packing, prefix)
+                      branch.view(n_rows, length), score_index, targets, layout, keep, kept_index, packing, prefix,
+                      cu_seq_lens, max_length)
+
+
+def _boundaries(positions: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(cu_seq_lens, longest) of the flat packed positions: a sequence starts wherever the position is 0 (each
+    prompt, and the padding run at a row's end), as transformers' `prepare_fa_kwargs_from_position_ids` reads them."""
+    starts = (positions == 0).nonzero()[:, 0]
+    cu = torch.cat([starts, torch.tensor([positions.numel()])]).to(torch.int32)
+    return cu, int(cu.diff().max())
 
 
 def _pad_positions(is_pad: torch.Tensor) -> torch.Tensor:

@@ -142,17 +142,45 @@ def _shared_prompt_hidden(model, input_ids: torch.Tensor, attention_mask: torch.
     return torch.cat([head.last_hidden_state[copies, -1:], tail.last_hidden_state], dim=1).contiguous()
 
 
-def packed_hidden(model, packed: PackedRows) -> torch.Tensor:
+def packed_hidden(model, packed: PackedRows, inner=None) -> torch.Tensor:
     """The decoder's final hidden states (n_tok, H) at the positions that predict the scored tokens of a packed
-    micro-batch (`PackedRows.score_index`)."""
-    out = model.get_decoder()(input_ids=packed.input_ids, attention_mask=packed.attention_mask(_dtype(model)),
-                              position_ids=packed.position_ids, use_cache=False, **packed.attention_kwargs())
-    hidden = out.last_hidden_state  # (R, L, H)
+    micro-batch (`PackedRows.score_index`); `inner`: the module a DDP `model` wraps (`tiled_head`)."""
+    mask = packed.attention_mask(_dtype(model, packed.input_ids.device))
+    inputs = dict(input_ids=packed.input_ids, attention_mask=mask, position_ids=packed.position_ids, use_cache=False,
+                  **packed.attention_kwargs())
+    hidden = (model.get_decoder()(**inputs).last_hidden_state if inner is None
+              else wrapped_hidden(model, inner, inputs))  # (R, L, H)
     return hidden.reshape(-1, hidden.shape[-1]).index_select(0, packed.score_index)
 
 
-def _dtype(model) -> torch.dtype:
-    """The dtype of the model's activations (that of its input embedding), for an additive attention mask."""
+def wrapped_hidden(model, inner, inputs: dict) -> torch.Tensor:
+    """The decoder's final hidden states from a forward through the wrapper `model` (so DDP prepares its gradient
+    reduction as usual), caught by a hook on `inner`'s decoder; the model's own head runs on the last position only
+    (logits_to_keep=1: (N, 1, V), unused)."""
+    caught = []
+    handle = inner.get_decoder().register_forward_hook(lambda module, args, out: caught.append(out.last_hidden_state))
+    try:
+        model(**inputs, logits_to_keep=1)
+    finally:
+        handle.remove()
+    return caught[-1]
+
+
+def _in_place(head, inner) -> bool:
+    """Whether the head's weight gradient may go straight into .grad: not under DDP, whose gradient hooks fire only
+    on gradients that autograd accumulates."""
+    return head.weight.is_leaf and inner is None
+
+
+def _dtype(model, device: torch.device) -> torch.dtype:
+    """The dtype attention computes in, for an additive mask that no layer converts (a converted copy is kept for
+    backward in every layer): autocast's where it is on for `device`, else the model's activations' (that of its
+    input embedding)."""
+    from accelerate.utils import extract_model_from_parallel
+
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    model = extract_model_from_parallel(model)
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     weight = getattr(embedding, "weight", None)
     return weight.dtype if weight is not None and weight.is_floating_point() else torch.float32
@@ -164,16 +192,16 @@ def _packed_logprobs(model, packed: PackedRows, temperature: float, with_entropy
 
     With a plain head, the decoder's hidden states at the scoring positions (n_tok, H) go through the tiled head;
     otherwise the model's forward returns logits at the columns holding a scoring position (`logits_to_keep`)."""
-    head = plain_head(model)
+    head, inner = tiled_head(model)
     targets = packed.targets[None]  # (1, n_tok)
     if head is not None:
-        hidden = packed_hidden(model, packed)[None]  # (1, n_tok, H)
+        hidden = packed_hidden(model, packed, inner)[None]  # (1, n_tok, H)
         logp, entropy = hidden_logprobs(hidden, head.weight, targets, temperature=temperature, bias=head.bias,
-                                        with_entropy=with_entropy, weight_grad_in_place=head.weight.is_leaf,
+                                        with_entropy=with_entropy, weight_grad_in_place=_in_place(head, inner),
                                         kernels=tile_kernels and tile_kernels(hidden.dtype, hidden.device),
                                         float32_head=getattr(head, "grpo_float32_head", False))
     else:
-        out = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask(_dtype(model)),
+        out = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask(_dtype(model, targets.device)),
                     position_ids=packed.position_ids, logits_to_keep=packed.keep_columns, use_cache=False,
                     **packed.attention_kwargs())
         logits = out.logits.reshape(-1, out.logits.shape[-1]).index_select(0, packed.kept_index)[None]  # (1, n_tok, V)
@@ -196,10 +224,10 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     the T completion tokens are predicted by positions P-1 .. P+T-2. With `with_entropy`, returns
     (logp, entropy (N, T), detached unless `entropy_grad`) instead.
 
-    Fast path (a plain linear LM head, one process): the decoder's hidden states at those T positions go through
-    `grpo.core.hidden_logprobs`, which applies the head one cache-sized tile of positions x vocabulary at a time and
-    recomputes each tile in backward, so the (N, T, V) logits and their gradient never exist (V is ~150k for real
-    models). Without gradients (the reference pass) rows that share a prompt encode it once
+    Fast path (a plain linear LM head, one process or DDP: `tiled_head`): the decoder's hidden states at those T
+    positions go through `grpo.core.hidden_logprobs`, which applies the head one cache-sized tile of positions x
+    vocabulary at a time and recomputes each tile in backward, so the (N, T, V) logits and their gradient never
+    exist (V is ~150k for real models). Without gradients (the reference pass) rows that share a prompt encode it once
     (`_shared_prompt_hidden`). Otherwise the model returns logits for just those positions (`logits_to_keep`),
     scored in chunks. `tile_kernels(dtype, device)`: the CPU engine's compiled tile kernels, or None.
 
@@ -209,13 +237,18 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     if packed is not None:
         return _packed_logprobs(model, packed, temperature, with_entropy, tile_kernels, entropy_grad)
     targets = input_ids[:, -completion_len:]  # (N, T)
-    head = plain_head(model)
+    head, inner = tiled_head(model)
     if head is not None:
-        hidden = _completion_hidden(model, input_ids, attention_mask, completion_len)
-        # The head's weight gradient goes straight into .grad (no (V, H) temporary per micro-batch): safe here, the
-        # trainer calls .backward() on an unwrapped model.
+        if inner is None:
+            hidden = _completion_hidden(model, input_ids, attention_mask, completion_len)
+        else:
+            hidden = wrapped_hidden(model, inner, dict(
+                input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1], use_cache=False,
+                position_ids=position_ids(attention_mask)[:, :-1]))[:, -completion_len:, :]
+        # The head's weight gradient goes straight into .grad (no (V, H) temporary per micro-batch) on an unwrapped
+        # model, on which the trainer calls .backward().
         logp, entropy = hidden_logprobs(hidden, head.weight, targets, temperature=temperature, bias=head.bias,
-                                        with_entropy=with_entropy, weight_grad_in_place=head.weight.is_leaf,
+                                        with_entropy=with_entropy, weight_grad_in_place=_in_place(head, inner),
                                         kernels=tile_kernels and tile_kernels(hidden.dtype, hidden.device),
                                         float32_head=getattr(head, "grpo_float32_head", False))
         return (logp, entropy if entropy_grad else entropy.detach()) if with_entropy else logp
@@ -241,6 +274,24 @@ def dropout_active(model) -> bool:
 
 # Config attributes that change logits after the LM head; a model with any of them set takes the logits path.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def tiled_head(model):
+    """(the LM head, None) when the tiled head applies to `model` directly (`plain_head`); (the head, the wrapped
+    module) for a DDP-wrapped model with a plain head: its forward runs through the wrapper and the tiled head on the
+    hidden states, so the (N, T, V) logits and their gradient never exist there either (D12); (None, None) otherwise.
+
+    FSDP2 and ZeRO-3 keep the logits path (`logits_to_keep`): their head's weight is whole only inside the wrapper's
+    forward and backward, where their hooks gather it and reduce-scatter its gradient; a head applied outside would
+    need its own gather and a gradient the wrappers do not reduce."""
+    head = plain_head(model)
+    if head is not None:
+        return head, None
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        head = plain_head(model.module)
+        if head is not None and hasattr(model.module, "get_decoder"):
+            return head, model.module
+    return None, None
 
 
 def plain_head(model):

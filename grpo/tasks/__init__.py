@@ -6,7 +6,7 @@ Each task is reproducible from a seed, needs no download, and declares its rewar
 
     from grpo.tasks import get_task
     task = get_task("arithmetic")
-    test = task.dataset("test", n=500, seed=0, difficulty=2)  # datasets.Dataset: prompt, answer, expression, ...
+    test = task.dataset("test", n=500, seed=0, difficulty=2)  # datasets.Dataset (grpo.rows.Rows without datasets)
     test[0]["prompt"], test[0]["answer"]                       # ("Calculate 5 + 4\\n", "9")
 """
 
@@ -18,8 +18,7 @@ import json
 from pathlib import Path
 from typing import Callable
 
-import datasets
-
+from grpo.rows import make_table
 from grpo.tasks import arithmetic, calculator, countdown
 from grpo.tasks._common import SPLITS, check_split
 
@@ -46,14 +45,15 @@ class Task:
         params = inspect.signature(self.make_rows).parameters.values()
         return {p.name: p.default for p in params if p.name not in ("split", "n", "seed")}
 
-    def dataset(self, split: str, n: int | None = None, seed: int = 0, **knobs) -> datasets.Dataset:
-        """`n` rows (default `default_sizes[split]`) of `split` ("train" or "test"), the same for the same arguments."""
+    def dataset(self, split: str, n: int | None = None, seed: int = 0, **knobs):
+        """`n` rows (default `default_sizes[split]`) of `split` ("train" or "test"), the same for the same arguments:
+        a `datasets.Dataset`, or a `grpo.rows.Rows` where `datasets` is not installed."""
         check_split(split)
         unknown = sorted(set(knobs) - set(self.knobs))
         if unknown:
             raise ValueError(f"task {self.name!r} has no knob(s) {unknown}; its knobs are {self.knobs}")
         count = self.default_sizes[split] if n is None else n
-        return datasets.Dataset.from_list(self.make_rows(split, count, seed, **knobs))
+        return make_table(self.make_rows(split, count, seed, **knobs))
 
 
 # TinyZero scores countdown 1.0 for a correct equation and 0.1 for the right format alone

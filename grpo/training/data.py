@@ -32,7 +32,11 @@ def load_dataset_any(name: str, split: str, config_name: str | None = None, key:
                      streaming: bool = False):
     """A local data file, a `save_to_disk` directory, or a hub name (only when a hub is reachable); with
     `streaming`, a `datasets.IterableDataset` that reads rows as they are asked for."""
-    import datasets
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError(f"{key}: reading {name!r} needs the `datasets` package (pip install datasets); without it, "
+                          "train on a built-in task or pass train_dataset as a list of dicts.") from None
 
     datasets.disable_progress_bars()  # the run has its own display; these bars would interleave with it
 

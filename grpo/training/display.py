@@ -4,7 +4,7 @@ Two modes, same content:
 
 * live (a terminal): a `rich` Live region redrawn at each step, with a progress bar, s/step, ETA and a table of
   rewards, held-out accuracy, KL and completion length; alarms and notes print above it and stay in the scrollback;
-* plain (CI, output piped to a file): one compact line per step, e.g.
+* plain (CI, output piped to a file, or `rich` not installed): one compact line per step, e.g.
   ``step 12/200 | reward 0.43 (math_accuracy 0.38, think_format 0.92) | acc 0.38 | kl 0.0012 | len 31.2 |
   1.21 s/step | eta 3m52s``.
 
@@ -19,11 +19,14 @@ import time
 from collections import deque
 from typing import Any
 
-from rich.console import Console, Group
-from rich.live import Live
-from rich.progress_bar import ProgressBar
-from rich.table import Table
-from rich.text import Text
+try:  # `rich` draws the live view; without it (some GPU images) every run shows plain lines
+    from rich.console import Console, Group
+    from rich.live import Live
+    from rich.progress_bar import ProgressBar
+    from rich.table import Table
+    from rich.text import Text
+except ImportError:
+    Console = None
 
 # (label, metric key) of the single-value columns, in display order.
 SCALAR_FIELDS = (
@@ -148,8 +151,8 @@ class LiveDisplay:
         if total_steps < 1:
             raise ValueError(f"LiveDisplay: total_steps must be >= 1, got {total_steps}")
         self.total_steps = total_steps
-        self.console = console if console is not None else Console()
-        self.live_mode = self.console.is_terminal if enabled is None else enabled
+        self.console = console if console is not None else Console() if Console is not None else PlainConsole()
+        self.live_mode = (self.console.is_terminal if enabled is None else enabled) and Console is not None
         self.timer = StepTimer()
         self.started = time.monotonic()
         self.updates = 0  # update calls so far; alarms remember the count at which they were last raised
@@ -211,6 +214,9 @@ class LiveDisplay:
 
     def _print(self, message: str, style: str) -> None:
         # In live mode `console.print` writes above the live region, so the line stays in the scrollback.
+        if Console is None:
+            self.console.print(message)
+            return
         self.console.print(Text(message, style=style), highlight=False, soft_wrap=True)
 
     def close(self) -> None:
@@ -218,6 +224,15 @@ class LiveDisplay:
         if self._live is not None:
             self._live.stop()
             self._live = None
+
+
+class PlainConsole:
+    """Where `rich` is not installed: what the plain mode prints, to stdout."""
+
+    is_terminal = False
+
+    def print(self, text, **_) -> None:
+        print(text, flush=True)
 
 
 class NullDisplay:

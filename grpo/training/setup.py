@@ -198,6 +198,8 @@ def make_step_rewards(cfg: GRPOConfig, step_reward_funcs) -> list[Callable]:
 
 
 def make_datasets(cfg: GRPOConfig, task, train_dataset, eval_dataset):
+    from grpo.rows import as_table
+
     if train_dataset is None:
         if cfg.dataset_name is None and task is None:
             raise ConfigError("dataset_name: set dataset_name (a data file or directory) or task (arithmetic, "
@@ -218,7 +220,7 @@ def make_datasets(cfg: GRPOConfig, task, train_dataset, eval_dataset):
         import datasets
 
         eval_dataset = datasets.Dataset.from_list(list(eval_dataset))
-    return train_dataset, eval_dataset
+    return as_table(train_dataset), as_table(eval_dataset)  # (a list of dicts or a dict of columns: grpo.rows)
 
 
 def _level(cfg: GRPOConfig) -> dict:

@@ -27,8 +27,10 @@ KEPT_CALLS = 8  # rows of the last calls to next() kept for rows() (dynamic samp
 
 
 def is_stream(dataset) -> bool:
-    import datasets
-
+    try:
+        import datasets
+    except ImportError:  # (only `datasets` makes streams)
+        return False
     return isinstance(dataset, datasets.IterableDataset)
 
 

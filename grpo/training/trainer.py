@@ -62,7 +62,8 @@ class GRPOTrainer:
     reward_funcs: one reward (a callable of TRL's signature, a name, a loaded reward model) or a list of them;
         default: the config's, else the task's. reward_processing_classes: loaded reward models' tokenizers.
     args: our GRPOConfig, or TRL's (`trl.GRPOConfig`, whose values and meaning are kept).
-    train_dataset / eval_dataset: `datasets.Dataset`; default: the config's dataset or built-in task.
+    train_dataset / eval_dataset: `datasets.Dataset`, a list of dicts or a dict of columns; default: the config's
+    dataset or built-in task.
     callbacks: `transformers.TrainerCallback`s (or classes); optimizers: (optimizer, lr scheduler) or (None, None).
     peft_config: a `peft.LoraConfig` (or set `use_peft`). generator: a rollout engine (`grpo.engines.base`).
     tools / rollout_func / environment_factory: multi-turn rollouts, TRL's arguments (grpo.agents, docs/agents.md).
