@@ -1,5 +1,6 @@
-"""Server mode (`grpo vllm-serve`, `vllm_mode: server`): a server on 127.0.0.1 serves two trainer processes; the main
-process pushes the policy's weights into it after each optimizer step, and the server then samples from them.
+"""Server mode (`grpo vllm-serve`, `vllm_mode: server`): a server on 127.0.0.1 serves two trainer processes with one
+request a step, as it serves one; the main process pushes the policy's weights into it in buckets, over a gloo group
+or a streamed POST, and the server then samples from them.
 
 Skipped where vLLM is not importable: `bash scripts/vllm_env.sh`, then `.venv-vllm/bin/python -m pytest -q
 tests/test_vllm_server.py`.
