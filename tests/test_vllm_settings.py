@@ -178,3 +178,45 @@ def test_server_mode_on_several_machines_needs_the_servers_address(monkeypatch, 
                      vllm_server_timeout=0.1)
     with pytest.raises(ConfigError, match="no vLLM server answered at http://127.0.0.2:9"):
         make_vllm(cfg, policy, Tokenizer(), Accelerator())
+
+
+def test_a_server_that_cannot_join_the_weight_transfer_group_is_a_clear_error(policy):
+    """A stand-in server that answers but never joins the group (as one that cannot reach vllm_group_port)."""
+    import json
+    import socket
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from grpo.engines.select import make_vllm
+
+    class Answers(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self._json({"model": "m", "weights_version": 0, "device": "cpu", "dtype": "float32"})
+
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self._json({"ok": True})
+
+        def _json(self, body):
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Answers)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        group_port = s.getsockname()[1]
+    cfg = GRPOConfig(use_vllm=True, vllm_mode="server", vllm_server_base_url=f"http://127.0.0.1:{server.server_port}",
+                     vllm_server_timeout=2, vllm_group_port=group_port)
+    try:
+        with pytest.raises(ConfigError, match=f"vllm_mode: server: vllm_group_port: the server did not join .* at "
+                                              f"127.0.0.1:{group_port} .* or set vllm_weight_transfer: http"):
+            make_vllm(cfg, policy, Tokenizer(), Accelerator())
+    finally:
+        server.shutdown()

@@ -38,79 +38,28 @@ from grpo.engines import vllm_weights
 from grpo.engines.base import Completions, SamplingParams
 
 
+@dataclasses.dataclass
+class Served:
+    """What the server's request handlers share: the engine, the lock that runs one request on it at a time, the
+    state /health reports, and the weight-transfer process group once a trainer has opened one."""
+
+    model: str
+    engine: object
+    device: torch.device
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    state: dict = dataclasses.field(default_factory=dict)
+    group: tuple | None = None  # (process group, the device it receives on)
+
+
 def serve(model: str, host: str = "0.0.0.0", port: int = 8000, **engine_kwargs) -> None:
     """Run a vLLM engine for `model` behind the HTTP endpoints above until interrupted."""
     from grpo.engines.vllm import VLLMEngine
 
     engine = VLLMEngine(model, eos_ids=[], **engine_kwargs)
-    config = engine.llm.llm_engine.model_config
-    lock = threading.Lock()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    state = {"weights_version": 0, "device": device.type, "dtype": str(config.dtype).removeprefix("torch.")}
-    group = {}  # the weight-transfer process group, once a trainer has opened it
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"  # (chunked request bodies)
-
-        def _reply(self, body: dict, status: int = 200) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self):  # noqa: N802 - http.server's name
-            if self.path != "/health":
-                return self._reply({"error": f"no endpoint {self.path}"}, 404)
-            self._reply({"model": model, **state})
-
-        def do_POST(self):  # noqa: N802
-            path, _, query = self.path.partition("?")
-            try:
-                if path == "/update_weights":
-                    return self._reply(self._update_weights(urllib.parse.parse_qs(query).get("transport", [""])[0]))
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-                if path == "/generate":
-                    with lock:
-                        engine.eos_ids = list(body["eos_ids"])
-                        engine.per_row_seeds = body["seeds"] is not None
-                        n = len(body["prompt_ids"])
-                        out = engine.generate(body["prompt_ids"], SamplingParams(**body["params"]),
-                                              body["seeds"] or [0] * n)
-                    return self._reply(dataclasses.asdict(out))
-                if path == "/init_communicator":
-                    # (blocks until the trainer joins: the trainer sends this from a thread of its own)
-                    group.clear()  # (an earlier trainer's group, if any, is dropped)
-                    group["pg"] = vllm_weights.open_group(body["host"], body["port"], 1, body["backend"])
-                    group["device"] = device if body["backend"] == "nccl" else torch.device("cpu")
-                    return self._reply({"ok": True})
-                self._reply({"error": f"no endpoint {self.path}"}, 404)
-            except Exception as err:  # noqa: BLE001 - the trainer gets the reason, the server stays up
-                self.close_connection = True
-                self._reply({"error": f"{type(err).__name__}: {err}"}, 500)
-
-        def _update_weights(self, transport: str) -> dict:
-            if transport == "collective":
-                if "pg" not in group:
-                    raise RuntimeError("no weight-transfer group: POST /init_communicator first")
-                weights = vllm_weights.receive_weights(group["pg"], group["device"])
-            elif transport == "http":
-                reader = vllm_weights.ChunkedReader(self.rfile)
-                weights = vllm_weights.read_http_weights(reader)
-            else:
-                raise ValueError(f"transport {transport!r}: use collective or http")
-            with lock:
-                engine.load_weights(weights)
-                state["weights_version"] += 1
-            if transport == "http":
-                reader.finish()
-            return {"weights_version": state["weights_version"]}
-
-        def log_message(self, *args) -> None:  # one line per request would drown the engine's own log
-            pass
-
+    dtype = str(engine.llm.llm_engine.model_config.dtype).removeprefix("torch.")
     server = ThreadingHTTPServer((host, port), Handler)
+    server.served = Served(model, engine, device, state={"weights_version": 0, "device": device.type, "dtype": dtype})
     print(f"grpo vllm-serve: {model} on http://{host}:{port}", flush=True)
     try:
         server.serve_forever()
@@ -118,6 +67,70 @@ def serve(model: str, host: str = "0.0.0.0", port: int = 8000, **engine_kwargs) 
         pass
     finally:
         server.server_close()
+
+
+class Handler(BaseHTTPRequestHandler):
+    """The endpoints of the module docstring, on the server's `served` engine."""
+
+    protocol_version = "HTTP/1.1"  # (chunked request bodies)
+
+    def _reply(self, body: dict, status: int = 200) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        if self.path != "/health":
+            return self._reply({"error": f"no endpoint {self.path}"}, 404)
+        self._reply({"model": self.server.served.model, **self.server.served.state})
+
+    def do_POST(self):  # noqa: N802
+        served, (path, _, query) = self.server.served, self.path.partition("?")
+        try:
+            if path == "/update_weights":
+                return self._reply(self._update_weights(urllib.parse.parse_qs(query).get("transport", [""])[0]))
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            if path == "/generate":
+                with served.lock:
+                    served.engine.eos_ids = list(body["eos_ids"])
+                    served.engine.per_row_seeds = body["seeds"] is not None
+                    out = served.engine.generate(body["prompt_ids"], SamplingParams(**body["params"]),
+                                                 body["seeds"] or [0] * len(body["prompt_ids"]))
+                return self._reply(dataclasses.asdict(out))
+            if path == "/init_communicator":
+                # (blocks until the trainer joins: the trainer sends this from a thread of its own). An earlier
+                # trainer's group, if any, is dropped.
+                group = vllm_weights.open_group(body["host"], body["port"], 1, body["backend"], body["timeout"])
+                served.group = group, served.device if body["backend"] == "nccl" else torch.device("cpu")
+                return self._reply({"ok": True})
+            self._reply({"error": f"no endpoint {self.path}"}, 404)
+        except Exception as err:  # noqa: BLE001 - the trainer gets the reason, the server stays up
+            self.close_connection = True
+            self._reply({"error": f"{type(err).__name__}: {err}"}, 500)
+
+    def _update_weights(self, transport: str) -> dict:
+        served = self.server.served
+        if transport == "collective":
+            if served.group is None:
+                raise RuntimeError("no weight-transfer group: POST /init_communicator first")
+            weights = vllm_weights.receive_weights(*served.group)
+        elif transport == "http":
+            reader = vllm_weights.ChunkedReader(self.rfile)
+            weights = vllm_weights.read_http_weights(reader)
+        else:
+            raise ValueError(f"transport {transport!r}: use collective or http")
+        with served.lock:
+            served.engine.load_weights(weights)  # (one reload_weights, reading the stream as it goes)
+            served.state["weights_version"] += 1
+        if transport == "http":
+            reader.finish()
+        return {"weights_version": served.state["weights_version"]}
+
+    def log_message(self, *args) -> None:  # one line per request would drown the engine's own log
+        pass
 
 
 class VLLMServerClient:
@@ -136,7 +149,7 @@ class VLLMServerClient:
                  barrier=None, *, transport: str = "collective", group_port: int = 51216, device=None,
                  per_row_seeds: bool | None = None, rank: int = 0, gather=None, share=None):
         self.url, self.eos_ids, self.push, self.barrier = base_url.rstrip("/"), list(eos_ids), push, barrier
-        self.rank, self.gather, self.share = rank, gather, share
+        self.rank, self.gather, self.share, self.timeout = rank, gather, share, timeout
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -161,11 +174,16 @@ class VLLMServerClient:
         device = device if backend == "nccl" else torch.device("cpu")
         server = urllib.parse.urlsplit(self.url)
         host = vllm_weights.address_towards(server.hostname, server.port or 80)
-        with ThreadPoolExecutor(1) as pool:  # (the server's reply waits for both ranks to join)
-            reply = pool.submit(self._call, "/init_communicator",
-                                json.dumps({"host": host, "port": port, "backend": backend}).encode())
-            group = vllm_weights.open_group(host, port, 0, backend)
-            reply.result()
+        try:
+            with ThreadPoolExecutor(1) as pool:  # (the server's reply waits for both ranks to join)
+                reply = pool.submit(self._call, "/init_communicator", json.dumps(
+                    {"host": host, "port": port, "backend": backend, "timeout": self.timeout}).encode())
+                group = vllm_weights.open_group(host, port, 0, backend, self.timeout)
+                reply.result()
+        except (RuntimeError, OSError) as err:  # (torch's store and group errors are RuntimeErrors)
+            raise ConnectionError(f"vllm_group_port: the server did not join this process's weight-transfer group "
+                                  f"at {host}:{port} ({err}); let the server reach that port, or set "
+                                  f"vllm_weight_transfer: http") from None
         return group, device
 
     def _call(self, path: str, body: bytes | None = None, content_type: str = "application/json") -> dict:
