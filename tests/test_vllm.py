@@ -210,6 +210,24 @@ def test_seeds_make_a_run_repeatable(engine, base_model, prompts):
 
 
 @needs_vllm
+def test_without_per_row_seeds_the_rows_share_the_batched_sampler(engine, base_model, prompts):
+    """vllm_per_row_seeds false (the GPU default): no request carries a seed, so rows given one and the same seed
+    still differ (with per-row seeds they would be equal), and the log-probs are still the sampled distribution's."""
+    params = SamplingParams(max_new_tokens=24, temperature=1.5)
+    engine.update_weights(base_model)
+    assert len({tuple(r) for r in engine.generate([prompts[0]] * 4, params, [7] * 4).ids}) == 1
+    engine.per_row_seeds = False
+    try:
+        out = engine.generate([prompts[0]] * 4, params, [7] * 4)
+    finally:
+        engine.per_row_seeds = True
+    assert len({tuple(r) for r in out.ids}) > 1
+    for completion, logprobs in zip(out.ids, out.logprobs):
+        torch.testing.assert_close(torch.tensor(logprobs), recomputed_logprobs(base_model, prompts[0], completion,
+                                                                               params), atol=2e-5, rtol=1e-5)
+
+
+@needs_vllm
 def test_truncation_and_eos(engine, base_model, tokenizer, prompts):
     engine.update_weights(base_model)
     eos = tokenizer.eos_token_id

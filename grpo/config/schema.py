@@ -162,9 +162,15 @@ class GRPOConfig:
                         "policy's weights after every optimizer step.", ("colocate", "server"))
     vllm_server_base_url: str | None = _f(None, "Server mode: the server's URL, e.g. http://10.0.0.2:8000 (then "
                                           "vllm_server_host and vllm_server_port are not used).")
-    vllm_server_host: str = _f("0.0.0.0", "Server mode: the server's host.")
+    vllm_server_host: str = _f("0.0.0.0", "Server mode: the server's host (on several machines set it, or "
+                                "vllm_server_base_url, to the server's address).")
     vllm_server_port: int = _f(8000, "Server mode: the server's port.")
     vllm_server_timeout: float = _f(240.0, "Server mode: seconds to wait for the server to answer at start.")
+    vllm_weight_transfer: str = _f("collective", "Server mode: how the weights reach the server after each step: "
+                                   "collective (a process group with the server, NCCL between GPUs, gloo "
+                                   "otherwise, as TRL's vllm-serve) or http (a streamed POST).",
+                                   ("collective", "http"))
+    vllm_group_port: int = _f(51216, "Server mode, collective transfer: the port the server opens for it (TRL's).")
     vllm_gpu_memory_utilization: float = _f(0.3, "Fraction of the device's memory vLLM may take (its weights and KV "
                                             "cache; on vLLM's CPU build, of the machine's RAM).")
     vllm_tensor_parallel_size: int = _f(1, "Devices one vLLM engine shards the model over.")
@@ -174,6 +180,10 @@ class GRPOConfig:
     vllm_model_impl: str = _f("vllm", "Model implementation vLLM runs: its own or transformers'.",
                               ("vllm", "transformers"))
     vllm_engine_kwargs: dict = _f({}, "Further keyword arguments for vllm.LLM (e.g. enforce_eager: true).")
+    vllm_per_row_seeds: bool | None = _f(None, "Seed every row of a vLLM request (completions independent of how "
+                                         "rows are split across processes, as grpo's samplers; vLLM then samples "
+                                         "row by row) or seed the engine once (vLLM's batched sampler). null: "
+                                         "true on the CPU, false on GPUs.")
     vllm_importance_sampling_correction: bool = _f(True, "Weight each token's surrogate by pi_old / pi_vllm, "
                                                    "bounded as vllm_importance_sampling_mode says (TRL 1.16's).")
     vllm_importance_sampling_mode: str = _f("sequence_mask", "token_truncate, token_mask, sequence_truncate or "

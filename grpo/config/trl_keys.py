@@ -72,7 +72,8 @@ TABLE: list[TRLKey] = [
            ("vllm_mode", "colocate"), ("vllm_model_impl", "vllm"), ("vllm_enable_sleep_mode", False),
            ("vllm_server_base_url", None), ("vllm_server_host", "0.0.0.0"), ("vllm_server_port", 8000),
            ("vllm_server_timeout", 240.0), ("vllm_gpu_memory_utilization", 0.3), ("vllm_max_model_length", None),
-           ("vllm_tensor_parallel_size", 1), ("beta", 0.0), ("num_iterations", 1), ("epsilon", 0.2),
+           ("vllm_tensor_parallel_size", 1), ("vllm_group_port", 51216), ("beta", 0.0), ("num_iterations", 1),
+           ("epsilon", 0.2),
            ("delta", None), ("epsilon_high", None), ("sapo_temperature_neg", 1.05), ("sapo_temperature_pos", 1.0),
            ("vespo_k_pos", 2.0), ("vespo_lambda_pos", 3.0), ("vespo_k_neg", 3.0), ("vespo_lambda_neg", 2.0),
            ("importance_sampling_level", "token"), ("reward_weights", None),
@@ -98,7 +99,6 @@ TABLE: list[TRLKey] = [
             "is for Neuron's compiler", [None]),
            ("cache_implementation", None, "grpo's samplers keep their own KV cache"),
            ("vllm_structured_outputs_regex", None, "regex-guided decoding is not built"),
-           ("vllm_group_port", 51216, "`grpo vllm-serve` takes weights over its own HTTP endpoint: no NCCL port"),
            ("log_multimodal", True, "grpo trains text models"),
            ("log_completions_hub_repo", None, "samples are written to output_dir/samples/; uploading them to a "
             "dataset repository is not built"),

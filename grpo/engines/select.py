@@ -77,41 +77,94 @@ def make_engine(choice: EngineChoice, model, policy, accelerator, tokenizer, par
     return generator, TransformersBackend(model, accelerator)
 
 
-def make_vllm(cfg, policy, tokenizer, accelerator):
+LOCAL_HOSTS = ("0.0.0.0", "127.0.0.1", "localhost", "::", "::1")
+
+
+def machines() -> int:
+    """How many machines the launcher started this run on (torchrun and accelerate set both sizes)."""
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    return max(1, world // max(int(os.environ.get("LOCAL_WORLD_SIZE", world)), 1))
+
+
+def vllm_dtype(policy, mixed_precision: str) -> str:
+    """The dtype a colocated engine runs in: the one the trainer computes its forward in, i.e. the autocast
+    dtype under bf16 / fp16 mixed precision (not the float32 of the master weights: a float32 engine would
+    sample at float32's speed and memory), else the weights' own."""
+    if mixed_precision in ("bf16", "fp16"):
+        return {"bf16": "bfloat16", "fp16": "float16"}[mixed_precision]
+    return str(_dtype(policy)).removeprefix("torch.")
+
+
+def make_vllm(cfg, policy, tokenizer, accelerator, rows: int | None = None):
     """The vLLM rollout engine (`use_vllm`): colocated, holding a copy of `policy`'s weights, or a client of a
-    `grpo vllm-serve` server, into which the main process pushes them."""
+    `grpo vllm-serve` server, into which the main process pushes them. `rows`: the completions one process
+    generates per rollout (the engine's max_num_seqs, as TRL sets it)."""
     eos = [tokenizer.eos_token_id]
     if cfg.vllm_mode == "server":
-        from grpo.engines.vllm_server import VLLMServerClient
-
-        url = cfg.vllm_server_base_url or f"http://{cfg.vllm_server_host}:{cfg.vllm_server_port}"
-        try:
-            return VLLMServerClient(url, eos, cfg.vllm_server_timeout, push=accelerator.is_main_process,
-                                    barrier=accelerator.wait_for_everyone if accelerator.num_processes > 1 else None)
-        except ConnectionError as err:
-            raise ConfigError(f"vllm_mode: server: {err}") from None
+        return _server_client(cfg, policy, eos, accelerator)
     from grpo.engines.vllm import VLLMEngine, VLLMUnavailable
 
-    extra = dict(cfg.vllm_engine_kwargs)
-    if accelerator.num_processes > 1:
-        if cfg.vllm_tensor_parallel_size > 1:
-            raise ConfigError("vllm_tensor_parallel_size: with several training processes each colocated engine "
-                              "holds the whole model (tensor parallelism across them is not built yet); set it to 1, "
-                              "or use vllm_mode: server with `grpo vllm-serve --tensor-parallel-size N`.")
-        # One engine per process, on its own device, inside the process group the launcher made (as TRL does).
-        extra.setdefault("distributed_executor_backend", "external_launcher")
+    if cfg.vllm_tensor_parallel_size > 1:
+        # vLLM's tensor parallelism beside a trainer means one engine shard per training process (TRL: a TP
+        # group of processes under external_launcher); in one process its workers would be other processes, and
+        # every weight update would pickle the whole model to them.
+        raise ConfigError("vllm_tensor_parallel_size: a colocated engine runs on its own process's device (tensor "
+                          "parallelism across training processes is not built); set it to 1, or use vllm_mode: "
+                          "server with `grpo vllm-serve --tensor-parallel-size N`.")
+    # TRL's settings (trl/generation/vllm_generation.py): the engine never holds more sequences than one rollout
+    # has, and a 4096-token batch keeps vLLM's memory profile (at its 8192 default or more) from leaving no room
+    # for the KV cache beside a trainer. external_launcher: the engine's one worker is this process, in the
+    # process group the launcher made (one process: rank 0 of 1).
+    extra = {"max_num_batched_tokens": 4096, "distributed_executor_backend": "external_launcher",
+             **({"max_num_seqs": rows} if rows else {}), **cfg.vllm_engine_kwargs}
     base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
     path = getattr(base.config, "_name_or_path", None) or cfg.model_name_or_path
     try:
-        return VLLMEngine(path, policy, eos_ids=eos, dtype=_dtype(policy),
+        return VLLMEngine(path, policy, eos_ids=eos,
+                          dtype=vllm_dtype(policy, getattr(accelerator, "mixed_precision", "no")),
                           gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                           tensor_parallel_size=cfg.vllm_tensor_parallel_size, max_model_len=cfg.vllm_max_model_length,
                           enable_sleep_mode=cfg.vllm_enable_sleep_mode, model_impl=cfg.vllm_model_impl,
-                          seed=cfg.seed, **extra)
+                          seed=cfg.seed, per_row_seeds=per_row_seeds(cfg, accelerator.device), **extra)
     except VLLMUnavailable as err:
         raise ConfigError(f"use_vllm: {err}") from None
     except ValueError as err:  # (a setting vLLM refuses, named by the engine)
         raise ConfigError(str(err)) from None
+
+
+def per_row_seeds(cfg, device) -> bool:
+    """vllm_per_row_seeds, null resolved: on on the CPU (where the row-by-row draw costs little beside the model),
+    off on accelerators (vLLM's batched sampler)."""
+    return cfg.vllm_per_row_seeds if cfg.vllm_per_row_seeds is not None else torch.device(device).type == "cpu"
+
+
+def _server_client(cfg, policy, eos: list[int], accelerator):
+    from grpo.engines.vllm_server import VLLMServerClient
+
+    if (cfg.vllm_server_base_url is None and cfg.vllm_server_host in LOCAL_HOSTS and machines() > 1):
+        raise ConfigError(f"vllm_server_base_url: this run spans {machines()} machines, and "
+                          f"vllm_server_host {cfg.vllm_server_host!r} would point each one at itself; set "
+                          f"vllm_server_base_url (or vllm_server_host) to the server's address.")
+    url = cfg.vllm_server_base_url or f"http://{cfg.vllm_server_host}:{cfg.vllm_server_port}"
+    together = {}
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list, gather_object
+
+        together = {"gather": gather_object, "share": lambda parts: broadcast_object_list([parts])[0]}
+    try:
+        client = VLLMServerClient(url, eos, cfg.vllm_server_timeout, push=accelerator.is_main_process,
+                                  barrier=accelerator.wait_for_everyone if accelerator.num_processes > 1 else None,
+                                  transport=cfg.vllm_weight_transfer, group_port=cfg.vllm_group_port,
+                                  device=accelerator.device, per_row_seeds=cfg.vllm_per_row_seeds,
+                                  rank=accelerator.process_index, **together)
+    except ConnectionError as err:
+        raise ConfigError(f"vllm_mode: server: {err}") from None
+    # The server holds whatever it was last given (the checkpoint it loaded, or an earlier run's weights): the
+    # first rollout must sample from this policy, a resumed or LoRA-wrapped one included.
+    client.update_weights(policy)
+    return client
 
 
 def make_sampler(choice: EngineChoice, model, tokenizer, prepared=None, gather_for_generation: bool = True):

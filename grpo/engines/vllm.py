@@ -9,7 +9,10 @@ vLLM is imported only when an engine is built. On a GPU: `pip install "grpo[vllm
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
+
 import torch
 
 from grpo.engines.base import Completions, SamplingParams
@@ -34,6 +37,25 @@ def import_vllm():
     return vllm
 
 
+@contextlib.contextmanager
+def launcher_environment():
+    """RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT while vLLM's `external_launcher` executor starts: a
+    torchrun-launched process has them; a lone process gets rank 0 of 1 on a free local port. Restored after, so
+    that nothing built later in the process (accelerate's state) takes this process for a launched one."""
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    port = str(free.getsockname()[1])
+    free.close()
+    wanted = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    added = {key: value for key, value in wanted.items() if key not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
+
+
 class VLLMEngine:
     """A colocated vLLM engine for rollouts.
 
@@ -41,13 +63,16 @@ class VLLMEngine:
     policy in memory, whose weights replace those right away (a resumed or LoRA-wrapped policy differs from the
     checkpoint on disk). `eos_ids` end a completion, as in TransformersSampler. The other keywords mean what
     TRL's `vllm_*` options of the same names mean; on vLLM's CPU build `gpu_memory_utilization` is the fraction
-    of the machine's RAM reserved for the engine (its KV cache included). `llm_kwargs` go to `vllm.LLM` as they
-    are (e.g. `enforce_eager=True`, `kv_cache_memory_bytes=...`).
+    of the machine's RAM reserved for the engine (its KV cache included). `per_row_seeds`: each row draws from its
+    own generator seeded by the caller (completions independent of the batch layout; vLLM then samples row by row),
+    or else from vLLM's batched sampler, seeded once with `seed`. `llm_kwargs` go to `vllm.LLM` as they are (e.g.
+    `enforce_eager=True`, `kv_cache_memory_bytes=...`, `max_num_seqs=...`).
     """
 
     def __init__(self, model_name_or_path: str, model=None, *, eos_ids: list[int], dtype: str | torch.dtype = "auto",
                  gpu_memory_utilization: float = 0.3, tensor_parallel_size: int = 1, max_model_len: int | None = None,
-                 enable_sleep_mode: bool = False, model_impl: str = "vllm", seed: int = 0, **llm_kwargs):
+                 enable_sleep_mode: bool = False, model_impl: str = "vllm", seed: int = 0, per_row_seeds: bool = True,
+                 **llm_kwargs):
         vllm = import_vllm()
         from vllm.platforms import current_platform
 
@@ -58,8 +83,8 @@ class VLLMEngine:
         if isinstance(dtype, torch.dtype):
             dtype = str(dtype).removeprefix("torch.")
         self.eos_ids = list(eos_ids)
-        self.sleep_mode = enable_sleep_mode
-        self.tensor_parallel_size = tensor_parallel_size
+        self.sleep_mode, self.asleep, self.model = enable_sleep_mode, False, model
+        self.tensor_parallel_size, self.per_row_seeds = tensor_parallel_size, per_row_seeds
         options = dict(
             # Log-probs of the distribution each token was drawn from (after temperature, top-k/top-p, min-p and
             # the repetition penalty), as TransformersSampler returns them; vLLM's default is the raw model's.
@@ -71,18 +96,22 @@ class VLLMEngine:
             generation_config="vllm",
         )
         options.update(llm_kwargs)
-        self.llm = vllm.LLM(model=model_name_or_path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
-                            tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
-                            enable_sleep_mode=enable_sleep_mode, model_impl=model_impl, seed=seed, **options)
+        launcher = (launcher_environment() if options.get("distributed_executor_backend") == "external_launcher"
+                    else contextlib.nullcontext())
+        with launcher:
+            self.llm = vllm.LLM(model=model_name_or_path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
+                                tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
+                                enable_sleep_mode=enable_sleep_mode, model_impl=model_impl, seed=seed, **options)
         # Token ids the model has no logit for cannot be sampled, and vLLM refuses them as stop ids.
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         if model is not None:
             self.update_weights(model)
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seeds: list[int]) -> Completions:
-        """One completion per prompt row; row i draws from its own generator seeded with seeds[i], so a row's
-        completion does not depend on the rest of the batch and a run repeats. (torch's CPU generator, which vLLM's
-        CPU build and TransformersSampler both seed, keeps only the low 32 bits of a seed.)"""
+        """One completion per prompt row. With `per_row_seeds`, row i draws from its own generator seeded with
+        seeds[i], so a row's completion does not depend on the rest of the batch and a run repeats (torch's CPU
+        generator, which vLLM's CPU build and TransformersSampler both seed, keeps only the low 32 bits of a seed).
+        Without, the rows share vLLM's batched sampler and `seeds` only counts the rows."""
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -93,7 +122,10 @@ class VLLMEngine:
         # which changes the kept set only when min_p and top_p are both on.
         sampling = [VLLMSamplingParams(
             max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
-            top_k=params.top_k, min_p=params.min_p, repetition_penalty=params.repetition_penalty, seed=seed,
+            top_k=params.top_k, min_p=params.min_p, repetition_penalty=params.repetition_penalty,
+            # A request with a seed gets a generator of its own, and vLLM's sampler then draws row by row (one
+            # small kernel per seeded row per token) instead of once for the batch.
+            seed=seed if self.per_row_seeds else None,
             stop_token_ids=[i for i in self.eos_ids if i < self.vocab_size], logprobs=0, detokenize=False)
             for seed in seeds]
         outputs = self.llm.generate(requests, sampling, use_tqdm=False)
@@ -111,8 +143,11 @@ class VLLMEngine:
     def update_weights(self, model) -> None:
         """Load the policy's current weights into the engine (a LoRA policy with its adapters merged; a sharded
         policy gathered one tensor at a time, on every process) and forget the cached prompt prefixes, whose keys
-        and values the old weights computed."""
-        self.load_weights(hf_weights(model))
+        and values the old weights computed. Asleep, the engine has no weights to write into: they are loaded when
+        it wakes."""
+        self.model = model
+        if not self.asleep:
+            self.load_weights(hf_weights(model))
 
     def load_weights(self, weights) -> None:
         """Load (name, tensor) pairs under transformers' names (`hf_weights`), then reset the prefix cache."""
@@ -125,14 +160,20 @@ class VLLMEngine:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()
 
-    def sleep(self, level: int = 1) -> None:
-        """Free the engine's accelerator memory for the training step: level 1 moves the weights to host memory
-        and drops the KV cache; level 2 drops the weights too (call update_weights after wake). A no-op without
-        sleep mode (vLLM's CPU build has none)."""
-        if self.sleep_mode:
-            self.llm.sleep(level=level)
+    def sleep(self) -> None:
+        """Free the engine's accelerator memory for the training step: level 2 drops the weights and the KV cache
+        (level 1 would copy the whole model to pinned host memory and back every step, only for it to be replaced
+        by the policy's weights; TRL and verl use level 2). A no-op without sleep mode (vLLM's CPU build has none)."""
+        if self.sleep_mode and not self.asleep:
+            self.llm.sleep(level=2)
+            self.asleep = True
 
     def wake(self) -> None:
-        if self.sleep_mode:
-            self.llm.wake_up()
+        """Take the memory back as TRL does: the weights' first, the policy's weights loaded into it, then the KV
+        cache's, so that the load never runs beside a full KV cache."""
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
+            self.asleep = False
+            self.load_weights(hf_weights(self.model))
+            self.llm.wake_up(tags=["kv_cache"])
 

@@ -2,80 +2,64 @@
 on this machine or another, send prompts to; the main trainer process pushes the policy's weights into it after each
 optimizer step.
 
-The protocol is three HTTP endpoints with JSON bodies (weights as one safetensors blob), served by the standard
-library, so a trainer needs neither vLLM nor a web framework to talk to it:
+The protocol is HTTP endpoints with JSON bodies, served by the standard library, so a trainer needs neither vLLM nor
+a web framework to talk to it:
 
-    GET  /health          {"model": ..., "weights_version": n}
-    POST /generate        {"prompt_ids", "params" (SamplingParams' fields), "seeds", "eos_ids"}
-                          -> {"ids", "truncated", "logprobs"}
-    POST /update_weights  safetensors bytes of the policy's weights under transformers' names (LoRA merged)
-                          -> {"weights_version": n}
+    GET  /health              {"model", "weights_version", "device", "dtype"}
+    POST /generate            {"prompt_ids", "params" (SamplingParams' fields), "seeds" (or null), "eos_ids"}
+                              -> {"ids", "truncated", "logprobs"}
+    POST /init_communicator   {"host", "port", "backend"}: join the trainer in a two-rank process group
+                              (grpo.engines.vllm_weights)
+    POST /update_weights      ?transport=collective: receive the weights over that group, bucket by bucket;
+                              ?transport=http: a chunked body of the same buckets -> {"weights_version": n}
 
-Requests run one at a time on the engine (vLLM's `LLM` is not thread-safe); each generate request's rows keep their
-own seeds, so completions do not depend on which trainer process asked or in which order. Weights travel over HTTP:
-simple and tested here on the CPU, but for large models on GPUs a collective (NCCL) transfer as in TRL would be
-faster; that is not built yet.
+Requests run one at a time on the engine (vLLM's `LLM` is not thread-safe). In training the main process sends one
+generate request a step with every process's rows and hands each process its own completions back
+(`generate_together`), so the server batches the whole step as a colocated engine would; each row keeps its own
+seed when seeds are sent (`vllm_per_row_seeds`), so completions do not depend on how rows were split.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import http.client
 import json
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import torch
+
+from grpo.engines import vllm_weights
 from grpo.engines.base import Completions, SamplingParams
+
+
+@dataclasses.dataclass
+class Served:
+    """What the server's request handlers share: the engine, the lock that runs one request on it at a time, the
+    state /health reports, and the weight-transfer process group once a trainer has opened one."""
+
+    model: str
+    engine: object
+    device: torch.device
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    state: dict = dataclasses.field(default_factory=dict)
+    group: tuple | None = None  # (process group, the device it receives on)
 
 
 def serve(model: str, host: str = "0.0.0.0", port: int = 8000, **engine_kwargs) -> None:
     """Run a vLLM engine for `model` behind the HTTP endpoints above until interrupted."""
-    from safetensors.torch import load as load_safetensors
-
     from grpo.engines.vllm import VLLMEngine
 
     engine = VLLMEngine(model, eos_ids=[], **engine_kwargs)
-    lock = threading.Lock()
-    state = {"weights_version": 0}
-
-    class Handler(BaseHTTPRequestHandler):
-        def _reply(self, body: dict, status: int = 200) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self):  # noqa: N802 - http.server's name
-            if self.path != "/health":
-                return self._reply({"error": f"no endpoint {self.path}"}, 404)
-            self._reply({"model": model, **state})
-
-        def do_POST(self):  # noqa: N802
-            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            try:
-                with lock:
-                    if self.path == "/generate":
-                        request = json.loads(body)
-                        engine.eos_ids = list(request["eos_ids"])
-                        out = engine.generate(request["prompt_ids"], SamplingParams(**request["params"]),
-                                              request["seeds"])
-                        return self._reply(dataclasses.asdict(out))
-                    if self.path == "/update_weights":
-                        engine.load_weights(load_safetensors(body).items())
-                        state["weights_version"] += 1
-                        return self._reply(state)
-                self._reply({"error": f"no endpoint {self.path}"}, 404)
-            except Exception as err:  # noqa: BLE001 - the trainer gets the reason, the server stays up
-                self._reply({"error": f"{type(err).__name__}: {err}"}, 500)
-
-        def log_message(self, *args) -> None:  # one line per request would drown the engine's own log
-            pass
-
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    dtype = str(engine.llm.llm_engine.model_config.dtype).removeprefix("torch.")
     server = ThreadingHTTPServer((host, port), Handler)
+    server.served = Served(model, engine, device, state={"weights_version": 0, "device": device.type, "dtype": dtype})
     print(f"grpo vllm-serve: {model} on http://{host}:{port}", flush=True)
     try:
         server.serve_forever()
@@ -85,14 +69,87 @@ def serve(model: str, host: str = "0.0.0.0", port: int = 8000, **engine_kwargs) 
         server.server_close()
 
 
+class Handler(BaseHTTPRequestHandler):
+    """The endpoints of the module docstring, on the server's `served` engine."""
+
+    protocol_version = "HTTP/1.1"  # (chunked request bodies)
+
+    def _reply(self, body: dict, status: int = 200) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        if self.path != "/health":
+            return self._reply({"error": f"no endpoint {self.path}"}, 404)
+        self._reply({"model": self.server.served.model, **self.server.served.state})
+
+    def do_POST(self):  # noqa: N802
+        served, (path, _, query) = self.server.served, self.path.partition("?")
+        try:
+            if path == "/update_weights":
+                return self._reply(self._update_weights(urllib.parse.parse_qs(query).get("transport", [""])[0]))
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            if path == "/generate":
+                with served.lock:
+                    served.engine.eos_ids = list(body["eos_ids"])
+                    served.engine.per_row_seeds = body["seeds"] is not None
+                    out = served.engine.generate(body["prompt_ids"], SamplingParams(**body["params"]),
+                                                 body["seeds"] or [0] * len(body["prompt_ids"]))
+                return self._reply(dataclasses.asdict(out))
+            if path == "/init_communicator":
+                # (blocks until the trainer joins: the trainer sends this from a thread of its own). An earlier
+                # trainer's group, if any, is dropped.
+                group = vllm_weights.open_group(body["host"], body["port"], 1, body["backend"], body["timeout"])
+                served.group = group, served.device if body["backend"] == "nccl" else torch.device("cpu")
+                return self._reply({"ok": True})
+            self._reply({"error": f"no endpoint {self.path}"}, 404)
+        except Exception as err:  # noqa: BLE001 - the trainer gets the reason, the server stays up
+            self.close_connection = True
+            self._reply({"error": f"{type(err).__name__}: {err}"}, 500)
+
+    def _update_weights(self, transport: str) -> dict:
+        served = self.server.served
+        if transport == "collective":
+            if served.group is None:
+                raise RuntimeError("no weight-transfer group: POST /init_communicator first")
+            weights = vllm_weights.receive_weights(*served.group)
+        elif transport == "http":
+            reader = vllm_weights.ChunkedReader(self.rfile)
+            weights = vllm_weights.read_http_weights(reader)
+        else:
+            raise ValueError(f"transport {transport!r}: use collective or http")
+        with served.lock:
+            served.engine.load_weights(weights)  # (one reload_weights, reading the stream as it goes)
+            served.state["weights_version"] += 1
+        if transport == "http":
+            reader.finish()
+        return {"weights_version": served.state["weights_version"]}
+
+    def log_message(self, *args) -> None:  # one line per request would drown the engine's own log
+        pass
+
+
 class VLLMServerClient:
-    """The rollout engine of a trainer process in server mode: `generate` asks the server; `update_weights` pushes
-    the policy's weights when this process is the one that pushes (`push`), then waits at `barrier` so that no
-    process generates from the old weights. Waits up to `timeout` seconds for the server to answer at first."""
+    """The rollout engine of a trainer process in server mode.
+
+    `generate` asks the server for this process's rows; `generate_together`, called by every process at once
+    (`gather` and `share` are the process group's object gather and broadcast from the main process), sends one
+    request with all of them from the main process and hands each process its own completions. `update_weights`
+    pushes the policy's weights when this process is the one that pushes (`push`), over `transport` ("collective":
+    a process group on `group_port`, NCCL between CUDA devices and gloo otherwise; "http": a streamed POST), then
+    waits at `barrier` so that no process generates from the old weights. `per_row_seeds` (None: on when the
+    server runs on the CPU) sends each row's seed. Waits up to `timeout` seconds for the server to answer at
+    first."""
 
     def __init__(self, base_url: str, eos_ids: list[int], timeout: float = 240.0, push: bool = True,
-                 barrier=None):
+                 barrier=None, *, transport: str = "collective", group_port: int = 51216, device=None,
+                 per_row_seeds: bool | None = None, rank: int = 0, gather=None, share=None):
         self.url, self.eos_ids, self.push, self.barrier = base_url.rstrip("/"), list(eos_ids), push, barrier
+        self.rank, self.gather, self.share, self.timeout = rank, gather, share, timeout
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -104,6 +161,30 @@ class VLLMServerClient:
                                           f"start one with `grpo vllm-serve --model PATH`, or check "
                                           f"vllm_server_base_url / vllm_server_host / vllm_server_port") from None
                 time.sleep(1.0)
+        self.per_row_seeds = self.info["device"] == "cpu" if per_row_seeds is None else per_row_seeds
+        self.dtype = vllm_weights.DTYPES.get(self.info.get("dtype"))  # weights travel in the engine's dtype
+        self.transport, self.group = transport, None
+        if push and transport == "collective":
+            self.group, self.device = self._open_group(group_port, torch.device(device or "cpu"))
+
+    def _open_group(self, port: int, device: torch.device):
+        """Open a two-rank group with the server, this process hosting its store on `port` at the address the
+        server is reached from (as TRL's client does)."""
+        backend = "nccl" if device.type == "cuda" and self.info["device"] == "cuda" else "gloo"
+        device = device if backend == "nccl" else torch.device("cpu")
+        server = urllib.parse.urlsplit(self.url)
+        host = vllm_weights.address_towards(server.hostname, server.port or 80)
+        try:
+            with ThreadPoolExecutor(1) as pool:  # (the server's reply waits for both ranks to join)
+                reply = pool.submit(self._call, "/init_communicator", json.dumps(
+                    {"host": host, "port": port, "backend": backend, "timeout": self.timeout}).encode())
+                group = vllm_weights.open_group(host, port, 0, backend, self.timeout)
+                reply.result()
+        except (RuntimeError, OSError) as err:  # (torch's store and group errors are RuntimeErrors)
+            raise ConnectionError(f"vllm_group_port: the server did not join this process's weight-transfer group "
+                                  f"at {host}:{port} ({err}); let the server reach that port, or set "
+                                  f"vllm_weight_transfer: http") from None
+        return group, device
 
     def _call(self, path: str, body: bytes | None = None, content_type: str = "application/json") -> dict:
         request = urllib.request.Request(self.url + path, data=body, headers={"Content-Type": content_type})
@@ -115,9 +196,27 @@ class VLLMServerClient:
             raise RuntimeError(f"vLLM server {self.url}{path}: {reason}") from None
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seeds: list[int]) -> Completions:
-        body = {"prompt_ids": prompt_ids, "params": dataclasses.asdict(params), "seeds": list(seeds),
-                "eos_ids": self.eos_ids}
+        body = {"prompt_ids": prompt_ids, "params": dataclasses.asdict(params),
+                "seeds": list(seeds) if self.per_row_seeds else None, "eos_ids": self.eos_ids}
         return Completions(**self._call("/generate", json.dumps(body).encode()))
+
+    def generate_together(self, prompt_ids: list[list[int]], params: SamplingParams, seeds: list[int]
+                          ) -> Completions:
+        """`generate` for every process's rows in one request; every process must call it at the same time."""
+        if self.gather is None:
+            return self.generate(prompt_ids, params, seeds)
+        shares = self.gather([(prompt_ids, list(seeds))])  # one (prompt_ids, seeds) per process, in rank order
+        parts = None
+        if self.rank == 0:
+            out = self.generate([row for ids, _ in shares for row in ids], params,
+                                [seed for _, share in shares for seed in share])
+            parts, start = [], 0
+            for ids, _ in shares:
+                stop = start + len(ids)
+                parts.append(Completions(out.ids[start:stop], out.truncated[start:stop],
+                                         None if out.logprobs is None else out.logprobs[start:stop]))
+                start = stop
+        return self.share(parts)[self.rank]
 
     def update_weights(self, model) -> None:
         from grpo.engines.sharding import hf_weights, sharding
@@ -126,16 +225,26 @@ class VLLMServerClient:
             for _ in hf_weights(model):  # gathering a sharded model is collective: every process takes part
                 pass
         if self.push:
-            from safetensors.torch import save
-
-            seen: set[int] = set()
-            tensors = {}
-            for name, tensor in hf_weights(model):
-                tensor = tensor.detach().to("cpu").contiguous()
-                if tensor.untyped_storage().data_ptr() in seen:  # (tied weights: safetensors wants no sharing)
-                    tensor = tensor.clone()
-                seen.add(tensor.untyped_storage().data_ptr())
-                tensors[name] = tensor
-            self._call("/update_weights", save(tensors), "application/octet-stream")
+            self.push_weights(hf_weights(model))
         if self.barrier is not None:
             self.barrier()
+
+    def push_weights(self, weights) -> dict:
+        """Send (name, tensor) pairs to the server, one bucket at a time; returns the server's reply."""
+        if self.transport == "collective":
+            with ThreadPoolExecutor(1) as pool:  # (the server's reply waits for the whole stream)
+                reply = pool.submit(self._call, "/update_weights?transport=collective", b"")
+                vllm_weights.send_weights(self.group, weights, self.device, self.dtype)
+                return reply.result()
+        host = urllib.parse.urlsplit(self.url)
+        connection = http.client.HTTPConnection(host.hostname, host.port or 80)
+        try:
+            connection.request("POST", "/update_weights?transport=http", body=vllm_weights.http_body(weights,
+                               self.dtype), headers={"Content-Type": "application/octet-stream"}, encode_chunked=True)
+            response = connection.getresponse()
+            reply = json.loads(response.read() or b"{}")
+        finally:
+            connection.close()
+        if response.status != 200:
+            raise RuntimeError(f"vLLM server {self.url}/update_weights: {reply.get('error', response.reason)}")
+        return reply

@@ -220,11 +220,12 @@ class Rollouts:
         return {"trainer_state": self.trainer_state, "log_extra": log_extra, "log_metric": log_metric}
 
     def ready_engine(self) -> None:
-        """Wake the rollout engine and hand it the policy's weights if an optimizer step changed them."""
-        wake(self.generator)
+        """Hand the rollout engine the policy's weights if an optimizer step changed them, and wake it (a sleeping
+        vLLM engine loads them as it wakes, between taking back its weights' memory and its KV cache's)."""
         if self.engine_stale:
             update_weights(self.generator, self.policy)
             self.engine_stale = False
+        wake(self.generator)
 
     def make(self, index: int) -> RolloutBatch:
         """Rollout `index` of the run."""
@@ -267,7 +268,9 @@ class Rollouts:
         agent = None
         with engine_faults(self.cfg, "generation"):  # (out of memory, a dead vLLM: an error naming the setting)
             if self.agent is None:
-                out = self.generator.generate(prompt_ids, self.params, seeds)
+                # (a server engine sends every process's rows in one request, all processes calling at once)
+                out = getattr(self.generator, "generate_together", self.generator.generate)(prompt_ids, self.params,
+                                                                                             seeds)
             else:  # tools, environments or a rollout_func: the prompts may come back extended
                 out = agent = self.agent.generate(prompts, prompt_ids, columns, self.params, seeds)
         if agent is not None:

@@ -28,7 +28,7 @@ import torch
 from grpo.config.base import shipped_model
 from grpo.agents import make_agent_spec, make_rollout
 from grpo.core import sync_reference_
-from grpo.engines.base import SamplingParams
+from grpo.engines.base import SamplingParams, sleep
 from grpo.engines.policy import reference_view
 from grpo.engines.select import choose_engine, make_engine, make_vllm
 from grpo.training import run_dir, sharded_checkpoint as sharded_ckpt
@@ -129,7 +129,7 @@ class GRPOTrainer:
         self.params = SamplingParams(cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p,
                                      cfg.repetition_penalty)
         if generator is None and cfg.use_vllm:
-            generator = make_vllm(cfg, self.policy, self.tokenizer, self.accel)
+            generator = make_vllm(cfg, self.policy, self.tokenizer, self.accel, rows=self.B * self.G // self.world)
         self.generator, self.backend = make_engine(self.engine, self.model, self.policy, self.accel, self.tokenizer,
                                                    self.params, self.reference, generator,
                                                    gather_for_generation=cfg.ds3_gather_for_generation)
@@ -304,6 +304,7 @@ class GRPOTrainer:
             result = evaluate_prompts(self.generator, self.tokenizer, self.eval_set, self.rewards, self.reward_names,
                                       params, seed=self.cfg.seed + 12345, k=self.cfg.eval_num_samples,
                                       batch_size=self.cfg.per_device_eval_batch_size, agent=self.rollouts.agent)
+        sleep(self.generator)  # (vLLM's sleep mode: the next update gets its memory, as after a rollout)
         return {f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float))}
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,194 @@
+"""The policy's weights, from the trainer's main process to a `grpo vllm-serve` server, a bucket at a time: the whole
+model is never one blob on either side.
+
+A bucket is consecutive (name, tensor) pairs of about `BUCKET_BYTES` (a larger tensor goes alone), laid end to end
+in one flat uint8 buffer, with a JSON header saying where each tensor lies. Two transports carry the same buckets:
+
+- collective (how TRL's vllm-serve and verl do it): a process group of two ranks, the trainer (rank 0, which
+  hosts the rendezvous store on `vllm_group_port`, as TRL's client does) and the server (rank 1); NCCL when both
+  sides are on CUDA devices, gloo otherwise (vLLM's CPU build, where the tests run it). Per bucket the trainer
+  broadcasts the header's length, the header, then the buffer; a length of 0 ends the stream. The server receives
+  each bucket into a fresh buffer and hands views of it to vLLM's `reload_weights`, which copies them into the
+  engine's own.
+- http (the fallback): the same buckets as one chunked POST body (8-byte header length, header, buffer), read
+  by the server as it arrives.
+
+torch's own process groups (`ProcessGroupGloo` / `ProcessGroupNCCL` over a `TCPStore`), built outside the default
+group, so neither the trainer's process group nor vLLM's is touched, and the trainer needs no vLLM installed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import socket
+import struct
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+BUCKET_BYTES = 256 << 20  # verl's default bucket is 512 MiB (on GPUs); smaller keeps host memory flat on the CPU
+ALIGN = 64  # every tensor starts at a multiple of this in its bucket, so a view of any dtype is aligned
+DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
+                                                      torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool)}
+
+
+def buckets(weights: Iterable[tuple[str, torch.Tensor]], limit: int | None = None
+            ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive groups of `weights` whose sizes add up to at most `limit` bytes (default `BUCKET_BYTES`; a
+    larger tensor alone)."""
+    limit = limit or BUCKET_BYTES
+    group, size = [], 0
+    for name, tensor in weights:
+        nbytes = tensor.numel() * tensor.element_size()
+        if group and size + nbytes > limit:
+            yield group
+            group, size = [], 0
+        group.append((name, tensor))
+        size += -(-nbytes // ALIGN) * ALIGN
+    if group:
+        yield group
+
+
+def pack(group: list[tuple[str, torch.Tensor]], device: torch.device, dtype: torch.dtype | None = None
+         ) -> tuple[bytes, torch.Tensor]:
+    """(JSON header, flat uint8 buffer on `device`) of one bucket; floating tensors cast to `dtype` when given."""
+    entries, offset = [], 0
+    tensors = []
+    for name, tensor in group:
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        nbytes = tensor.numel() * tensor.element_size()
+        entries.append({"name": name, "dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape),
+                        "offset": offset, "nbytes": nbytes})
+        tensors.append(tensor)
+        offset += -(-nbytes // ALIGN) * ALIGN
+    flat = torch.empty(offset, dtype=torch.uint8, device=device)
+    for entry, tensor in zip(entries, tensors):
+        # (reinterpreting the bytes: any dtype, bfloat16 included, travels as uint8)
+        flat[entry["offset"]:entry["offset"] + entry["nbytes"]].copy_(
+            tensor.detach().contiguous().reshape(-1).view(torch.uint8), non_blocking=True)
+    return json.dumps(entries).encode(), flat
+
+
+def unpack(header: bytes, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) views of a bucket's buffer that `header` describes."""
+    out = []
+    for entry in json.loads(header):
+        piece = flat[entry["offset"]:entry["offset"] + entry["nbytes"]]
+        out.append((entry["name"], piece.view(DTYPES[entry["dtype"]]).view(entry["shape"])))
+    return out
+
+
+# ---- collective ------------------------------------------------------------------------------------------------
+
+def open_group(host: str, port: int, rank: int, backend: str, timeout: float = 600.0) -> dist.ProcessGroup:
+    """Rank `rank` (0: the trainer, 1: the server) of a two-rank group whose store the trainer hosts on
+    `host`:`port`."""
+    wait = datetime.timedelta(seconds=timeout)
+    store = dist.PrefixStore("grpo-weights", dist.TCPStore(host, port, 2, is_master=rank == 0, timeout=wait))
+    if backend == "nccl":
+        return dist.ProcessGroupNCCL(store, rank, 2)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, 2, wait)
+    raise ValueError(f"weight transfer backend {backend!r}: use nccl or gloo")
+
+
+def address_towards(host: str, port: int) -> str:
+    """This machine's address on the route to `host` (the one the server can reach the trainer's store at)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port))  # (UDP: no packet is sent; the kernel only picks the route)
+        return probe.getsockname()[0]
+
+
+def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
+    options = dist.BroadcastOptions()
+    options.rootRank, options.rootTensor = 0, 0
+    group.broadcast([tensor], options).wait()
+
+
+def send_weights(group: dist.ProcessGroup, weights, device: torch.device, dtype: torch.dtype | None = None,
+                 limit: int | None = None) -> int:
+    """Broadcast `weights` bucket by bucket from rank 0; returns the bytes sent."""
+    sent = 0
+    for bucket in buckets(weights, limit):
+        header, flat = pack(bucket, device, dtype)
+        _broadcast(group, torch.tensor([len(header)], dtype=torch.int64, device=device))
+        _broadcast(group, torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device))
+        _broadcast(group, flat)
+        sent += flat.numel()
+    _broadcast(group, torch.zeros(1, dtype=torch.int64, device=device))
+    return sent
+
+
+def receive_weights(group: dist.ProcessGroup, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs rank 0 sends, each bucket received only when the last one's tensors are taken."""
+    while True:
+        length = torch.zeros(1, dtype=torch.int64, device=device)
+        _broadcast(group, length)
+        if int(length) == 0:
+            return
+        header = torch.empty(int(length), dtype=torch.uint8, device=device)
+        _broadcast(group, header)
+        header = bytes(header.cpu().numpy())
+        flat = torch.empty(sum(-(-e["nbytes"] // ALIGN) * ALIGN for e in json.loads(header)), dtype=torch.uint8,
+                           device=device)
+        _broadcast(group, flat)
+        yield from unpack(header, flat)
+
+
+# ---- http ------------------------------------------------------------------------------------------------------
+
+def http_body(weights, dtype: torch.dtype | None = None, limit: int | None = None,
+              piece: int = 16 << 20) -> Iterator[bytes]:
+    """The chunks of a POST body carrying `weights`: per bucket its header's length (8 bytes, little-endian), the
+    header and the buffer (in pieces of `piece` bytes); a length of 0 ends it."""
+    for bucket in buckets(weights, limit):
+        header, flat = pack(bucket, torch.device("cpu"), dtype)
+        yield struct.pack("<q", len(header)) + header
+        data = flat.numpy()
+        for start in range(0, len(data), piece):
+            yield data[start:start + piece].tobytes()
+    yield struct.pack("<q", 0)
+
+
+class ChunkedReader:
+    """Reads the payload of an HTTP/1.1 chunked request body from `stream` (http.server does not decode it)."""
+
+    def __init__(self, stream):
+        self.stream, self.left, self.done = stream, 0, False
+
+    def read_exactly(self, n: int) -> bytearray:
+        out = bytearray(n)
+        view, got = memoryview(out), 0
+        while got < n:
+            if self.left == 0:
+                size = int(self.stream.readline().split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    raise ConnectionError(f"weights stream ended {n - got} bytes early")
+                self.left = size
+            take = min(self.left, n - got)
+            read = self.stream.readinto(view[got:got + take])
+            if not read:
+                raise ConnectionError("weights stream closed early")
+            got, self.left = got + read, self.left - read
+            if self.left == 0:
+                self.stream.readline()  # the CRLF after a chunk
+        return out
+
+    def finish(self) -> None:
+        """Read what is left of the body (the last chunk and its trailer)."""
+        while self.stream.readline() not in (b"\r\n", b"\n", b""):
+            pass
+
+
+def read_http_weights(reader: ChunkedReader) -> Iterator[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs of an `http_body`, a bucket read only when the last one's tensors are taken."""
+    while True:
+        (length,) = struct.unpack("<q", bytes(reader.read_exactly(8)))
+        if length == 0:
+            return
+        header = bytes(reader.read_exactly(length))
+        size = sum(-(-e["nbytes"] // ALIGN) * ALIGN for e in json.loads(header))
+        yield from unpack(header, torch.frombuffer(reader.read_exactly(size), dtype=torch.uint8))
