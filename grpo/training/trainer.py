@@ -39,6 +39,7 @@ from grpo.training.hub import start_hub
 from grpo.training.micro_batches import MicroBatches
 from grpo.training.model import load_model, prepare_model, save_final
 from grpo.training.objective import Objective
+from grpo.training.pipeline import make_source
 from grpo.training.rollout import Processes, RolloutBatch, Rollouts
 from grpo.training.sharded import check_sharding, place_reference
 from grpo.training.errors import TrainingStopped
@@ -132,6 +133,8 @@ class GRPOTrainer:
         self.rollouts = Rollouts(cfg, self.generator, self.policy, self.tokenizer, self.train_set, self.sampler,
                                  self.rewards, self.step_rewards, self.procs, self.B, self.G, self.params,
                                  self.agents and make_rollout(self.agents, self))  # (multi-turn, or None)
+        self.source = make_source(cfg, self.rollouts, self.policy, self.accel.device, self.layout.rollout_steps,
+                                  self.total_steps, self.accel.distributed_type)  # (grpo.training.pipeline)
         self.objective = Objective(cfg, self.procs)
         self.micro = MicroBatches(cfg.per_device_train_batch_size, cfg.max_tokens_per_micro_batch, packing, self.procs,
                                   why)
@@ -176,6 +179,7 @@ class GRPOTrainer:
         last: dict[str, float] = {}
         started = time.perf_counter()
         self.backend.prepare()  # (again, when train() is called a second time)
+        self.source.start()  # (a rollout worker with max_staleness > 0: forked from the model as it now is)
         self.control.event("on_train_begin")
         # Installed until train() returns: a signal after the last step lets the run finish (it is then complete).
         signals = StopSignals(cfg.stop_signals, self.procs).install()
@@ -190,6 +194,7 @@ class GRPOTrainer:
             finally:
                 display.close()
                 logger.close()
+                self.source.close()
                 self.backend.release()  # the model goes back as it was loaded
             self.save_model(out / "final")
             if main:
@@ -236,7 +241,7 @@ class GRPOTrainer:
     # ---- rollout: generate, score, advantages; old and reference log-probs -------------------------------------
     def rollout(self) -> RolloutBatch:
         with self.accel.autocast():
-            batch = self.rollouts.make(self.rollout_count)
+            batch = self.source.next(self.rollout_count)
         self.rollout_count += 1
         t0 = time.perf_counter()
         batch.plans = self.updates.plan(batch)  # its optimizer steps and their micro-batches

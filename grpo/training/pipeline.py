@@ -1,0 +1,290 @@
+"""Where the trainer's rollouts come from: one source object the loop calls the same way in every mode.
+
+    SyncRollouts     max_staleness 0: generation, scoring and the update take turns in the trainer's process
+                     (the run as it always was: `Rollouts.make`).
+    LaggedRollouts   max_staleness k > 0: a rollout worker, a forked process with its own copy of the model,
+                     generates and scores rollout t with exactly the weights the trainer had when it began rollout
+                     t - k (optimizer step (t - k) x steps per rollout; the first k rollouts with the initial
+                     weights), while the trainer updates on rollout t - 1 ... t - k.
+
+The lag is fixed, not "as fresh as timing allows", so the run is a function of the seed and k: the prompts are drawn
+in the trainer's process in rollout order (the same prompts as a synchronous run's rollout t), each row keeps its
+seed (grpo.engines.base.row_seed), and every request goes to the worker right after the weights it names, over one
+ordered pipe. The trainer's process keeps what needs every process (advantages over all groups, the reference and
+proximal passes, the update); the worker only generates and scores its process's rows.
+
+A checkpoint waits for the rollouts in flight and keeps them (each with its weights' version), so a resumed run
+trains on the same rollouts: the in-flight rollouts of an interrupted run were generated with weights the
+checkpoint no longer holds.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+import warnings
+from multiprocessing import Pipe
+from multiprocessing.connection import Connection
+
+import torch
+
+from grpo.config import ConfigError
+from grpo.training.rollout import RolloutBatch, Rollouts, Sampled
+
+
+class SyncRollouts:
+    """Rollout t made when the trainer asks for it, with the weights of that moment (max_staleness 0)."""
+
+    layout = "synchronous (generation, scoring and the update take turns in this process)"
+
+    def __init__(self, rollouts: Rollouts):
+        self.rollouts = rollouts
+
+    def start(self) -> None:
+        pass
+
+    def next(self, index: int) -> RolloutBatch:
+        return self.rollouts.make(index)
+
+    def close(self) -> None:
+        pass
+
+    def state_dict(self) -> dict | None:
+        return None
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if state is not None and state.get("ready"):
+            raise ConfigError(f"resume_from_checkpoint: the checkpoint holds {len(state['ready'])} rollout(s) "
+                              f"generated ahead with max_staleness: {state['lag']}; resume with that max_staleness.")
+
+
+def make_source(cfg, rollouts: Rollouts, policy, device, rollout_steps: int, total_steps: int, distributed: str):
+    """The run's rollout source; a lag where the worker cannot run is a ConfigError saying why."""
+    if cfg.max_staleness == 0:
+        return SyncRollouts(rollouts)
+    if rollouts.agent is not None:
+        raise ConfigError("max_staleness: multi-turn rollouts run tools and environments made in the trainer's "
+                          "process; running them in the rollout worker is not built yet: set max_staleness: 0.")
+    if device.type != "cpu":
+        raise ConfigError(f"max_staleness: the rollout worker is a forked process with its own copy of the model, "
+                          f"which cannot use {device.type} after the trainer has; with GPUs a lag needs generation "
+                          f"on other devices (vLLM server), not built yet: set max_staleness: 0.")
+    if distributed in ("FSDP", "DEEPSPEED"):
+        raise ConfigError(f"max_staleness: under {distributed} each process holds a shard of the weights and the "
+                          "worker needs them whole; not built yet: set max_staleness: 0.")
+    total_rollouts = -(-total_steps // rollout_steps)
+    return LaggedRollouts(rollouts, policy, cfg.max_staleness, rollout_steps, total_rollouts)
+
+
+class LaggedRollouts:
+    """Rollouts from a worker process, each generated with the weights of `lag` rollouts before (module docstring).
+
+    Per rollout it adds pipeline/ metrics: the optimizer steps between its weights and the step it starts
+    (`staleness`), the seconds the trainer waited for it (`trainer_idle`) and the worker waited before starting it
+    (`generator_idle`), and its weights' version (optimizer steps taken when they were sent)."""
+
+    def __init__(self, rollouts: Rollouts, policy, lag: int, rollout_steps: int, total_rollouts: int):
+        self.rollouts, self.policy, self.lag = rollouts, policy, lag
+        self.rollout_steps, self.total_rollouts = rollout_steps, total_rollouts
+        self.layout = (f"a rollout worker process {lag} rollout(s) ahead (max_staleness {lag}): rollout t from the "
+                       f"weights of optimizer step (t - {lag}) x {rollout_steps}, generated while the update runs")
+        self.requested = 0  # rollouts sent to the worker (or generated before a checkpoint), in order
+        self.ready: dict[int, tuple] = {}  # index -> (Sampled fields, logs, info), not yet trained on
+        self.pushed: int | None = None  # version of the weights the worker has, None until first sent
+        self.worker: _Worker | None = None
+
+    def start(self) -> None:
+        if self.worker is None:
+            self.worker = _Worker(self.rollouts, self.policy)
+            self.pushed = None
+
+    def close(self) -> None:
+        """Stop the worker; rollouts still in flight (a run stopped early) are kept, for a later `train()`."""
+        if self.worker is not None:
+            if self.worker.failure is None:
+                self._collect()
+            self.worker.stop()
+            self.worker = None
+
+    def _collect(self) -> None:
+        """Wait for every rollout sent and not yet trained on, and keep it."""
+        for index in sorted(self.worker.sent - self.worker.taken - set(self.ready)):
+            self.ready[index] = self.worker.result(index)
+
+    def next(self, index: int) -> RolloutBatch:
+        """Rollout `index`, after sending the requests up to rollout index + lag (the last with today's weights)."""
+        version = index * self.rollout_steps  # optimizer steps taken when rollout `index` starts feeding the update
+        last = min(index + self.lag, self.total_rollouts - 1)
+        if self.requested <= last and self.pushed != version:
+            self.worker.send(("weights", version, _trainable(self.policy)))
+            self.pushed = version
+        while self.requested <= last:
+            self.worker.send(("rollout", self.requested, self.pushed, self.rollouts.request(
+                self.rollouts.prompts.next(self.rollouts.B), self.requested)))
+            self.requested += 1
+        t0 = time.perf_counter()
+        fields, logs, info = self.ready.pop(index) if index in self.ready else self.worker.result(index)
+        waited = time.perf_counter() - t0
+        self.rollouts.take_logs(logs)
+        batch = self.rollouts.finish(Sampled(**fields), {}, index)
+        batch.metrics.update({"pipeline/staleness": float(version - info["version"]),
+                              "pipeline/weight_version": float(info["version"]),
+                              "pipeline/trainer_idle": waited, "pipeline/generator_idle": info["idle"]})
+        return batch
+
+    def state_dict(self) -> dict:
+        """Every rollout sent and not yet trained on, generated (the checkpoint waits for the worker)."""
+        if self.worker is not None:
+            self._collect()
+        return {"lag": self.lag, "requested": self.requested, "ready": dict(self.ready)}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if state is None:
+            return
+        if state["lag"] != self.lag:
+            raise ConfigError(f"resume_from_checkpoint: the checkpoint was written with max_staleness: "
+                              f"{state['lag']} and holds the rollouts it had generated ahead; resume with "
+                              f"max_staleness: {state['lag']}.")
+        self.requested, self.ready = state["requested"], dict(state["ready"])
+
+
+def _trainable(model) -> dict[str, torch.Tensor]:
+    """The weights an optimizer step changes (with LoRA, only the adapters), copied for the worker."""
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+# ---- the worker process ------------------------------------------------------------------------------------------
+class _Worker:
+    """The forked worker and the trainer's side of its pipe. Messages are pickled whole (tensors by value): the
+    trainer's sends never wait on the worker (a thread there reads them into a queue), and a thread here reads the
+    results, so neither side blocks the other on a full pipe."""
+
+    def __init__(self, rollouts: Rollouts, policy):
+        ours, theirs = Pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        with warnings.catch_warnings():  # (Python 3.12 warns when other threads exist; the child starts its own)
+            warnings.filterwarnings("ignore", message=".*multi-threaded.*fork", category=DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:  # the worker: never returns into the trainer's code
+            code = 0
+            try:
+                ours.close()
+                _serve(theirs, rollouts, policy)
+            except BaseException:  # noqa: BLE001 - reported to the trainer, which raises it
+                code = 1
+            finally:
+                os._exit(code)
+        theirs.close()
+        self.pid, self.conn = pid, ours
+        self.sent: set[int] = set()
+        self.taken: set[int] = set()
+        self.results: dict[int, tuple] = {}
+        self.failure: str | None = None
+        self.lock = threading.Condition()
+        self.reader = threading.Thread(target=self._read, daemon=True, name="grpo-rollout-results")
+        self.reader.start()
+
+    def send(self, message: tuple) -> None:
+        if message[0] == "rollout":
+            self.sent.add(message[1])
+        self.conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = pickle.loads(self.conn.recv_bytes())
+            except (EOFError, OSError):
+                message = ("error", None, "the rollout worker exited without a reply")
+            with self.lock:
+                if message[0] == "error":
+                    self.failure = self.failure or message[2]
+                else:
+                    self.results[message[1]] = message[2:]
+                self.lock.notify_all()
+            if message[0] == "error":
+                return
+
+    def result(self, index: int) -> tuple:
+        with self.lock:
+            while index not in self.results and self.failure is None:
+                self.lock.wait()
+            if index not in self.results:
+                raise RuntimeError(f"rollout worker: rollout {index} failed:\n{self.failure}")
+            self.taken.add(index)
+            return self.results.pop(index)
+
+    def stop(self) -> None:
+        try:
+            self.conn.send_bytes(pickle.dumps(("stop",)))
+        except OSError:
+            pass
+        try:
+            os.kill(self.pid, signal.SIGKILL)  # (its rollouts in flight are not needed: a checkpoint kept them)
+            os.waitpid(self.pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        self.conn.close()
+
+
+def _serve(conn: Connection, rollouts: Rollouts, policy) -> None:
+    """The worker's loop: weights are copied into its model; each request is generated and scored with the
+    weights last copied, and answered with its Sampled fields, what reward functions logged and its times."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN if sig == signal.SIGINT else signal.SIG_DFL)  # (the trainer stops it)
+    _die_with_parent()
+    torch.set_num_threads(1)  # its own core: the trainer's process keeps its threads
+    inbox: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        while True:
+            try:
+                inbox.put(pickle.loads(conn.recv_bytes()))
+            except (EOFError, OSError):
+                inbox.put(("stop",))
+                return
+
+    threading.Thread(target=read, daemon=True).start()
+    params = {n: p for n, p in policy.named_parameters() if p.requires_grad}
+    version, index = None, None
+    try:
+        while True:
+            t0 = time.perf_counter()
+            message = inbox.get()
+            idle = time.perf_counter() - t0
+            if message[0] == "stop":
+                return
+            if message[0] == "weights":
+                with torch.no_grad():
+                    for name, value in message[2].items():
+                        params[name].copy_(value)
+                rollouts.engine_stale, version = True, message[1]  # (an engine with its own copy loads them)
+                continue
+            _, index, wanted, request = message
+            if wanted != version:  # (the order of the pipe makes this impossible; checked, not assumed)
+                raise RuntimeError(f"rollout {index} names weights version {wanted}, the worker has {version}")
+            if rollouts.trainer_state is not None:
+                rollouts.trainer_state.global_step = version  # (what reward functions see: the weights' step)
+            sampled, logs = rollouts.sample_request(request)
+            info = {"version": version, "idle": idle}
+            conn.send_bytes(pickle.dumps(("rollout", index, vars(sampled), logs, info),
+                                         protocol=pickle.HIGHEST_PROTOCOL))
+    except BaseException:
+        conn.send_bytes(pickle.dumps(("error", index, traceback.format_exc())))
+        raise
+
+
+def _die_with_parent() -> None:
+    """Linux: the worker is killed when the trainer's process dies, however it dies."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
