@@ -176,3 +176,20 @@ def test_lora_sends_only_the_adapters(tiny_model_dir, tmp_path):
     rows = read_rows(tmp_path / "run")
     assert [r["pipeline/weight_version"] for r in rows] == [0, 0, 1, 2, 3, 4]
     assert json.loads(json.dumps(rows[-1]))["pipeline/staleness"] == 1
+
+
+def test_two_processes_with_a_lag_match_one(tmp_path, tiny_model_dir):
+    """DDP (2 processes, gloo): each process's worker generates its share of the rows with the lagged weights; the
+    run reaches the one-process lagged run's weights (to the float rounding of test_distributed's check)."""
+    from test_distributed import assert_same_run, job, run
+
+    env = job(tmp_path, tiny_model_dir)
+    lag = ["max_staleness=1"]
+    run(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531", "-m", "grpo.cli"],
+        tmp_path / "two", env, overrides=lag)
+    run(["-m", "grpo.cli"], tmp_path / "one", env, overrides=lag)
+    one = load_file(str(tmp_path / "one" / "final" / "model.safetensors"))
+    two = load_file(str(tmp_path / "two" / "final" / "model.safetensors"))
+    assert_same_run(tmp_path / "one", tmp_path / "two", one, two)
+    rows = read_rows(tmp_path / "two")
+    assert [r["pipeline/weight_version"] for r in rows] == [0, 0, 1]

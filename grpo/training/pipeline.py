@@ -98,6 +98,7 @@ class LaggedRollouts:
         self.ready: dict[int, tuple] = {}  # index -> (Sampled fields, logs, info), not yet trained on
         self.pushed: int | None = None  # version of the weights the worker has, None until first sent
         self.worker: _Worker | None = None
+        self.lost: set[int] = set()  # rollouts in flight when the worker was stopped
 
     def start(self) -> None:
         if self.worker is None:
@@ -105,10 +106,10 @@ class LaggedRollouts:
             self.pushed = None
 
     def close(self) -> None:
-        """Stop the worker; rollouts still in flight (a run stopped early) are kept, for a later `train()`."""
+        """Stop the worker. A run that ends normally has nothing in flight (nothing is asked for past the last
+        rollout); one stopped early loses what was (a checkpoint would have kept it)."""
         if self.worker is not None:
-            if self.worker.failure is None:
-                self._collect()
+            self.lost |= self.worker.sent - self.worker.taken - set(self.ready)
             self.worker.stop()
             self.worker = None
 
@@ -128,6 +129,9 @@ class LaggedRollouts:
             self.worker.send(("rollout", self.requested, self.pushed, self.rollouts.request(
                 self.rollouts.prompts.next(self.rollouts.B), self.requested)))
             self.requested += 1
+        if index in self.lost:
+            raise RuntimeError(f"rollout {index} was in flight when the last train() stopped early; resume from a "
+                               "checkpoint (which keeps the rollouts generated ahead) instead.")
         t0 = time.perf_counter()
         fields, logs, info = self.ready.pop(index) if index in self.ready else self.worker.result(index)
         waited = time.perf_counter() - t0
@@ -221,10 +225,6 @@ class _Worker:
             return self.results.pop(index)
 
     def stop(self) -> None:
-        try:
-            self.conn.send_bytes(pickle.dumps(("stop",)))
-        except OSError:
-            pass
         try:
             os.kill(self.pid, signal.SIGKILL)  # (its rollouts in flight are not needed: a checkpoint kept them)
             os.waitpid(self.pid, 0)
