@@ -133,6 +133,8 @@ def test_each_rollout_is_sampled_with_the_weights_lag_rollouts_before(tiny_model
             logp = trainer.updates.score(trainer.policy, batch).cpu()
             gaps[version] = float(((logp - batch.sampling_logp) * batch.completion_mask).abs().max())
         assert gaps[want] < 1e-4, (t, gaps)
+        # the worker took the reference's log-probs too (beta 0.04): the numbers the trainer's process would take
+        assert torch.equal(batch.ref_logp, trainer._reference_logprobs(batch).cpu())
         assert all(gap > 1e-3 for v, gap in gaps.items() if v != want), (t, gaps)
 
 

@@ -64,8 +64,11 @@ class SyncRollouts:
                               f"generated ahead with max_staleness: {state['lag']}; resume with that max_staleness.")
 
 
-def make_source(cfg, rollouts: Rollouts, policy, device, rollout_steps: int, total_steps: int, distributed: str):
-    """The run's rollout source; a lag where the worker cannot run is a ConfigError saying why."""
+def make_source(cfg, rollouts: Rollouts, policy, device, rollout_steps: int, total_steps: int, distributed: str,
+                reference=None):
+    """The run's rollout source; a lag where the worker cannot run is a ConfigError saying why. `reference(batch)`:
+    the reference's log-probs of a batch's rows, which the worker takes too where it can: the reference never
+    changes (no sync_ref_model) and planning the passes needs no other process (no token budget over several)."""
     if cfg.max_staleness == 0:
         return SyncRollouts(rollouts)
     if rollouts.agent is not None:
@@ -79,7 +82,9 @@ def make_source(cfg, rollouts: Rollouts, policy, device, rollout_steps: int, tot
         raise ConfigError(f"max_staleness: under {distributed} each process holds a shard of the weights and the "
                           "worker needs them whole; not built yet: set max_staleness: 0.")
     total_rollouts = -(-total_steps // rollout_steps)
-    return LaggedRollouts(rollouts, policy, cfg.max_staleness, rollout_steps, total_rollouts)
+    alone = rollouts.procs.world == 1 or cfg.max_tokens_per_micro_batch is None
+    reference = reference if cfg.beta > 0 and not cfg.sync_ref_model and alone else None
+    return LaggedRollouts(rollouts, policy, cfg.max_staleness, rollout_steps, total_rollouts, reference)
 
 
 class LaggedRollouts:
@@ -89,11 +94,13 @@ class LaggedRollouts:
     (`staleness`), the seconds the trainer waited for it (`trainer_idle`) and the worker waited before starting it
     (`generator_idle`), and its weights' version (optimizer steps taken when they were sent)."""
 
-    def __init__(self, rollouts: Rollouts, policy, lag: int, rollout_steps: int, total_rollouts: int):
-        self.rollouts, self.policy, self.lag = rollouts, policy, lag
+    def __init__(self, rollouts: Rollouts, policy, lag: int, rollout_steps: int, total_rollouts: int,
+                 reference=None):
+        self.rollouts, self.policy, self.lag, self.reference = rollouts, policy, lag, reference
         self.rollout_steps, self.total_rollouts = rollout_steps, total_rollouts
         self.layout = (f"a rollout worker process {lag} rollout(s) ahead (max_staleness {lag}): rollout t from the "
-                       f"weights of optimizer step (t - {lag}) x {rollout_steps}, generated while the update runs")
+                       f"weights of optimizer step (t - {lag}) x {rollout_steps}, generated, scored"
+                       f"{' and its reference log-probs taken' if reference else ''} while the update runs")
         self.requested = 0  # rollouts sent to the worker (or generated before a checkpoint), in order
         self.ready: dict[int, tuple] = {}  # index -> (Sampled fields, logs, info), not yet trained on
         self.pushed: int | None = None  # version of the weights the worker has, None until first sent
@@ -102,7 +109,7 @@ class LaggedRollouts:
 
     def start(self) -> None:
         if self.worker is None:
-            self.worker = _Worker(self.rollouts, self.policy)
+            self.worker = _Worker(self.rollouts, self.policy, self.reference)
             self.pushed = None
 
     def close(self) -> None:
@@ -137,6 +144,7 @@ class LaggedRollouts:
         waited = time.perf_counter() - t0
         self.rollouts.take_logs(logs)
         batch = self.rollouts.finish(Sampled(**fields), {}, index)
+        batch.ref_logp = info.get("ref_logp")  # (None: the trainer's process takes them)
         batch.metrics.update({"pipeline/staleness": float(version - info["version"]),
                               "pipeline/weight_version": float(info["version"]),
                               "pipeline/trainer_idle": waited, "pipeline/generator_idle": info["idle"]})
@@ -169,7 +177,7 @@ class _Worker:
     trainer's sends never wait on the worker (a thread there reads them into a queue), and a thread here reads the
     results, so neither side blocks the other on a full pipe."""
 
-    def __init__(self, rollouts: Rollouts, policy):
+    def __init__(self, rollouts: Rollouts, policy, reference=None):
         ours, theirs = Pipe()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -180,7 +188,7 @@ class _Worker:
             code = 0
             try:
                 ours.close()
-                _serve(theirs, rollouts, policy)
+                _serve(theirs, rollouts, policy, reference)
             except BaseException:  # noqa: BLE001 - reported to the trainer, which raises it
                 code = 1
             finally:
@@ -233,9 +241,10 @@ class _Worker:
         self.conn.close()
 
 
-def _serve(conn: Connection, rollouts: Rollouts, policy) -> None:
+def _serve(conn: Connection, rollouts: Rollouts, policy, reference=None) -> None:
     """The worker's loop: weights are copied into its model; each request is generated and scored with the
-    weights last copied, and answered with its Sampled fields, what reward functions logged and its times."""
+    weights last copied (and its rows' reference log-probs taken, with `reference`), and answered with its Sampled
+    fields, what reward functions logged and its times."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN if sig == signal.SIGINT else signal.SIG_DFL)  # (the trainer stops it)
     _die_with_parent()
@@ -272,7 +281,12 @@ def _serve(conn: Connection, rollouts: Rollouts, policy) -> None:
             if rollouts.trainer_state is not None:
                 rollouts.trainer_state.global_step = version  # (what reward functions see: the weights' step)
             sampled, logs = rollouts.sample_request(request)
-            info = {"version": version, "idle": idle}
+            info = {"version": version, "idle": idle, "ref_logp": None}
+            if reference is not None:  # the update's first-pass micro-batches, as the trainer's process plans them
+                t1 = time.perf_counter()
+                batch = RolloutBatch(*rollouts.tensors(sampled), torch.zeros(len(sampled.total)), index=index)
+                info["ref_logp"] = reference(batch).cpu()
+                logs["times"]["reference"] = time.perf_counter() - t1
             conn.send_bytes(pickle.dumps(("rollout", index, vars(sampled), logs, info),
                                          protocol=pickle.HIGHEST_PROTOCOL))
     except BaseException:

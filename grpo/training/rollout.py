@@ -355,10 +355,7 @@ class Rollouts:
         else:
             outcome = group_advantages(rewards, scale=cfg.scale_rewards, eps=cfg.advantage_eps,
                                        unbiased=cfg.unbiased_std).view(-1)[mine]
-        keep = [not (cfg.mask_truncated_completions and t) for t in s.truncated]
-        input_ids, attention, cmask = pack(s.prompt_ids, s.completion_ids, self.tokenizer.pad_token_id, keep)
-        if s.model_mask is not None:  # tool answers take part in the forward pass, not in the loss
-            cmask *= pad_rows(s.model_mask, cmask.shape[1])
+        input_ids, attention, cmask = self.tensors(s)
         advantages, step_metrics = outcome, {}
         if self.step_rewards:
             ids = [strip_eos(c, self.eos_ids) for c in s.completion_ids]
@@ -373,6 +370,14 @@ class Rollouts:
             batch.metrics.update(agent_metrics(s.agent_stats, s.model_mask, procs.gather))
         batch.samples = self._samples(s, outcome)
         return batch
+
+    def tensors(self, s: Sampled) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows as the update takes them: ids (N, P+T), attention (N, P+T), loss mask (N, T)."""
+        keep = [not (self.cfg.mask_truncated_completions and t) for t in s.truncated]
+        input_ids, attention, cmask = pack(s.prompt_ids, s.completion_ids, self.tokenizer.pad_token_id, keep)
+        if s.model_mask is not None:  # tool answers take part in the forward pass, not in the loss
+            cmask *= pad_rows(s.model_mask, cmask.shape[1])
+        return input_ids, attention, cmask
 
     def _samples(self, s: Sampled, outcome) -> list[dict]:
         """Sample completions for the samples/ log: the first 16 rows (one per distinct prompt with

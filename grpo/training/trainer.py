@@ -134,7 +134,8 @@ class GRPOTrainer:
                                  self.rewards, self.step_rewards, self.procs, self.B, self.G, self.params,
                                  self.agents and make_rollout(self.agents, self))  # (multi-turn, or None)
         self.source = make_source(cfg, self.rollouts, self.policy, self.accel.device, self.layout.rollout_steps,
-                                  self.total_steps, self.accel.distributed_type)  # (grpo.training.pipeline)
+                                  self.total_steps, self.accel.distributed_type,
+                                  self._reference_logprobs)  # (grpo.training.pipeline)
         self.objective = Objective(cfg, self.procs)
         self.micro = MicroBatches(cfg.per_device_train_batch_size, cfg.max_tokens_per_micro_batch, packing, self.procs,
                                   why)
@@ -256,9 +257,13 @@ class GRPOTrainer:
         per pass (with one, they come from the first pass, before any step)."""
         if self.layout.steps_per_rollout > 1:
             batch.old_logp = self.updates.score(self.policy, batch)
-        if self.cfg.beta > 0:
-            with reference_view(self.policy, self.reference) as ref:
-                batch.ref_logp = self.updates.score(ref, batch)
+        if self.cfg.beta > 0 and batch.ref_logp is None:  # (a rollout worker may have scored them already)
+            batch.ref_logp = self._reference_logprobs(batch)
+
+    @torch.no_grad()
+    def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        with reference_view(self.policy, self.reference) as ref:
+            return self.updates.score(ref, batch)
 
     # ---- update: optimizer steps over a rollout's rows, in micro-batches (grpo.training.update) -----------------
     def update(self, batch: RolloutBatch) -> dict[str, float]:
