@@ -105,11 +105,12 @@ def test_lag_zero_is_the_synchronous_run(tiny_model_dir, tmp_path):
     assert any(not torch.equal(finals["default"][k], finals["one"][k]) for k in finals["default"])
 
 
-@pytest.mark.parametrize("lag, mu", [(1, 1), (2, 1), (1, 2)])
-def test_each_rollout_is_sampled_with_the_weights_lag_rollouts_before(tiny_model_dir, tmp_path, lag, mu):
+@pytest.mark.parametrize("lag, mu, engine", [(1, 1, "cpu"), (2, 1, "cpu"), (1, 2, "cpu"), (1, 1, "transformers")])
+def test_each_rollout_is_sampled_with_the_weights_lag_rollouts_before(tiny_model_dir, tmp_path, lag, mu, engine):
     """Rollout t's sampling log-probs (the worker's, under the weights it had) equal the log-probs of its tokens
-    under the trainer's weights at rollout max(0, t - lag), and not under the next or previous version."""
-    trainer = trainer_for(tiny_model_dir, tmp_path / "run", max_staleness=lag, num_iterations=mu)
+    under the trainer's weights at rollout max(0, t - lag), and not under the next or previous version; with the CPU
+    engine and the transformers engine."""
+    trainer = trainer_for(tiny_model_dir, tmp_path / "run", max_staleness=lag, num_iterations=mu, engine=engine)
     snapshots, batches, real_next = {}, {}, trainer.source.next
 
     def recording_next(index):
@@ -123,6 +124,7 @@ def test_each_rollout_is_sampled_with_the_weights_lag_rollouts_before(tiny_model
     assert steps == mu
     rows = read_rows(tmp_path / "run")
     trainer.backend.prepare()  # (the passes as the run took them: train() released the engine's changes)
+    told_apart = 0  # rollouts whose neighbouring versions' weights differ, and were told apart
     for t, batch in batches.items():
         want = max(0, t - lag)
         assert batch.metrics["pipeline/weight_version"] == want * steps
@@ -135,7 +137,10 @@ def test_each_rollout_is_sampled_with_the_weights_lag_rollouts_before(tiny_model
         assert gaps[want] < 1e-4, (t, gaps)
         # the worker took the reference's log-probs too (beta 0.04): the numbers the trainer's process would take
         assert torch.equal(batch.ref_logp, trainer._reference_logprobs(batch).cpu())
-        assert all(gap > 1e-3 for v, gap in gaps.items() if v != want), (t, gaps)
+        moved = {v for v in gaps if any(not torch.equal(snapshots[v][k], w) for k, w in snapshots[want].items())}
+        assert all(gaps[v] > 1e-3 for v in moved), (t, gaps)  # (a step with no gradient leaves the weights)
+        told_apart += len(moved)
+    assert told_apart >= len(batches) // 2
 
 
 @pytest.mark.parametrize("lag, point, kill_step", [(1, "micro_step", 3), (2, "save", 3),

@@ -127,6 +127,9 @@ class LaggedRollouts:
 
     def next(self, index: int) -> RolloutBatch:
         """Rollout `index`, after sending the requests up to rollout index + lag (the last with today's weights)."""
+        if index in self.lost:
+            raise RuntimeError(f"rollout {index} was in flight when the last train() stopped early; resume from a "
+                               "checkpoint (which keeps the rollouts generated ahead) instead.")
         version = index * self.rollout_steps  # optimizer steps taken when rollout `index` starts feeding the update
         last = min(index + self.lag, self.total_rollouts - 1)
         if self.requested <= last and self.pushed != version:
@@ -136,9 +139,6 @@ class LaggedRollouts:
             self.worker.send(("rollout", self.requested, self.pushed, self.rollouts.request(
                 self.rollouts.prompts.next(self.rollouts.B), self.requested)))
             self.requested += 1
-        if index in self.lost:
-            raise RuntimeError(f"rollout {index} was in flight when the last train() stopped early; resume from a "
-                               "checkpoint (which keeps the rollouts generated ahead) instead.")
         t0 = time.perf_counter()
         fields, logs, info = self.ready.pop(index) if index in self.ready else self.worker.result(index)
         waited = time.perf_counter() - t0
@@ -159,7 +159,7 @@ class LaggedRollouts:
     def load_state_dict(self, state: dict | None) -> None:
         if state is None:
             return
-        if state["lag"] != self.lag:
+        if state["lag"] != self.lag and state["ready"]:
             raise ConfigError(f"resume_from_checkpoint: the checkpoint was written with max_staleness: "
                               f"{state['lag']} and holds the rollouts it had generated ahead; resume with "
                               f"max_staleness: {state['lag']}.")
@@ -245,8 +245,10 @@ def _serve(conn: Connection, rollouts: Rollouts, policy, reference=None) -> None
     """The worker's loop: weights are copied into its model; each request is generated and scored with the
     weights last copied (and its rows' reference log-probs taken, with `reference`), and answered with its Sampled
     fields, what reward functions logged and its times."""
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(sig, signal.SIG_IGN if sig == signal.SIGINT else signal.SIG_DFL)  # (the trainer stops it)
+    # A stop signal sent to the whole process group is the trainer's to handle (it checkpoints, with this worker's
+    # rollouts in flight): the worker ignores them; the trainer ends it with SIGKILL, and so does its death.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
     _die_with_parent()
     torch.set_num_threads(1)  # its own core: the trainer's process keeps its threads
     inbox: queue.Queue = queue.Queue()
