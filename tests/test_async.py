@@ -200,3 +200,16 @@ def test_two_processes_with_a_lag_match_one(tmp_path, tiny_model_dir):
     assert_same_run(tmp_path / "one", tmp_path / "two", one, two)
     rows = read_rows(tmp_path / "two")
     assert [r["pipeline/weight_version"] for r in rows] == [0, 0, 1]
+
+
+def test_a_failing_worker_is_an_error_naming_the_rollout(tiny_model_dir, tmp_path):
+    """An exception in the worker (here the engine's generate) reaches the trainer as an error with the rollout's
+    index and the worker's traceback, instead of a trainer waiting forever."""
+    trainer = trainer_for(tiny_model_dir, tmp_path / "run", max_staleness=1)
+
+    def generate(*args, **kwargs):
+        raise ValueError("the engine broke")
+
+    trainer.generator.generate = generate  # (the worker is forked from this trainer: it inherits the patch)
+    with pytest.raises(RuntimeError, match="(?s)rollout worker: rollout 0 failed.*the engine broke"):
+        trainer.train()

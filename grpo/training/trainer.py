@@ -180,12 +180,12 @@ class GRPOTrainer:
         last: dict[str, float] = {}
         started = time.perf_counter()
         self.backend.prepare()  # (again, when train() is called a second time)
-        self.source.start()  # (a rollout worker with max_staleness > 0: forked from the model as it now is)
         self.control.event("on_train_begin")
         # Installed until train() returns: a signal after the last step lets the run finish (it is then complete).
         signals = StopSignals(cfg.stop_signals, self.procs).install()
         try:
             try:
+                self.source.start()  # (a rollout worker with max_staleness > 0: forked from the model as it now is)
                 if self.step == 0 and self.control.cadence.evaluate_first(self.eval_set is not None):
                     log_step(self, logger, display, 0, self.evaluate())
                 while self.step < self.total_steps and not self.control.control.should_training_stop:
