@@ -105,12 +105,17 @@ def test_lag_zero_is_the_synchronous_run(tiny_model_dir, tmp_path):
     assert any(not torch.equal(finals["default"][k], finals["one"][k]) for k in finals["default"])
 
 
-@pytest.mark.parametrize("lag, mu, engine", [(1, 1, "cpu"), (2, 1, "cpu"), (1, 2, "cpu"), (1, 1, "transformers")])
-def test_each_rollout_is_sampled_with_the_weights_lag_rollouts_before(tiny_model_dir, tmp_path, lag, mu, engine):
+@pytest.mark.parametrize("lag, mu, engine, extra", [
+    (1, 1, "cpu", {}), (2, 1, "cpu", {}), (1, 2, "cpu", {}), (1, 1, "transformers", {}),
+    (1, 1, "cpu", {"steps_per_generation": 4, "prompts_per_step": None, "gradient_accumulation_steps": 2}),
+])
+def test_each_rollout_is_sampled_with_the_weights_lag_rollouts_before(tiny_model_dir, tmp_path, lag, mu, engine,
+                                                                      extra):
     """Rollout t's sampling log-probs (the worker's, under the weights it had) equal the log-probs of its tokens
     under the trainer's weights at rollout max(0, t - lag), and not under the next or previous version; with the CPU
-    engine and the transformers engine."""
-    trainer = trainer_for(tiny_model_dir, tmp_path / "run", max_staleness=lag, num_iterations=mu, engine=engine)
+    engine and the transformers engine, several passes over a rollout (mu 2) and several optimizer steps per pass."""
+    trainer = trainer_for(tiny_model_dir, tmp_path / "run", max_staleness=lag, num_iterations=mu, engine=engine,
+                          **extra)
     snapshots, batches, real_next = {}, {}, trainer.source.next
 
     def recording_next(index):
@@ -121,7 +126,7 @@ def test_each_rollout_is_sampled_with_the_weights_lag_rollouts_before(tiny_model
     trainer.source.next = recording_next
     trainer.train()
     steps = trainer.layout.rollout_steps
-    assert steps == mu
+    assert steps == mu * (2 if extra else 1)
     rows = read_rows(tmp_path / "run")
     trainer.backend.prepare()  # (the passes as the run took them: train() released the engine's changes)
     told_apart = 0  # rollouts whose neighbouring versions' weights differ, and were told apart
@@ -143,12 +148,15 @@ def test_each_rollout_is_sampled_with_the_weights_lag_rollouts_before(tiny_model
     assert told_apart >= len(batches) // 2
 
 
-@pytest.mark.parametrize("lag, point, kill_step", [(1, "micro_step", 3), (2, "save", 3),
-                                                    pytest.param(2, "micro_step", 4, marks=pytest.mark.slow)])
-def test_kill_mid_pipeline_and_resume_matches_uninterrupted(tiny_model_dir, tmp_path, lag, point, kill_step):
+@pytest.mark.parametrize("lag, point, kill_step, mu", [
+    (1, "micro_step", 3, 1), (2, "save", 3, 1), (1, "micro_step", 4, 2),
+    pytest.param(2, "micro_step", 4, 1, marks=pytest.mark.slow)])
+def test_kill_mid_pipeline_and_resume_matches_uninterrupted(tiny_model_dir, tmp_path, lag, point, kill_step, mu):
     """Checkpoints every step hold the rollouts generated ahead; a kill -9 and a resume reach the uninterrupted
-    async run's weights bit for bit, with the same logged rows."""
-    cfg = settings(tiny_model_dir, tmp_path / "straight", max_staleness=lag, save_steps=1, save_total_limit=2)
+    async run's weights bit for bit, with the same logged rows. With mu 2 the checkpoint of step 3 falls inside
+    rollout 1 (steps 3 and 4), with rollout 2 generated ahead."""
+    cfg = settings(tiny_model_dir, tmp_path / "straight", max_staleness=lag, save_steps=1, save_total_limit=2,
+                   num_iterations=mu)
     assert run_driver(cfg, tmp_path, "none", 0) == 0
     want = load_file(str(tmp_path / "straight" / "final" / "model.safetensors"))
     cfg = {**cfg, "output_dir": str(tmp_path / "run")}
