@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.config import ConfigError
+from grpo.training.checkpoint import load_trainer_state
 from grpo.core import engine_importance_weights, policy_loss
 from grpo.training.objective import MicroInputs, Objective
 from grpo.training.pipeline import LaggedRollouts, SyncRollouts
@@ -153,10 +154,15 @@ def test_kill_mid_pipeline_and_resume_matches_uninterrupted(tiny_model_dir, tmp_
     """Checkpoints every step hold the rollouts generated ahead; a kill -9 and a resume reach the uninterrupted
     async run's weights bit for bit, with the same logged rows. With mu 2 the checkpoint of step 3 falls inside
     rollout 1 (steps 3 and 4), with rollout 2 generated ahead."""
-    cfg = settings(tiny_model_dir, tmp_path / "straight", max_staleness=lag, save_steps=1, save_total_limit=2,
+    cfg = settings(tiny_model_dir, tmp_path / "straight", max_staleness=lag, save_steps=1, save_total_limit=None,
                    num_iterations=mu)
     assert run_driver(cfg, tmp_path, "none", 0) == 0
     want = load_file(str(tmp_path / "straight" / "final" / "model.safetensors"))
+    # Step 3's checkpoint kept the rollouts asked for and not trained on (from ceil(3 / mu) to floor(3 / mu) + lag):
+    # those of older weights generated, the one of its own weights (asked for at step 3 when mu is 1) as a recipe.
+    kept = load_trainer_state(tmp_path / "straight" / "checkpoint-3")["processes"][0]["pipeline"]
+    assert set(kept["ready"]) | set(kept["recipes"]) == set(range(-(-3 // mu), min(3 // mu + lag, 6 // mu - 1) + 1))
+    assert list(kept["recipes"]) == ([3 + lag] if mu == 1 else [])
     cfg = {**cfg, "output_dir": str(tmp_path / "run")}
     assert run_driver(cfg, tmp_path, point, kill_step) == -signal.SIGKILL
     assert run_driver({**cfg, "resume": True}, tmp_path, "none", 0) == 0

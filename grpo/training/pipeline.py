@@ -10,12 +10,12 @@
 The lag is fixed, not "as fresh as timing allows", so the run is a function of the seed and k: the prompts are drawn
 in the trainer's process in rollout order (the same prompts as a synchronous run's rollout t), each row keeps its
 seed (grpo.engines.base.row_seed), and every request goes to the worker right after the weights it names, over one
-ordered pipe. The trainer's process keeps what needs every process (advantages over all groups, the reference and
-proximal passes, the update); the worker only generates and scores its process's rows.
+ordered pipe, as soon as a rollout's last optimizer step is taken. The trainer's process keeps what needs every
+process or the current weights (advantages over all groups, the proximal pass, the update); the worker generates,
+scores and takes the reference's log-probs of its process's rows.
 
-A checkpoint waits for the rollouts in flight and keeps them (each with its weights' version), so a resumed run
-trains on the same rollouts: the in-flight rollouts of an interrupted run were generated with weights the
-checkpoint no longer holds.
+A checkpoint keeps the rollouts asked for and not yet trained on, so a resumed run trains on the same ones: those
+of older weights (which the checkpoint no longer holds) generated, the one of its own weights as its request.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from grpo.config import ConfigError
-from grpo.training.rollout import RolloutBatch, Rollouts, Sampled
+from grpo.training.rollout import RolloutBatch, Rollouts, SampleRequest, Sampled
 
 
 class SyncRollouts:
@@ -47,6 +47,9 @@ class SyncRollouts:
         self.rollouts = rollouts
 
     def start(self) -> None:
+        pass
+
+    def stepped(self, step: int) -> None:
         pass
 
     def next(self, index: int) -> RolloutBatch:
@@ -101,69 +104,96 @@ class LaggedRollouts:
         self.layout = (f"a rollout worker process {lag} rollout(s) ahead (max_staleness {lag}): rollout t from the "
                        f"weights of optimizer step (t - {lag}) x {rollout_steps}, generated, scored"
                        f"{' and its reference log-probs taken' if reference else ''} while the update runs")
-        self.requested = 0  # rollouts sent to the worker (or generated before a checkpoint), in order
+        self.requested = 0  # rollouts asked for (sent, or kept by a checkpoint), in order
         self.ready: dict[int, tuple] = {}  # index -> (Sampled fields, logs, info), not yet trained on
+        self.in_flight: dict[int, tuple] = {}  # index -> (weights version, SampleRequest): sent, no answer taken
         self.pushed: int | None = None  # version of the weights the worker has, None until first sent
+        self.step = 0  # optimizer steps the trainer has taken
         self.worker: _Worker | None = None
         self.lost: set[int] = set()  # rollouts in flight when the worker was stopped
 
     def start(self) -> None:
+        """Fork the worker; after a resume, send again the requests the checkpoint kept as recipes (their weights
+        are the checkpoint's, which the worker starts from)."""
         if self.worker is None:
             self.worker = _Worker(self.rollouts, self.policy, self.reference)
             self.pushed = None
+            for index, (version, request) in sorted(self.in_flight.items()):
+                self._send_weights(version)
+                self.worker.send(("rollout", index, version, request))
 
     def close(self) -> None:
         """Stop the worker. A run that ends normally has nothing in flight (nothing is asked for past the last
         rollout); one stopped early loses what was (a checkpoint would have kept it)."""
         if self.worker is not None:
-            self.lost |= self.worker.sent - self.worker.taken - set(self.ready)
+            self.lost |= set(self.in_flight)
+            self.in_flight = {}
             self.worker.stop()
             self.worker = None
 
-    def _collect(self) -> None:
-        """Wait for every rollout sent and not yet trained on, and keep it."""
-        for index in sorted(self.worker.sent - self.worker.taken - set(self.ready)):
-            self.ready[index] = self.worker.result(index)
+    def stepped(self, step: int) -> None:
+        """After each optimizer step: when a rollout has fed all its steps, the weights and the next request go to
+        the worker at once, so it generates during the step's logging, evaluation and checkpoint too."""
+        self.step = step
+        if step % self.rollout_steps == 0:
+            self._ask(step // self.rollout_steps)
+
+    def _ask(self, index: int) -> None:
+        """Send the requests up to rollout index + lag, the last with the weights of now (rollout `index` begins)."""
+        last = min(index + self.lag, self.total_rollouts - 1)
+        if self.requested > last:
+            return
+        self._send_weights(index * self.rollout_steps)
+        while self.requested <= last:
+            request = self.rollouts.request(self.rollouts.prompts.next(self.rollouts.B), self.requested)
+            self.in_flight[self.requested] = (self.pushed, request)
+            self.worker.send(("rollout", self.requested, self.pushed, request))
+            self.requested += 1
+
+    def _send_weights(self, version: int) -> None:
+        if self.pushed != version:
+            self.worker.send(("weights", version, _trainable(self.policy)))
+            self.pushed = version
+
+    def _take(self, index: int) -> tuple:
+        self.in_flight.pop(index, None)
+        return self.worker.result(index)
 
     def next(self, index: int) -> RolloutBatch:
-        """Rollout `index`, after sending the requests up to rollout index + lag (the last with today's weights)."""
+        """Rollout `index` (its request, and those up to index + lag, sent now unless `stepped` sent them)."""
         if index in self.lost:
             raise RuntimeError(f"rollout {index} was in flight when the last train() stopped early; resume from a "
                                "checkpoint (which keeps the rollouts generated ahead) instead.")
-        version = index * self.rollout_steps  # optimizer steps taken when rollout `index` starts feeding the update
-        last = min(index + self.lag, self.total_rollouts - 1)
-        if self.requested <= last and self.pushed != version:
-            self.worker.send(("weights", version, _trainable(self.policy)))
-            self.pushed = version
-        while self.requested <= last:
-            self.worker.send(("rollout", self.requested, self.pushed, self.rollouts.request(
-                self.rollouts.prompts.next(self.rollouts.B), self.requested)))
-            self.requested += 1
+        self._ask(index)
         t0 = time.perf_counter()
-        fields, logs, info = self.ready.pop(index) if index in self.ready else self.worker.result(index)
+        fields, logs, info = self.ready.pop(index) if index in self.ready else self._take(index)
         waited = time.perf_counter() - t0
         self.rollouts.take_logs(logs)
         batch = self.rollouts.finish(Sampled(**fields), {}, index)
         batch.ref_logp = info.get("ref_logp")  # (None: the trainer's process takes them)
+        version = index * self.rollout_steps  # optimizer steps taken when rollout `index` starts feeding the update
         batch.metrics.update({"pipeline/staleness": float(version - info["version"]),
                               "pipeline/weight_version": float(info["version"]),
                               "pipeline/trainer_idle": waited, "pipeline/generator_idle": info["idle"]})
         return batch
 
     def state_dict(self) -> dict:
-        """Every rollout sent and not yet trained on, generated (the checkpoint waits for the worker)."""
-        if self.worker is not None:
-            self._collect()
-        return {"lag": self.lag, "requested": self.requested, "ready": dict(self.ready)}
+        """The rollouts asked for and not yet trained on: generated (the checkpoint waits for those of older
+        weights, which it does not hold) or, for those of the weights it holds, their requests (a recipe)."""
+        recipes = {i: (v, vars(r)) for i, (v, r) in self.in_flight.items() if v == self.step}
+        for index in sorted(set(self.in_flight) - set(recipes)):
+            self.ready[index] = self._take(index)
+        return {"lag": self.lag, "requested": self.requested, "ready": dict(self.ready), "recipes": recipes}
 
     def load_state_dict(self, state: dict | None) -> None:
         if state is None:
             return
-        if state["lag"] != self.lag and state["ready"]:
+        if state["lag"] != self.lag and (state["ready"] or state.get("recipes")):
             raise ConfigError(f"resume_from_checkpoint: the checkpoint was written with max_staleness: "
-                              f"{state['lag']} and holds the rollouts it had generated ahead; resume with "
+                              f"{state['lag']} and holds the rollouts it had asked for ahead; resume with "
                               f"max_staleness: {state['lag']}.")
         self.requested, self.ready = state["requested"], dict(state["ready"])
+        self.in_flight = {i: (v, SampleRequest(**r)) for i, (v, r) in state.get("recipes", {}).items()}
 
 
 def _trainable(model) -> dict[str, torch.Tensor]:
@@ -195,8 +225,6 @@ class _Worker:
                 os._exit(code)
         theirs.close()
         self.pid, self.conn = pid, ours
-        self.sent: set[int] = set()
-        self.taken: set[int] = set()
         self.results: dict[int, tuple] = {}
         self.failure: str | None = None
         self.lock = threading.Condition()
@@ -204,8 +232,6 @@ class _Worker:
         self.reader.start()
 
     def send(self, message: tuple) -> None:
-        if message[0] == "rollout":
-            self.sent.add(message[1])
         self.conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
     def _read(self) -> None:
@@ -229,7 +255,6 @@ class _Worker:
                 self.lock.wait()
             if index not in self.results:
                 raise RuntimeError(f"rollout worker: rollout {index} failed:\n{self.failure}")
-            self.taken.add(index)
             return self.results.pop(index)
 
     def stop(self) -> None:

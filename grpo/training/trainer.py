@@ -213,6 +213,7 @@ class GRPOTrainer:
         self.control.event("on_step_begin")
         metrics = self.train_step()
         self.step += 1
+        self.source.stepped(self.step)  # (with a lag, the worker may start the next rollout now)
         health, alarms = self.health.check(metrics)
         metrics.update(health)
         for name, message in alarms:
