@@ -3,6 +3,7 @@
     python -m bench.default_job                       # grpo train, then TRL's run of the same work; one JSON line
     python -m bench.default_job --rounds 2            # A B, B A: drift of a shared machine falls on both sides
     python -m bench.default_job max_steps=30          # any override of the default recipe, given to both sides
+    python -m bench.default_job --sides grpo,grpo-lag1,trl   # grpo with max_staleness 1 too (docs/async.md)
 
 Each side is one command in a fresh process, timed from start to exit as a user would (imports, data, model,
 training, saving): `grpo train [overrides]` with the default recipe, and `python -m bench.trl_default_job` (TRL's
@@ -11,7 +12,9 @@ reward functions; see its docstring). One torch thread on each side (the recipe'
 Then each final model is scored by the same command, `grpo eval --model DIR --task arithmetic --n N --k K` (not
 timed), whose accuracy averages K samples of each of N held-out problems; `*_accuracy_se` is its standard error
 over problems. The JSON line: each side's wall and CPU seconds, its accuracy, and `speedup` = TRL's wall seconds /
-grpo's (`cpu_speedup` the same of CPU seconds, which a busy machine distorts less).
+grpo's (`cpu_speedup` the same of CPU seconds, which a busy machine distorts less). A side `grpo-lagK` is grpo with
+`max_staleness=K` (a rollout worker process beside the trainer's: two processes of one thread each); the line then
+has `grpo-lagK_*` keys and `lagK_speedup` = grpo's wall seconds / grpo-lagK's, `lagK_vs_trl` = TRL's / grpo-lagK's.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -29,11 +33,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SIDES = ("grpo", "trl")
+LAG_SIDE = re.compile(r"grpo-lag([1-9][0-9]*)$")  # grpo with max_staleness K
 
 
 def command(side: str, out: Path, overrides: list[str]) -> list[str]:
-    if side == "grpo":
-        return [sys.executable, "-m", "grpo.cli", "train", f"output_dir={out}", *overrides]
+    if side == "grpo" or LAG_SIDE.match(side):
+        lag = LAG_SIDE.match(side)
+        return [sys.executable, "-m", "grpo.cli", "train", f"output_dir={out}", *overrides,
+                *([f"max_staleness={lag.group(1)}"] if lag else [])]
     return [sys.executable, "-m", "bench.trl_default_job", "--out", str(out), *overrides]
 
 
@@ -78,7 +85,7 @@ def summarize(runs: dict[str, list[tuple[float, float]]], accuracy: dict[str, di
     """The JSON record: per side its median wall and CPU seconds (and every run's), its first run's eval; the
     ratios (`speedup` of wall times, `cpu_speedup` of CPU times)."""
     out: dict = {}
-    for side in SIDES:
+    for side in [*SIDES, *sorted(s for s in runs if LAG_SIDE.match(s))]:
         timed = runs.get(side, [])
         out[f"{side}_wall_s"] = statistics.median(w for w, _ in timed) if timed else None
         out[f"{side}_cpu_s"] = statistics.median(c for _, c in timed) if timed else None
@@ -93,6 +100,11 @@ def summarize(runs: dict[str, list[tuple[float, float]]], accuracy: dict[str, di
         noise = (out["grpo_accuracy_se"] ** 2 + out["trl_accuracy_se"] ** 2) ** 0.5
         out["accuracy_gap"], out["accuracy_gap_se"] = gap, noise
         out["same_accuracy"] = abs(gap) <= 2 * noise  # within two standard errors of the difference
+    for side in sorted(s for s in runs if LAG_SIDE.match(s) and runs[s]):
+        lag_wall = out[f"{side}_wall_s"]
+        name = side.removeprefix("grpo-")
+        out[f"{name}_speedup"] = out["grpo_wall_s"] / lag_wall if out["grpo_wall_s"] is not None else None
+        out[f"{name}_vs_trl"] = out["trl_wall_s"] / lag_wall if out["trl_wall_s"] is not None else None
     return out
 
 
@@ -100,14 +112,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the default recipe, for both sides")
     parser.add_argument("--rounds", type=int, default=1, help="runs of each side, alternating (default 1)")
-    parser.add_argument("--sides", default="grpo,trl", help="comma-separated: grpo, trl (default: both)")
+    parser.add_argument("--sides", default="grpo,trl", help="comma-separated: grpo, trl, grpo-lagK (grpo with "
+                        "max_staleness=K) (default: grpo,trl)")
     parser.add_argument("--eval-n", type=int, default=500, help="held-out problems to score (default 500)")
     parser.add_argument("--eval-k", type=int, default=4, help="samples per problem (default 4)")
     parser.add_argument("--work-dir", type=Path, default=None, help="keep runs, logs and evals here")
     args = parser.parse_args(argv)
     sides = [s for s in args.sides.split(",") if s]
-    if set(sides) - set(SIDES) or not sides:
-        parser.error(f"--sides: choose from {', '.join(SIDES)}")
+    if any(s not in SIDES and not LAG_SIDE.match(s) for s in sides) or not sides:
+        parser.error(f"--sides: choose from {', '.join(SIDES)}, grpo-lagK (K >= 1)")
     with tempfile.TemporaryDirectory(prefix="grpo-default-job-") as tmp:
         work = (args.work_dir or Path(tmp)).resolve()
         work.mkdir(parents=True, exist_ok=True)
@@ -115,8 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
         for r in range(args.rounds):
             for side in sides if r % 2 == 0 else sides[::-1]:
                 runs[side].append(run_side(side, work, r, args.overrides))
-        final = {"grpo": lambda: work / "grpo-0" / "final", "trl": lambda: work / "trl-0" / "final"}
-        accuracy = {side: evaluate(final[side](), args.eval_n, args.eval_k, work) for side in sides}
+        accuracy = {side: evaluate(work / f"{side}-0" / "final", args.eval_n, args.eval_k, work) for side in sides}
     out = {**summarize(runs, accuracy), "overrides": args.overrides, "rounds": args.rounds, "eval_n": args.eval_n,
            "eval_k": args.eval_k, "load_average": os.getloadavg()[0]}
     print(json.dumps(out), flush=True)

@@ -192,6 +192,15 @@ def test_default_job_summary_speedup_and_accuracy_noise():
     assert out["same_accuracy"]
 
 
+def test_default_job_lag_side_runs_grpo_with_max_staleness_and_is_compared():
+    from bench.default_job import command, summarize as summarize_job
+
+    assert command("grpo-lag2", Path("o"), ["max_steps=3"])[-2:] == ["max_steps=3", "max_staleness=2"]
+    # grpo 150 s, grpo-lag1 100 s, TRL 330 s: lag1_speedup 150 / 100 = 1.5, lag1_vs_trl 330 / 100 = 3.3.
+    out = summarize_job({"grpo": [(150.0, 140.0)], "grpo-lag1": [(100.0, 180.0)], "trl": [(330.0, 300.0)]}, {})
+    assert out["grpo-lag1_wall_s"] == 100.0 and out["lag1_speedup"] == 1.5 and out["lag1_vs_trl"] == 3.3
+
+
 def test_trl_gets_the_default_jobs_settings_and_prompts_in_grpos_order(tmp_path):
     """Every loss, optimizer and sampling setting of the resolved recipe reaches TRL's config, and TRL's dataset is
     the prompts grpo's sampler draws, step by step, rendered with the task's prefill."""

@@ -11,6 +11,9 @@ ALIASES = {
     "clip_range": "epsilon",  # seed tutorial 004
     "num_epochs": "num_train_epochs",
     "ppo_max_token_len_per_gpu": "max_tokens_per_micro_batch",  # verl (with use_dynamic_bsz: true)
+    "max_async_level": "max_staleness",  # prime-rl: how many steps inference may run ahead of the trainer
+    "max_trajectory_age_steps": "max_staleness",  # NeMo-RL's async_grpo
+    "max_head_offpolicyness": "max_staleness",  # AReaL
 }
 
 # TRL 1.16's `loss_type` chooses two things we keep apart: how token losses are averaged (`loss_aggregation`) and

@@ -184,8 +184,13 @@ class GRPOConfig:
                                          "rows are split across processes, as grpo's samplers; vLLM then samples "
                                          "row by row) or seed the engine once (vLLM's batched sampler). null: "
                                          "true on the CPU, false on GPUs.")
+    max_staleness: int = _f(0, "Asynchronous rollouts (TRL 1.18 AsyncGRPOTrainer's key): rollout t is generated "
+                            "with exactly the weights of k = max_staleness rollouts before (optimizer step "
+                            "t - k), in a worker process, while the update runs; 0: synchronous. Stale rows are "
+                            "weighted by pi_old / pi_sampling as vllm_importance_sampling_* say (docs/async.md).")
     vllm_importance_sampling_correction: bool = _f(True, "Weight each token's surrogate by pi_old / pi_vllm, "
-                                                   "bounded as vllm_importance_sampling_mode says (TRL 1.16's).")
+                                                   "bounded as vllm_importance_sampling_mode says (TRL 1.16's); "
+                                                   "with max_staleness > 0, pi_old / pi_sampling (decoupled PPO).")
     vllm_importance_sampling_mode: str = _f("sequence_mask", "token_truncate, token_mask, sequence_truncate or "
                                             "sequence_mask (grpo.core.engine_importance_weights).",
                                             ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"))

@@ -185,6 +185,22 @@ def _validate_batch(cfg) -> None:
           "refills each rollout's groups for one optimizer step; leave steps_per_generation and "
           "generation_batch_size unset.")
     check(cfg.task_train_size >= 1 and cfg.task_eval_size >= 0, "task_train_size", "sizes must be >= 1 (eval >= 0).")
+    _validate_staleness(cfg)
+
+
+def _validate_staleness(cfg) -> None:
+    """What a rollout worker with a lag cannot do yet, each refused with its reason (docs/async.md)."""
+    check(cfg.max_staleness >= 0, "max_staleness", "must be >= 0 (0: synchronous rollouts).")
+    if cfg.max_staleness == 0:
+        return
+    check(not cfg.dynamic_sampling, "max_staleness", "dynamic_sampling draws more prompts by the rewards of the "
+          "rollout in flight, so the prompt order would depend on the pipeline; not built with a lag yet: set "
+          "max_staleness: 0 or dynamic_sampling: false.")
+    check(not cfg.use_vllm, "max_staleness", "rollouts from vLLM with a lag are not built yet (the worker would "
+          "have to push each version's weights to the server before its rollout); set max_staleness: 0.")
+    check(not (cfg.tools or cfg.environment_factory or cfg.rollout_func), "max_staleness",
+          "multi-turn rollouts (tools, environment_factory, rollout_func) run tools and environments made in the "
+          "trainer's process; running them in the rollout worker is not built yet: set max_staleness: 0.")
 
 
 def _validate_optimization(cfg) -> None:

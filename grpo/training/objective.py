@@ -57,7 +57,12 @@ class Objective:
         old = logp.detach() if micro.old_logp is None else micro.old_logp[sub]
         sampling = None if micro.sampling_logp is None else micro.sampling_logp[sub]
         weights, engine_metrics = None, {}
-        if cfg.use_vllm and cfg.vllm_importance_sampling_correction and sampling is not None:
+        # The sampling engine's log-probs are the behaviour policy's: vLLM's kernels, or with max_staleness the
+        # weights of k rollouts before. The ratio to pi_old (the proximal policy, the weights this rollout's update
+        # starts from) is then a bounded importance weight, and the clip stays around pi_old: decoupled PPO
+        # (Hilton et al. 2022; AReaL, arXiv:2505.24298, eq. 5).
+        if ((cfg.use_vllm or cfg.max_staleness > 0) and cfg.vllm_importance_sampling_correction
+                and sampling is not None):
             weights, engine_metrics = engine_importance_weights(
                 old, sampling, mask, mode=cfg.vllm_importance_sampling_mode,
                 clip_max=cfg.vllm_importance_sampling_clip_max, clip_min=cfg.vllm_importance_sampling_clip_min)

@@ -51,6 +51,17 @@ class RolloutBatch:
 
 
 @dataclass
+class SampleRequest:
+    """What generating one round of a rollout needs on this process: its rows' prompts and their sampling seeds
+    (drawn in the trainer's process, in rollout order, so a rollout worker gets exactly what it would sample)."""
+
+    prompts: list
+    prompt_ids: list[list[int]]
+    columns: dict[str, list]
+    seeds: list[int]
+
+
+@dataclass
 class Sampled:
     """Scored completions of whole groups on this process: everything a step knows before its advantages.
 
@@ -227,16 +238,23 @@ class Rollouts:
             self.engine_stale = False
         wake(self.generator)
 
-    def make(self, index: int) -> RolloutBatch:
-        """Rollout `index` of the run."""
+    def _begin(self) -> None:
         self.times = {"generation": 0.0, "scoring": 0.0}
         self._logged_metrics, self._logged_columns = {}, {}
+
+    def make(self, index: int) -> RolloutBatch:
+        """Rollout `index` of the run."""
+        self._begin()
         self.ready_engine()
         if self.cfg.dynamic_sampling:
             sampled, sampling_metrics = self._sample_dynamic(index)
         else:
             sampled, sampling_metrics = self._sample(self.prompts.next(self.B), index), {}
         sleep(self.generator)  # (vLLM's sleep mode: its memory is the update's until the next rollout)
+        return self.finish(sampled, sampling_metrics, index)
+
+    def finish(self, sampled: Sampled, sampling_metrics: dict[str, float], index: int) -> RolloutBatch:
+        """The training batch of rollout `index` from its scored completions (collective on several processes)."""
         batch = self._assemble(sampled)
         batch.metrics.update(sampling_metrics)
         batch.metrics.update(self._reward_logs())
@@ -244,6 +262,19 @@ class Rollouts:
             batch.metrics["data/skipped_rows"] = float(self.train_set.skipped)
         batch.index = index
         return batch
+
+    def sample_request(self, request: SampleRequest) -> tuple[Sampled, dict]:
+        """A rollout worker's part (grpo.training.pipeline): one request generated and scored, with what reward
+        functions logged and the times, which `take_logs` hands to the trainer's `finish`."""
+        self._begin()
+        self.ready_engine()
+        sampled = self._generate(request)
+        sleep(self.generator)
+        return sampled, {"metrics": self._logged_metrics, "columns": self._logged_columns, "times": self.times}
+
+    def take_logs(self, logs: dict) -> None:
+        """What `sample_request` logged in a worker, as if this process had scored the rollout."""
+        self._logged_metrics, self._logged_columns, self.times = logs["metrics"], logs["columns"], logs["times"]
 
     def _reward_logs(self) -> dict[str, float]:
         """What reward functions logged with log_metric, averaged over every call on every process (TRL's)."""
@@ -257,14 +288,22 @@ class Rollouts:
 
     def _sample(self, prompts_idx: list[int], index: int, round_: int = 0) -> Sampled:
         """Generate G completions for each prompt (this process's share of the rows) and score them."""
+        return self._generate(self.request(prompts_idx, index, round_))
+
+    def request(self, prompts_idx: list[int], index: int, round_: int = 0) -> SampleRequest:
+        """This process's share of the rows of the prompts `prompts_idx` (G each), and their seeds."""
         G, world, rank = self.G, self.procs.world, self.procs.rank
         n_local = len(prompts_idx) * G // world
         first = rank * n_local
         rows = [i for i in prompts_idx for _ in range(G)][first:first + n_local]
         prompts, prompt_ids, columns = self.train_set.rows(rows)
-        t0 = time.perf_counter()
         # Seeds belong to rows; a dynamic-sampling refill round gets rows of its own.
         seeds = [row_seed(self.cfg.seed, index, first + r + round_ * 1_000_000) for r in range(n_local)]
+        return SampleRequest(prompts, prompt_ids, columns, seeds)
+
+    def _generate(self, request: SampleRequest) -> Sampled:
+        prompts, prompt_ids, columns, seeds = request.prompts, request.prompt_ids, request.columns, request.seeds
+        t0 = time.perf_counter()
         agent = None
         with engine_faults(self.cfg, "generation"):  # (out of memory, a dead vLLM: an error naming the setting)
             if self.agent is None:
@@ -319,10 +358,7 @@ class Rollouts:
         else:
             outcome = group_advantages(rewards, scale=cfg.scale_rewards, eps=cfg.advantage_eps,
                                        unbiased=cfg.unbiased_std).view(-1)[mine]
-        keep = [not (cfg.mask_truncated_completions and t) for t in s.truncated]
-        input_ids, attention, cmask = pack(s.prompt_ids, s.completion_ids, self.tokenizer.pad_token_id, keep)
-        if s.model_mask is not None:  # tool answers take part in the forward pass, not in the loss
-            cmask *= pad_rows(s.model_mask, cmask.shape[1])
+        input_ids, attention, cmask = self.tensors(s)
         advantages, step_metrics = outcome, {}
         if self.step_rewards:
             ids = [strip_eos(c, self.eos_ids) for c in s.completion_ids]
@@ -337,6 +373,14 @@ class Rollouts:
             batch.metrics.update(agent_metrics(s.agent_stats, s.model_mask, procs.gather))
         batch.samples = self._samples(s, outcome)
         return batch
+
+    def tensors(self, s: Sampled) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows as the update takes them: ids (N, P+T), attention (N, P+T), loss mask (N, T)."""
+        keep = [not (self.cfg.mask_truncated_completions and t) for t in s.truncated]
+        input_ids, attention, cmask = pack(s.prompt_ids, s.completion_ids, self.tokenizer.pad_token_id, keep)
+        if s.model_mask is not None:  # tool answers take part in the forward pass, not in the loss
+            cmask *= pad_rows(s.model_mask, cmask.shape[1])
+        return input_ids, attention, cmask
 
     def _samples(self, s: Sampled, outcome) -> list[dict]:
         """Sample completions for the samples/ log: the first 16 rows (one per distinct prompt with

@@ -2,7 +2,8 @@
 
 Beside the model files (grpo.training.checkpoint): the optimizer, the schedule, the prompt sampler, every random
 state, the counters, the adaptive entropy coefficient, a synced reference's weights, and the rollout that was still
-feeding optimizer steps (with the number it had fed), so a run resumed inside a rollout takes the same steps.
+feeding optimizer steps (with the number it had fed), so a run resumed inside a rollout takes the same steps; with
+max_staleness, the rollouts generated ahead (grpo.training.pipeline).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def trainer_state(trainer) -> dict[str, Any]:
     """Everything `restore` needs besides the model files (and, for a sharded run, besides the sharded optimizer
     state). Each process's own part (its random state, and its rows of a rollout still feeding optimizer steps) is
     gathered to every process: `processes[rank]`. Collective when the run has several processes."""
-    own = {"rng": ckpt.rng_state(), "pending": None}
+    own = {"rng": ckpt.rng_state(), "pending": None, "pipeline": trainer.source.state_dict()}
     if trainer.pending is not None and trainer.pending[1]:
         batch, left = trainer.pending
         own["pending"] = {"batch": batch.tensors(), "taken": trainer.layout.rollout_steps - len(left)}
@@ -109,6 +110,7 @@ def restore(trainer, path: Path) -> None:
     trainer.objective.load_state_dict(state.get("objective", trainer.objective.state_dict()))
     if state.get("reference") is not None:
         trainer.reference.load_state_dict(state["reference"])
+    trainer.source.load_state_dict(own.get("pipeline"))  # (rollouts generated ahead, with max_staleness)
     if own.get("pending") is not None:
         batch = RolloutBatch(**own["pending"]["batch"])
         for name in ("old_logp", "ref_logp"):  # (kept on the model's device, as the rollout made them)

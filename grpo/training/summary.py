@@ -84,6 +84,7 @@ def start_lines(trainer) -> list[str]:
             + (f"; rollouts from vLLM ({cfg.vllm_mode})" if cfg.use_vllm else ""),
             f"device   {device}",
             f"passes   {trainer.micro.describe()}",
+            f"rollouts {trainer.source.layout}",
             f"steps    {trainer.total_steps} optimizer steps from step {trainer.step}; rollouts of {trainer.B} prompts "
             f"x {trainer.G} completions, each feeding {trainer.layout.rollout_steps} step(s) of "
             f"{trainer.layout.step_completions} completions",

@@ -39,6 +39,7 @@ from grpo.training.hub import start_hub
 from grpo.training.micro_batches import MicroBatches
 from grpo.training.model import load_model, prepare_model, save_final
 from grpo.training.objective import Objective
+from grpo.training.pipeline import make_source
 from grpo.training.rollout import Processes, RolloutBatch, Rollouts
 from grpo.training.sharded import check_sharding, place_reference, reduce_in_float32
 from grpo.training.errors import TrainingStopped
@@ -137,6 +138,9 @@ class GRPOTrainer:
         self.rollouts = Rollouts(cfg, self.generator, self.policy, self.tokenizer, self.train_set, self.sampler,
                                  self.rewards, self.step_rewards, self.procs, self.B, self.G, self.params,
                                  self.agents and make_rollout(self.agents, self))  # (multi-turn, or None)
+        self.source = make_source(cfg, self.rollouts, self.policy, self.accel.device, self.layout.rollout_steps,
+                                  self.total_steps, self.accel.distributed_type,
+                                  self._reference_logprobs)  # (grpo.training.pipeline)
         self.objective = Objective(cfg, self.procs)
         self.micro = MicroBatches(cfg.per_device_train_batch_size, cfg.max_tokens_per_micro_batch, packing, self.procs,
                                   why)
@@ -186,6 +190,7 @@ class GRPOTrainer:
         signals = StopSignals(cfg.stop_signals, self.procs).install()
         try:
             try:
+                self.source.start()  # (a rollout worker with max_staleness > 0: forked from the model as it now is)
                 if self.step == 0 and self.control.cadence.evaluate_first(self.eval_set is not None):
                     log_step(self, logger, display, 0, self.evaluate())
                 while self.step < self.total_steps and not self.control.control.should_training_stop:
@@ -195,6 +200,7 @@ class GRPOTrainer:
             finally:
                 display.close()
                 logger.close()
+                self.source.close()
                 self.backend.release()  # the model goes back as it was loaded
             self.save_model(out / "final")
             if main:
@@ -212,6 +218,7 @@ class GRPOTrainer:
         self.control.event("on_step_begin")
         metrics = self.train_step()
         self.step += 1
+        self.source.stepped(self.step)  # (with a lag, the worker may start the next rollout now)
         health, alarms = self.health.check(metrics)
         metrics.update(health)
         for name, message in alarms:
@@ -241,7 +248,7 @@ class GRPOTrainer:
     # ---- rollout: generate, score, advantages; old and reference log-probs -------------------------------------
     def rollout(self) -> RolloutBatch:
         with self.accel.autocast():
-            batch = self.rollouts.make(self.rollout_count)
+            batch = self.source.next(self.rollout_count)
         self.rollout_count += 1
         t0 = time.perf_counter()
         batch.plans = self.updates.plan(batch)  # its optimizer steps and their micro-batches
@@ -256,9 +263,13 @@ class GRPOTrainer:
         per pass (with one, they come from the first pass, before any step)."""
         if self.layout.steps_per_rollout > 1:
             batch.old_logp = self.updates.score(self.policy, batch)
-        if self.cfg.beta > 0:
-            with reference_view(self.policy, self.reference) as ref:
-                batch.ref_logp = self.updates.score(ref, batch)
+        if self.cfg.beta > 0 and batch.ref_logp is None:  # (a rollout worker may have scored them already)
+            batch.ref_logp = self._reference_logprobs(batch)
+
+    @torch.no_grad()
+    def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        with reference_view(self.policy, self.reference) as ref:
+            return self.updates.score(ref, batch)
 
     # ---- update: optimizer steps over a rollout's rows, in micro-batches (grpo.training.update) -----------------
     def update(self, batch: RolloutBatch) -> dict[str, float]:
