@@ -198,3 +198,218 @@ def test_the_timeout_still_bounds_a_reward_that_uses_signal_alarm():
     started = time.monotonic()
     out = runner(["p"], ["c"], [[1]], {})
     assert out.timeouts == {"hangs": 1} and time.monotonic() - started < 20
+
+
+# ---- every reward name of open-r1's get_reward_funcs, and its code rewards in grpo's sandbox -------------------------
+OPEN_R1_NAMES = ["accuracy", "format", "reasoning_steps", "cosine", "repetition_penalty", "length", "code",
+                 "binary_code", "ioi_code", "cf_code", "code_format", "tag_count", "soft_overlong_punishment"]
+NOT_BUILT = {"ioi_code"}  # C++ with IOI's graders: docs/from_trl.md
+
+
+def test_open_r1_reward_names_resolve():
+    from grpo.config import ConfigError
+    from grpo.training.setup import make_reward_runner
+
+    built = [n for n in OPEN_R1_NAMES if n not in NOT_BUILT]
+    runner, names = make_reward_runner(GRPOConfig(code_language="cpp", code_eval_scoring_mode="partial"), built, None)
+    assert names == ["math_accuracy", "r1_format", "reasoning_steps", "cosine_length", "repetition_penalty",
+                     "kimi_length", "code", "binary_code", "cf_code", "code_format", "tag_count", "soft_overlong"]
+    funcs = dict(zip(names, runner.funcs))
+    assert funcs["binary_code"].binary and not funcs["code"].binary
+    assert funcs["code_format"].language == "cpp" and funcs["cf_code"].scoring_mode == "partial"  # (recipe keys)
+    for name in NOT_BUILT:
+        with pytest.raises(ConfigError, match=f"reward_funcs: '{name}' is one of open-r1's rewards that grpo does "
+                                              "not have"):
+            make_reward_runner(GRPOConfig(), [name], None)
+
+
+def test_length_and_code_format_by_hand():
+    from grpo.rewards.format import code_format
+    from grpo.rewards.shaping import kimi_length
+
+    texts = conversational(["$\\boxed{2}$", "$\\boxed{3}$ and more words", "$\\boxed{2}$ said at much more length"])
+    # lengths 11, 26, 36: lam = 0.5 - (n - 11) / 25 = 0.5, -0.1, -0.5; the second is wrong: min(0, -0.1)
+    assert kimi_length(texts, solution=["$2$"] * 3) == pytest.approx([0.5, -0.1, -0.5])
+    # a wrong answer with a positive lam gets 0: the shortest (11) is wrong here
+    assert kimi_length(texts, solution=["$3$"] * 3) == pytest.approx([0.0, -0.1, -0.5])
+    assert kimi_length(conversational(["a", "b"]), solution=["$2$"] * 2) == [0.0, 0.0]  # all the same length
+    good = "<think>\nplan\n</think>\n<answer>\n```python\nprint(1)\n```\n</answer>"
+    assert code_format(conversational([good, good.replace("python", "cpp"), "```python\nprint(1)\n```"])) == [
+        1.0, 0.0, 0.0]
+    assert code_format(conversational([good.replace("python", "cpp")]), language=["cpp"]) == [1.0]  # (a column)
+
+
+SUM = {"language": "python", "test_cases": [{"input": "2 3\n", "output": "5\n"}, {"input": "10 -4\n", "output": "6\n"}]}
+
+
+def fenced(program: str) -> list:
+    return [{"role": "assistant", "content": f"<think>\nadd\n</think>\n<answer>\n```python\n{program}\n```\n</answer>"}]
+
+
+@pytest.mark.skipif(not __import__("grpo.rewards.sandbox", fromlist=["x"]).probe_sandbox().isolated,
+                    reason="no sandbox layers here")
+def test_open_r1_code_rewards_read_verification_info_in_the_sandbox():
+    from grpo.training.setup import make_reward_runner
+
+    runner, names = make_reward_runner(GRPOConfig(), ["code", "binary_code"], None)
+    right = fenced("a, b = map(int, input().split())\nprint(a + b)")
+    half = fenced("a, b = map(int, input().split())\nprint(5)")  # passes the first test only
+    wrong = fenced("print(0)")
+    info = [json.dumps(SUM), SUM, SUM]  # (a JSON string, as the hub's column holds it, or the mapping)
+    out = runner([[{"role": "user", "content": "add"}]] * 3, [right, half, wrong], [[1]] * 3,
+                 {"verification_info": info})
+    assert out.per_func["code"] == [1.0, 0.5, 0.0]  # open-r1's code: the pass rate
+    assert out.per_func["binary_code"] == [1.0, 0.0, 0.0]  # binary_code: every test, or nothing
+
+
+def test_open_r1_infrastructure_keys_are_accepted_and_skipped_with_one_line(caplog):
+    import logging
+
+    from grpo.training.trl_surface import warn_as_trl
+
+    cfg = GRPOConfig(benchmarks=["lcb_v4"], callbacks=["push_to_hub_revision"])
+    with caplog.at_level(logging.WARNING):
+        warn_as_trl(cfg)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and "benchmarks lcb_v4 are skipped" in lines[0] and "push_to_hub_revision is skipped" in \
+        lines[1]
+    with pytest.raises(Exception, match="callbacks: .* not one of open-r1's callbacks"):
+        GRPOConfig(callbacks=["my_callback"])
+
+
+needs_sandbox = pytest.mark.skipif(not __import__("grpo.rewards.sandbox", fromlist=["x"]).probe_sandbox().isolated,
+                                   reason="no sandbox layers here")
+
+
+def codeforces_rows(n, **columns):
+    tests = [{"input": "2 3\n", "output": "5\n"}, {"input": "1 1\n", "output": "2"}]
+    base = dict(official_tests=[tests] * n, generated_checker=[None] * n, time_limit=[2.0] * n,
+                memory_limit=[256] * n, input_mode=["stdio"] * n, language=["python"] * n)
+    return {**base, **columns}
+
+
+@needs_sandbox
+def test_cf_code_judges_codeforces_rows_in_the_sandbox():
+    from grpo.rewards.competitive import cf_code
+
+    good = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+    half = "```python\nprint(5)\n```"  # passes the first of two tests
+    # weighted_sum: pass_fail + 0.1 x pass rate: 1 + 0.1, 0 + 0.05, 0; no code block: -1
+    assert cf_code([good, half, "```python\nprint(0)\n```", "no code"], **codeforces_rows(4)) == pytest.approx(
+        [1.1, 0.05, 0.0, -1.0])
+    assert cf_code.configure(scoring_mode="partial")([good, half], **codeforces_rows(2)) == [1.0, 0.5]
+    # input_mode file: input.txt in, output.txt out (what it prints is discarded)
+    files = "```python\na, b = map(int, open('input.txt').read().split())\nopen('output.txt', 'w').write(str(a + b))" \
+            "\nprint('noise')\n```"
+    assert cf_code([files, good], **codeforces_rows(2, input_mode=["file"] * 2)) == pytest.approx([1.1, 0.0])
+    # without a checker "yes" matches "YES" (Piston's normalisation); this checker compares tokens exactly
+    checker = "import sys\nprint(1 if open(sys.argv[2]).read().split() == open(sys.argv[3]).read().split() else 0)\n"
+    yes = [{"input": "x\n", "output": "YES\n"}]
+    says_yes = "```python\nprint('yes')\n```"
+    assert cf_code([says_yes, says_yes], **codeforces_rows(2, official_tests=[yes] * 2,
+                                                           generated_checker=[None, checker])) == [1.1, 0.0]
+    # a language not built here (Java) does not apply (None), nor does a row without tests
+    rows = codeforces_rows(2, language=["java", "python"], official_tests=[[{"input": "", "output": ""}], []])
+    assert cf_code(["```java\nclass A {}\n```", good], **rows) == [None, None]
+
+
+@needs_sandbox
+def test_cf_code_compiles_and_runs_cpp_in_the_sandbox():
+    from grpo.rewards.competitive import cf_code
+
+    good = ("```cpp\n#include <bits/stdc++.h>\nint main() { long long a, b; std::cin >> a >> b; std::cout << a + b; }"
+            "\n```")
+    half = "```cpp\n#include <cstdio>\nint main() { printf(\"5\\n\"); }\n```"
+    broken = "```cpp\nint main( {\n```"
+    spins = "```cpp\nint main() { for (;;); }\n```"  # past the 1 s time limit on both tests
+    python_block = "```python\nprint(5)\n```"  # no ```cpp block: no submission
+    rows = codeforces_rows(5, language=["cpp"] * 5, time_limit=[1.0] * 5)
+    # 1 + 0.1, 0 + 0.1 x 1/2, open-r1's no_compile_reward, 0, no_submission_reward
+    assert cf_code([good, half, broken, spins, python_block], **rows) == pytest.approx([1.1, 0.05, -0.1, 0.0, -1.0])
+    files = ("```cpp\n#include <cstdio>\nint main() { long long a, b; FILE *f = fopen(\"input.txt\", \"r\");"
+             " fscanf(f, \"%lld %lld\", &a, &b); fprintf(fopen(\"output.txt\", \"w\"), \"%lld\", a + b); }\n```")
+    assert cf_code([files], **codeforces_rows(1, language=["cpp"], input_mode=["file"])) == pytest.approx([1.1])
+
+
+# ---- open-r1's other GRPO recipes: their keys, with a local model and data, this machine's limits and a short run --
+CODE_RECIPE = {  # recipes/Qwen2.5-1.5B-Instruct/grpo/config_demo_code.yaml, its keys beyond config_demo's
+    "dataset_prompt_column": "problem_statement", "beta": 0.01, "learning_rate": 5.0e-06, "max_prompt_length": 1024,
+    "reward_funcs": ["code", "format"], "reward_weights": [1.0, 0.1], "save_strategy": "steps", "save_steps": 50,
+    "temperature": 1.0, "warmup_ratio": 0.03}
+CODEFORCES_RECIPE = {  # recipes/Qwen2.5-Coder-7B-Instruct/grpo/config_codeforces.yaml, likewise
+    "dataset_prompt_column": "prompt", "dataset_config": "verifiable-prompts", "dataset_test_split": "test",
+    "dataset_train_split": "train", "callbacks": ["push_to_hub_revision"], "benchmarks": ["lcb_v4"], "beta": 0.0,
+    "loss_type": "dr_grpo", "scale_rewards": False, "eval_strategy": "no", "vllm_device": "auto",
+    "vllm_gpu_memory_utilization": 0.7, "hub_model_revision": "v01.00", "lr_scheduler_type": "constant_with_warmup",
+    "lr_scheduler_kwargs": None, "max_grad_norm": 0.2, "max_prompt_length": 2000,
+    "reward_funcs": ["cf_code", "code_format"],
+    "reward_weights": [1.0, 0.1], "save_strategy": "steps", "save_steps": 0.05, "wandb_entity": "huggingface",
+    "wandb_project": "open-r1", "mask_truncated_completions": True, "code_eval_test_batch_size": -1,
+    "code_eval_scoring_mode": "weighted_sum"}
+IOI_RECIPE = {"dataset_prompt_column": "problem", "code_language": "cpp", "code_eval_test_batch_size": 3,
+              "reward_funcs": ["ioi_code", "code_format", "format"], "reward_weights": [1.0, 0.1, 0.1]}
+
+
+def recipe_file(tmp_path, model, data, keys) -> Path:
+    import yaml
+
+    base = yaml.safe_load(RECIPE.format(model=model, data=data, out=tmp_path / "run", system=SYSTEM.replace(
+        "\n", "\\n"), attn="sdpa", vllm="false", push="false", report="- tensorboard"))
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({**base, **keys, "max_steps": 1}))
+    return path
+
+
+@needs_sandbox
+@pytest.mark.parametrize("name", ["code", "codeforces"])
+def test_open_r1_code_recipes_train_a_step(tiny_chat_model_dir, tmp_path, name):
+    from grpo.cli import main
+    from grpo.training.tracking import read_metrics
+
+    data = tmp_path / "problems.jsonl"
+    if name == "code":
+        rows = [{"problem_statement": f"Print {i}.", "verification_info": json.dumps(
+            {"language": "python", "test_cases": [{"input": "", "output": f"{i}\n"}]})} for i in range(8)]
+        keys, columns = CODE_RECIPE, ("reward/code", "reward/r1_format")
+    else:
+        rows = [{"prompt": f"Print {i}.", "official_tests": [{"input": "", "output": f"{i}\n"}],
+                 "generated_checker": None, "time_limit": 1.0, "memory_limit": 256.0, "input_mode": "stdio",
+                 "language": "python"} for i in range(8)]
+        keys, columns = CODEFORCES_RECIPE, ("reward/cf_code", "reward/code_format")
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["train", str(recipe_file(tmp_path, tiny_chat_model_dir, data, keys))]) == 0
+    logged = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in logged] == [1] and set(columns) <= set(logged[0])
+    assert (tmp_path / "run" / "final" / "config.json").exists()
+
+
+def test_the_ioi_recipe_is_refused_by_its_reward_name(tiny_chat_model_dir, tmp_path, capsys):
+    from grpo.cli import main
+
+    data = tmp_path / "ioi.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"Solve {i}.", "id": "x"}) + "\n" for i in range(8)))
+    assert main(["train", str(recipe_file(tmp_path, tiny_chat_model_dir, data, IOI_RECIPE))]) != 0
+    assert "reward_funcs: 'ioi_code' is one of open-r1's rewards that grpo does not have" in capsys.readouterr().err
+
+
+# recipes/DeepSeek-R1-Distill-Qwen-1.5B/grpo/config_demo.yaml: config_demo's keys with its own chat template (here a
+# short one of the same form: the system prompt first, then <｜User｜> / <｜Assistant｜> turns) and temperature
+DEEPSEEK_TEMPLATE = ("{% set ns = namespace(system='') %}{% for m in messages %}{% if m['role'] == 'system' %}"
+                     "{% set ns.system = m['content'] %}{% endif %}{% endfor %}{{ ns.system }}{% for m in messages %}"
+                     "{% if m['role'] == 'user' %}{{ '<｜User｜>' + m['content'] }}"
+                     "{% elif m['role'] == 'assistant' %}"
+                     "{{ '<｜Assistant｜>' + m['content'] + '<｜end▁of▁sentence｜>' }}{% endif %}{% endfor %}"
+                     "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}")
+
+
+def test_the_deepseek_recipe_trains_a_step(tiny_chat_model_dir, tmp_path):
+    from grpo.cli import main
+    from grpo.training.tracking import read_metrics
+
+    data = tmp_path / "math.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"What is {i}+1?", "solution": f"${i + 1}$"}) + "\n"
+                            for i in range(8)))
+    keys = {"chat_template": DEEPSEEK_TEMPLATE, "learning_rate": 1.0e-06, "max_completion_length": 16,
+            "temperature": 0.7, "use_liger_kernel": False}  # (use_liger_kernel: true needs Liger on a GPU)
+    assert main(["train", str(recipe_file(tmp_path, tiny_chat_model_dir, data, keys))]) == 0
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1]

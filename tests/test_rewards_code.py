@@ -125,7 +125,8 @@ def test_column_setting_and_open_r1_verification_info():
 
 def test_trl_shape():
     assert code.__name__ == "code" and Code(binary=True).settings()["binary"] is True
-    assert code.column_requirements == (("test_cases",),)
+    assert code.column_requirements == (("test_cases", "verification_info"),)  # (open-r1's column, when no test_cases)
+    assert Code(column="tests").column_requirements == (("tests",),)
 
 
 def test_extract_code_takes_the_last_block():

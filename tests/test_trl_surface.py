@@ -69,7 +69,8 @@ def test_checkpoints_load_with_from_pretrained_and_resume(tiny_model_dir, tmp_pa
     resumed.train(resume_from_checkpoint=str(path))  # a path: from step 2 to 3, as the first run went
     for k, v in trainer.policy.state_dict().items():
         assert torch.equal(resumed.policy.state_dict()[k], v), k
-    assert [r["step"] for r in resumed.state.log_history] == [1, 2, 3]
+    assert [r["step"] for r in resumed.state.log_history] == [1, 2, 3, 3]  # (3 twice: the step, the summary)
+    assert "train_runtime" in resumed.state.log_history[-1]
     again = GRPOTrainer(model=tiny_model_dir, reward_funcs=a_reward, args=config(tmp_path, max_steps=3),
                         train_dataset=prompts())
     again.train(resume_from_checkpoint=True)  # the newest: step 3, nothing left to train

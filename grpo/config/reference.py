@@ -11,6 +11,7 @@ import yaml
 
 from grpo.config.presets import ALIASES, LOSS_TYPES, PRESETS
 from grpo.config.schema import GRPOConfig
+from grpo.config.trl_compat import SUITE
 from grpo.config.trl_keys import TABLE
 
 DEFAULT_RECIPE = Path(__file__).parent.parent / "recipes" / "default.yaml"
@@ -105,7 +106,7 @@ def differing_defaults() -> list[tuple[str, Any, Any]]:
 def from_trl_reference() -> str:
     """docs/from_trl.md: every TRL / open-r1 key and what grpo does with it; then the defaults that differ."""
     kinds = {"field": "implemented", "alias": "alias", "reward": "open-r1 reward setting",
-             "default": "refused unless default"}
+             "default": "refused unless default", "noop": "accepted, no effect"}
     titles = {"trl": "TRL 1.16 `GRPOConfig`", "trainer": "TRL 1.16 `GRPOTrainer` arguments (config keys here too)",
               "ta": "transformers `TrainingArguments` (as TRL's GRPOConfig has them)",
               "model": "TRL `ModelConfig`", "script": "TRL `ScriptArguments`",
@@ -118,7 +119,8 @@ def from_trl_reference() -> str:
              "**alias**: the value goes to grpo's key of the same meaning; **open-r1 reward setting**: passed to "
              "open-r1's reward functions by name (`cosine`, `repetition_penalty`, `code_format`, ...); **refused "
              "unless default**: accepted at TRL's default (or the listed value, which is what grpo does), "
-             "otherwise a ConfigError says why and what to use. A `trl.GRPOConfig` passed as `args` keeps TRL's "
+             "otherwise a ConfigError says why and what to use; **accepted, no effect**: any valid value is accepted "
+             "and changes nothing here (the note says why). A `trl.GRPOConfig` passed as `args` keeps TRL's "
              "values; `preset: trl` (or `GRPOConfig(preset=\"trl\")`) gives TRL's defaults to every key not set.",
              ""]
     for source, title in titles.items():
@@ -138,7 +140,7 @@ def from_trl_reference() -> str:
         lines.append(f"| `{key}` | `{mine!r}` | `{theirs!r}` | {WHY_OURS.get(key, '')} |")
     lines += ["", "## `loss_type`", "", "| TRL loss_type | loss_aggregation | surrogate |", "|---|---|---|"]
     lines += [f"| `{t}` | `{a}` | `{s}` |" for t, (a, s) in LOSS_TYPES.items()]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n\n" + SUITE
 
 
 if __name__ == "__main__":

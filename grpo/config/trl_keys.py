@@ -7,6 +7,8 @@ open-r1's GRPO config and script arguments: one row each, and what grpo does wit
     reward   an open-r1 reward-function setting (cosine_max_len, ...), kept in `open_r1_rewards`
     default  not built: accepted at TRL's default (or an `accept`ed value, which is grpo's behaviour), refused
              otherwise with the reason and what to use
+    noop     accepted at any valid value, which changes nothing here (the note says why: e.g. DataLoader settings,
+             where grpo has no DataLoader); `check` refuses values TRL refuses too
 
 docs/from_trl.md is generated from this table (tests/test_trl_config.py checks it against TRL's own classes).
 """
@@ -31,6 +33,7 @@ class TRLKey:
     note: str = ""  # default: why it is not built and what to use; others: what to know
     target: str | None = None  # alias: our key
     accept: tuple = ()  # default: further values accepted (grpo's own behaviour)
+    check: Any = None  # noop: value -> an error text for a value TRL refuses too, or None
 
 
 def _rows(source: str, kind: str, *rows: tuple) -> list[TRLKey]:
@@ -42,6 +45,9 @@ def _rows(source: str, kind: str, *rows: tuple) -> list[TRLKey]:
         elif kind == "default":
             name, default, note, *accept = row
             out.append(TRLKey(name, kind, default, source, note, accept=tuple(accept[0]) if accept else ()))
+        elif kind == "noop":
+            name, default, note, *check = row
+            out.append(TRLKey(name, kind, default, source, note, check=check[0] if check else None))
         else:
             name, default, *note = row
             out.append(TRLKey(name, kind, default, source, note[0] if note else ""))
@@ -49,6 +55,7 @@ def _rows(source: str, kind: str, *rows: tuple) -> list[TRLKey]:
 
 
 _NO_LOADER = "grpo reads prompts from memory: there is no DataLoader to configure"
+_NO_LOADER_NOOP = "grpo reads prompts from memory: there is no DataLoader, so this changes nothing"
 _LAUNCH = ("multi-process training is set up by `accelerate launch --config_file recipes/accelerate/...` "
            "(DDP and DeepSpeed ZeRO-2 are tested)")
 _EVAL = "grpo's eval samples completions and scores the rewards (accuracy, pass@k); it computes no loss"
@@ -57,6 +64,47 @@ _BEST = "best-checkpoint tracking is not built; pick a checkpoint from metrics.j
 _ACCELERATOR_DEFAULTS = {"split_batches": False, "dispatch_batches": None, "even_batches": True,
                          "use_seedable_sampler": True, "non_blocking": False, "gradient_accumulation_kwargs": None,
                          "use_configured_state": False}
+
+_LOADER_KEYS = ("split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler", "non_blocking")
+
+
+def _count(value) -> str | None:
+    return None if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else "must be a count >= 0"
+
+
+def _boolean(value) -> str | None:
+    return None if isinstance(value, bool) else "must be true or false"
+
+
+def _names(value) -> str | None:
+    ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+    return None if ok else "must be a list of names"
+
+
+def _open_r1_callbacks(value) -> str | None:
+    if _names(value) is not None:
+        return _names(value)
+    other = [v for v in value if v != "push_to_hub_revision"]
+    return None if not other else (f"has {', '.join(other)}, not one of open-r1's callbacks (push_to_hub_revision); "
+                                   "pass callback objects to GRPOTrainer(callbacks=...)")
+
+
+def _pad_multiple(value) -> str | None:
+    ok = value in (None, "auto") or (isinstance(value, int) and not isinstance(value, bool) and value > 0)
+    return None if ok else "must be a positive integer, 'auto' or null"
+
+
+def _accelerator_config(value) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        value = canonical(value)
+    if not isinstance(value, dict):
+        return "must be a mapping of AcceleratorConfig's keys"
+    other = {k: v for k, v in value.items() if k not in _LOADER_KEYS and _ACCELERATOR_DEFAULTS.get(k, object()) != v}
+    return (None if not other else f"{', '.join(sorted(other))} set: not supported ({_LAUNCH}); leave "
+            + ", ".join(f"{k}={_ACCELERATOR_DEFAULTS.get(k)!r}" for k in sorted(other)))
+
 
 TABLE: list[TRLKey] = [
     # ---- TRL GRPOConfig's own keys ---------------------------------------------------------------------------
@@ -95,16 +143,18 @@ TABLE: list[TRLKey] = [
     *_rows("trl", "default",
            ("router_aux_loss_coef", None, "no MoE load-balancing loss is added (at the default, TRL adds an MoE "
             "model's own coefficient; grpo does not)"),
-           ("pad_to_multiple_of", "auto", "each micro-batch is padded to its own longest row; padding to a multiple "
-            "is for Neuron's compiler", [None]),
            ("cache_implementation", None, "grpo's samplers keep their own KV cache"),
            ("vllm_structured_outputs_regex", None, "regex-guided decoding is not built"),
            ("log_multimodal", True, "grpo trains text models"),
            ("log_completions_hub_repo", None, "samples are written to output_dir/samples/; uploading them to a "
             "dataset repository is not built"),
-           ("use_transformers_continuous_batching", False, "grpo's samplers batch generation (or set use_vllm)"),
            ("transformers_continuous_batching_config", None, "grpo's samplers batch generation (or set use_vllm)"),
            ("use_transformers_paged", False, "grpo's samplers batch generation (or set use_vllm)")),
+    *_rows("trl", "noop",
+           ("pad_to_multiple_of", "auto", "each micro-batch is padded to its own longest row; padding further (for "
+            "Neuron's compiler) adds only masked positions, so the loss is the same", _pad_multiple),
+           ("use_transformers_continuous_batching", False, "grpo's samplers already batch each rollout's generation "
+            "(the same samples of the policy); no separate batching mode to switch on", _boolean)),
     # ---- TRL GRPOTrainer's arguments that grpo also takes as config keys (docs/agents.md) --------------------------
     *_rows("trainer", "field",
            ("tools", None, "GRPOTrainer(tools=...) or a list of built-in names / 'module:function' paths; ours: "
@@ -171,12 +221,8 @@ TABLE: list[TRLKey] = [
            ("greater_is_better", None, _BEST),
            ("ignore_data_skip", False, "resume restores the prompt order exactly: nothing is skipped"),
            ("restore_callback_states_from_checkpoint", False, "callback states are not checkpointed"),
-           ("accelerator_config", None, _LAUNCH, [_ACCELERATOR_DEFAULTS]),
            ("parallelism_config", None, "context and sequence parallelism are not built (TRL refuses them too)"),
-           ("dataloader_drop_last", False, _NO_LOADER), ("dataloader_num_workers", 0, _NO_LOADER),
-           ("dataloader_pin_memory", True, _NO_LOADER, [False]), ("dataloader_persistent_workers", False, _NO_LOADER),
-           ("dataloader_prefetch_factor", None, _NO_LOADER), ("dataloader_multiprocessing_context", None, _NO_LOADER),
-           ("dataloader_in_order", True, _NO_LOADER),
+           ("dataloader_drop_last", False, _NO_LOADER),
            ("label_names", None, "GRPO has no labels"),
            ("train_sampling_strategy", "random", "prompts are shuffled each epoch (shuffle_dataset)"),
            ("length_column_name", "length", "length grouping is not built"),
@@ -190,6 +236,16 @@ TABLE: list[TRLKey] = [
            ("do_eval", False, "the eval set is scored as eval_strategy says"),
            ("do_predict", False, "prediction is not built; `grpo eval` scores a model"),
            ("local_rank", -1, "set by the launcher")),
+    *_rows("ta", "noop",
+           ("dataloader_num_workers", 0, _NO_LOADER_NOOP, _count), ("dataloader_pin_memory", True, _NO_LOADER_NOOP,
+                                                                    _boolean),
+           ("dataloader_persistent_workers", False, _NO_LOADER_NOOP, _boolean),
+           ("dataloader_prefetch_factor", None, _NO_LOADER_NOOP), ("dataloader_multiprocessing_context", None,
+                                                                   _NO_LOADER_NOOP),
+           ("dataloader_in_order", True, _NO_LOADER_NOOP, _boolean),
+           ("accelerator_config", None, "its DataLoader settings (split_batches, dispatch_batches, even_batches, "
+            "use_seedable_sampler, non_blocking) have nothing to act on: grpo reads prompts from memory; the rest "
+            "is refused (" + _LAUNCH + ")", _accelerator_config)),
     # ---- TRL ModelConfig and ScriptArguments (TRL's grpo.py and open-r1's scripts) ----------------------------
     *_rows("model", "field",
            ("model_name_or_path", None, "ours: the shipped tiny model"), ("model_revision", "main"),
@@ -228,12 +284,15 @@ TABLE: list[TRLKey] = [
            ("parallel_code_exec_per_proc", 2), ("code_provider", "e2b"), ("ioi_provider", "piston"),
            ("e2b_router_url", None), ("morph_router_url", None)),
     *_rows("open-r1", "default",
-           ("benchmarks", [], "lighteval benchmarks after training are open-r1's Slurm jobs; run them on final/"),
-           ("callbacks", [], "open-r1's callback names are not built; pass callback objects to "
-            "GRPOTrainer(callbacks=...)"),
            ("overwrite_hub_revision", False, "pushing a branch per checkpoint is not built (hub_revision)"),
            ("push_to_hub_revision", False, "pushing a branch per checkpoint is not built (hub_revision)"),
            ("dataset_mixture", None, "dataset mixtures are not built: mix the data into one file")),
+    *_rows("open-r1", "noop",
+           ("benchmarks", [], "lighteval benchmarks after training are open-r1's Slurm jobs: skipped, with one line "
+            "at the start saying so; run them on final/", _names),
+           ("callbacks", [], "open-r1's push_to_hub_revision (each checkpoint pushed to a branch of its own) is "
+            "skipped, with one line at the start saying so; push_to_hub uploads to hub_revision. Pass callback "
+            "objects to GRPOTrainer(callbacks=...)", _open_r1_callbacks)),
     *_rows("legacy", "field", ("max_prompt_length", 512, "TRL < 1.0"), ("warmup_ratio", 0.0, "transformers < 5"),
            ("overwrite_output_dir", False, "transformers < 5; an output_dir holding a run is refused without it "
             "(or resume)")),
@@ -286,6 +345,11 @@ def split_keys(values: dict[str, Any], fields: set[str]) -> tuple[dict[str, Any]
                 ours[row.target] = value
         elif row.kind == "reward":
             rewards[key] = value
+        elif row.kind == "noop":
+            problem = row.check(canonical(value)) if row.check is not None else None
+            if problem is not None:
+                raise ConfigError(f"{key}: {value!r} {problem}.")
+            extras[key] = value
         elif accepts(row, value):
             extras[key] = value
         else:

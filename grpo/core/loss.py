@@ -135,8 +135,8 @@ def _check_loss_options(*, ratio_level, aggregation, kl_estimator, eps_low, eps_
                                                                                       SURROGATES)):
         if value not in allowed:
             raise ValueError(f"policy_loss: {key}={value!r} is not one of {allowed}")
-    if not 0 <= eps_low < 1 or eps_high < 0:
-        raise ValueError(f"policy_loss: need 0 <= eps_low < 1 and eps_high >= 0, got {eps_low} and {eps_high}")
+    if eps_low < 0 or eps_high < 0:  # (eps_low >= 1: no lower clip, as ratios are > 0; TRL accepts it)
+        raise ValueError(f"policy_loss: need eps_low >= 0 and eps_high >= 0, got {eps_low} and {eps_high}")
     if beta != 0 and not has_ref:
         raise ValueError(f"policy_loss: beta={beta} needs ref_logp (log-probs of the reference policy)")
     if aggregation == "constant" and not (max_length or 0) > 0:

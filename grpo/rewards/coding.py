@@ -1,7 +1,8 @@
 """Code rewards: `code` runs the completion's program against the sample's tests in the local sandbox; `code_syntax`
 is the seed's syntax-only check (tutorial 000, `code_reward_func`).
 
-`code` reads the test column (`test_cases` by default; `Code(column=...)` picks another) in any of these forms:
+`code` reads the test column (`test_cases` by default, else open-r1's `verification_info`; `Code(column=...)` picks
+another) in any of these forms:
   * stdin/stdout pairs: `[{"input": "2 3\\n", "output": "5\\n"}, ...]` (open-r1 `verification_info["test_cases"]`);
   * assert statements: `["assert add(2, 3) == 5", ...]` (MBPP `test_list`);
   * open-r1's wrapper `{"language": "python", "test_cases": [...]}`, or any of these as a JSON string.
@@ -44,6 +45,7 @@ from .sandbox import (
 from .text import completion_texts
 
 logger = logging.getLogger(__name__)
+OPEN_R1_COLUMN = "verification_info"  # open-r1's test column: {"language": ..., "test_cases": [...]}
 
 _FENCE = re.compile(r"```(?:python3?|py)[ \t]*\r?\n(.*?)```", re.DOTALL | re.IGNORECASE)
 _CODE_TAG = re.compile(r"<code>(.*?)</code>", re.DOTALL)
@@ -230,18 +232,20 @@ class Code(ConfigurableReward):
 
     @property
     def column_requirements(self) -> tuple[tuple[str, ...], ...]:
-        return ((self.column,),)
+        return ((self.column, OPEN_R1_COLUMN) if self.column == "test_cases" else (self.column,),)
 
     def __call__(self, completions: list, **kwargs) -> list[float | None]:
         """(B*G,) completions and the test column in, (B*G,) rewards out (None: no tests, or the sandbox failed)."""
-        if self.column not in kwargs:
+        # the default column, else open-r1's (its `code` and `binary_code` read verification_info)
+        column = OPEN_R1_COLUMN if self.column == "test_cases" and self.column not in kwargs else self.column
+        if column not in kwargs:
             raise KeyError(f"code reward: no dataset column '{self.column}' (got: {', '.join(sorted(kwargs))}); "
                            "set Code(column=...) to the column holding the tests")
         texts = completion_texts(completions)
         rewards: list[float | None] = [None] * len(texts)
         runs: list[_Run] = []
-        for row, (text, value) in enumerate(zip(texts, kwargs[self.column], strict=True)):
-            tests = parse_tests(value, self.column, row)
+        for row, (text, value) in enumerate(zip(texts, kwargs[column], strict=True)):
+            tests = parse_tests(value, column, row)
             program = extract_code(text)
             if tests is None:
                 continue

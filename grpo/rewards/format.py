@@ -3,8 +3,11 @@
 All take TRL's arguments (`prompts`, `completions`, `**columns`) and accept plain or conversational completions.
 """
 
+import dataclasses
 import re
+from typing import ClassVar
 
+from .base import ConfigurableReward
 from .text import completion_texts
 
 # The seed tutorials' regex, verbatim: the think block may not contain another <think> or </think>; one newline
@@ -66,3 +69,23 @@ def r1_format(completions: list, **kwargs) -> list[float]:
 
     (B*G,) in, (B*G,) out."""
     return [1.0 if _R1_FORMAT.match(text) else 0.0 for text in completion_texts(completions)]
+
+
+@dataclasses.dataclass(frozen=True)
+class CodeFormat(ConfigurableReward):
+    """open-r1's `code_format`: 1.0 when the completion is `<think>\\n...\\n</think>\\n<answer>\\n...\\n</answer>`
+    with a ```<language> fenced block inside the answer, else 0.0. The language is the row's `language` column when
+    the data has one (mixed-language training), else `language` (open-r1's code_language key; default python)."""
+
+    name: ClassVar[str] = "code_format"
+    language: str = "python"
+
+    def __call__(self, completions: list, **kwargs) -> list[float]:
+        texts = completion_texts(completions)
+        languages = kwargs.get("language") or [self.language] * len(texts)
+        layout = r"^<think>\n.*?\n</think>\n<answer>\n.*?```{}.*?```.*?\n</answer>$"
+        return [1.0 if re.match(layout.format(re.escape(str(lang))), text, re.DOTALL | re.MULTILINE) else 0.0
+                for text, lang in zip(texts, languages)]
+
+
+code_format = CodeFormat()

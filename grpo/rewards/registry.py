@@ -18,16 +18,19 @@ from typing import Any
 
 from .base import ConfigurableReward
 from .coding import code, code_syntax
+from .competitive import cf_code
 from .countdown import countdown
-from .format import r1_format, reasoning_steps, tag_count, think_format
+from .format import code_format, r1_format, reasoning_steps, tag_count, think_format
 from .math_accuracy import math_accuracy
 from .reward_model import RewardModel
-from .shaping import cosine_length, repetition_penalty, soft_overlong
+from .shaping import cosine_length, kimi_length, repetition_penalty, soft_overlong
 from .steps import arithmetic_steps
 
 BUILTINS: dict[str, Callable] = {
     "code": code,
+    "binary_code": code.configure(binary=True),  # open-r1's: 1 when every test passes (its pass rate > 0.99)
     "code_syntax": code_syntax,
+    "cf_code": cf_code,
     "think_format": think_format,
     "r1_format": r1_format,
     "countdown": countdown,
@@ -37,8 +40,10 @@ BUILTINS: dict[str, Callable] = {
     "cosine_length": cosine_length,
     "repetition_penalty": repetition_penalty,
     "soft_overlong": soft_overlong,
+    "kimi_length": kimi_length,
+    "code_format": code_format,
 }
-ALIASES = {"accuracy": "math_accuracy", "format": "r1_format"}  # open-r1's names
+ALIASES = {"accuracy": "math_accuracy", "format": "r1_format", "length": "kimi_length"}  # open-r1's names
 STEP_BUILTINS: dict[str, Callable] = {"arithmetic_steps": arithmetic_steps}
 
 
@@ -53,16 +58,17 @@ OPEN_R1_NAMES: dict[str, tuple[str, dict[str, Any]]] = {
                                                   "max_penalty": "repetition_max_penalty"}),
     "soft_overlong_punishment": ("soft_overlong", {"max_length": "max_completion_len",
                                                    "cache_length": "soft_punish_cache"}),
+    "code_format": ("code_format", {"language": "code_language"}),
+    "cf_code": ("cf_code", {"scoring_mode": "code_eval_scoring_mode"}),
 }
-OPEN_R1_ONLY = {"ioi_code": "ioi_code_reward", "cf_code": "cf_code_reward", "code_format": "get_code_format_reward",
-                "length": "len_reward"}
+OPEN_R1_ONLY = {"ioi_code": "ioi_code_reward"}
 
 
 def open_r1_spec(spec: str, settings: dict[str, Any]) -> Any:
     """The spec an open-r1 reward name stands for, with `settings` (open-r1's keys) applied; other specs as given."""
     if spec in OPEN_R1_NAMES:
         name, keys = OPEN_R1_NAMES[spec]
-        return {"name": name, **{arg: settings[key] for arg, key in keys.items()}}
+        return {"name": name, **{arg: settings[key] if isinstance(key, str) else key for arg, key in keys.items()}}
     if spec in OPEN_R1_ONLY:
         raise ValueError(f"{spec!r} is one of open-r1's rewards that grpo does not have; with open-r1 installed, give "
                          f"it as 'open_r1.rewards:{OPEN_R1_ONLY[spec]}' (code rewards also need open-r1's sandbox "
@@ -73,8 +79,8 @@ def open_r1_spec(spec: str, settings: dict[str, Any]) -> Any:
 def resolve_reward(spec: Any, tokenizer: Any = None) -> tuple[str, Callable]:
     """(name, function) for an outcome reward spec; `ValueError` listing the built-ins for an unknown name. A loaded
     sequence-classification model (TRL's form) becomes a `RewardModel`, scored with `tokenizer` (default: its own)."""
-    if _is_module(spec):
-        model = RewardModel(spec, tokenizer=tokenizer)
+    if _is_module(spec) or (tokenizer is not None and isinstance(spec, str) and os.path.isdir(spec)):
+        model = RewardModel(spec, tokenizer=tokenizer)  # (a checkpoint's directory with the tokenizer given for it)
         return model.__name__, model
     return _resolve(spec, BUILTINS, ALIASES, allow_model=True)
 

@@ -55,7 +55,11 @@ class RewardModel:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         if self.tokenizer.pad_token is None:
             raise ValueError(f"reward model {path!r}: its tokenizer has neither a pad token nor an eos token")
-        # The model finds each sequence's last real token by comparing with pad_token_id.
+        # The model finds each sequence's last real token by comparing with pad_token_id. A pad token outside the
+        # vocabulary (a tokenizer given one it does not have, as TRL's tests do) has no id, or an id past the model's
+        # embeddings: each batch is then padded with an id none of its rows contains (_score_own_padding).
+        pad_id, rows = self.tokenizer.pad_token_id, getattr(self.model.config, "vocab_size", None)
+        self.own_padding = pad_id is None or (rows is not None and pad_id >= rows)  # (added past the embeddings)
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
 
     def __call__(self, prompts: list, completions: list, **kwargs) -> list[float]:
@@ -75,6 +79,8 @@ class RewardModel:
 
     @torch.inference_mode()
     def _score(self, texts: list[str]) -> list[float]:
+        if self.own_padding:
+            return self._score_own_padding(texts)
         # Special tokens come from the chat template (or are absent on purpose), as in TRL.
         batch = self.tokenizer(
             texts,
@@ -90,6 +96,21 @@ class RewardModel:
             input_ids=batch["input_ids"].to(self.device), attention_mask=batch["attention_mask"].to(self.device)
         ).logits  # (b, num_labels)
         return logits[:, 0].float().tolist()
+
+
+    @torch.inference_mode()
+    def _score_own_padding(self, texts: list[str]) -> list[float]:
+        """Right-padded with the smallest id no row of the batch contains, so the model's last-real-token search
+        (by pad_token_id) finds each row's true end."""
+        rows = self.tokenizer(texts, add_special_tokens=False, truncation=self.max_length is not None,
+                              max_length=self.max_length)["input_ids"]
+        used = {t for row in rows for t in row}
+        pad = next(i for i in range(len(used) + 1) if i not in used)
+        width = max(len(row) for row in rows)
+        ids = torch.tensor([row + [pad] * (width - len(row)) for row in rows], device=self.device)
+        mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows], device=self.device)
+        self.model.config.pad_token_id = pad
+        return self.model(input_ids=ids, attention_mask=mask).logits[:, 0].float().tolist()
 
 
 def _prompt_text(prompt: Any) -> str:

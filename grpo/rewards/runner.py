@@ -255,7 +255,8 @@ class RewardRunner:
                 if self.on_all_none == "raise":
                     raise RewardError(f"{message}; at least one must apply to each sample (or set "
                                       "reward_on_all_none: warn to give such rows advantage 0, as TRL does)")
-                logger.warning("%s; it gets advantage 0", message)
+                logger.warning("All reward functions returned None for the following kwargs: %s; it gets advantage 0",
+                               message)  # (TRL's opening words)
                 total.append(math.nan)
                 continue
             total.append(sum(terms))

@@ -119,3 +119,32 @@ class SoftOverlong(ConfigurableReward):
 cosine_length = CosineLength()
 repetition_penalty = RepetitionPenalty()
 soft_overlong = SoftOverlong()
+
+
+@dataclasses.dataclass(frozen=True)
+class KimiLength(ConfigurableReward):
+    """open-r1's `length` (`len_reward`, Kimi 1.5, arXiv:2501.12599): with lam = 0.5 - (len - min) / (max - min) over
+    the call's completions (characters), lam for a correct answer and min(0, lam) for a wrong one; all 0 when every
+    completion has the same length. Correctness is math_accuracy's; a gold answer it cannot read counts as correct
+    (open-r1's rule: never penalised for the data)."""
+
+    name: ClassVar[str] = "kimi_length"
+    gold_columns: tuple[str, ...] = ("solution", "answer")
+
+    @property
+    def column_requirements(self) -> tuple[tuple[str, ...], ...]:
+        return (self.gold_columns,)
+
+    def __call__(self, completions: list, **kwargs) -> list[float]:
+        texts = completion_texts(completions)
+        lengths = [len(t) for t in texts]
+        low, high = min(lengths), max(lengths)
+        if high == low:
+            return [0.0] * len(texts)
+        column = next(c for c in self.gold_columns if c in kwargs)
+        correct = [score is None or score >= 1.0 for score in MathAccuracy().check(texts, kwargs[column])]
+        lams = [0.5 - (n - low) / (high - low) for n in lengths]
+        return [lam if ok else min(0.0, lam) for lam, ok in zip(lams, correct)]
+
+
+kimi_length = KimiLength()

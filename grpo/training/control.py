@@ -141,7 +141,7 @@ class RunControl:
         step = trainer.step
         control = self.step_done(step, trainer.eval_set is not None, metrics=metrics)
         if control.should_evaluate:
-            evaluated = trainer.evaluate()
+            evaluated = trainer.evaluate(loss=False)  # (rewards only: the loss would sample the set again)
             metrics.update(evaluated)
             control.should_evaluate = False
             self.event("on_evaluate", metrics=evaluated)

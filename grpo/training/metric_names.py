@@ -50,15 +50,22 @@ def trl_name(name: str, reward_names: list[str]) -> str | None:
     return None
 
 
+def is_trl_eval_name(name: str) -> bool:
+    """evaluate()'s TRL names (eval_accuracy, eval_<set>_reward), beside ours (eval/accuracy)."""
+    return name.startswith("eval_") and "/" not in name
+
+
 def named(metrics: dict[str, float], mode: str, reward_names: list[str]) -> dict[str, float]:
     """The metrics under the names `mode` (both, grpo, trl) asks for; TRL's come after ours."""
     if mode == "grpo":
-        return dict(metrics)
+        return {k: v for k, v in metrics.items() if not is_trl_eval_name(k)}
     theirs = {}
     for name, value in metrics.items():
-        other = trl_name(name, reward_names)
+        other = name if is_trl_eval_name(name) else trl_name(name, reward_names)
         if other is not None:
             theirs[other] = value
+    if "train/entropy_bonus" in metrics and "train/loss" in metrics:  # (TRL logs it with an entropy bonus only)
+        theirs["policy_loss"] = metrics["train/loss"] - metrics["train/entropy_bonus"]
     if mode == "trl":
         return theirs
     return {**metrics, **{k: v for k, v in theirs.items() if k not in metrics}}

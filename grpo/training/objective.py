@@ -39,6 +39,7 @@ class Objective:
         self.entropy_coef = cfg.entropy_coef
         self.last_entropy = math.inf  # the last optimizer step's mean token entropy (adaptive control)
         self._window: torch.Tensor | None = None  # (entropy sum, tokens) over this step's micro-batches
+        self._bonus: torch.Tensor | None = None  # the entropy bonus terms added to this step's loss
 
     @property
     def bonus(self) -> bool:
@@ -93,7 +94,9 @@ class Objective:
             # TRL: the micro-batch's mean over its tokens, divided by the accumulation steps (and, through our
             # backward's x processes, averaged over processes).
             scale = float(tokens.clamp(min=1)) * micro.micro_batches * self.procs.world
-            out.loss = out.loss + entropy_bonus(entropy, effective, coef, scale)
+            bonus = entropy_bonus(entropy, effective, coef, scale)
+            out.loss = out.loss + bonus
+            self._bonus = bonus.detach() + (self._bonus if self._bonus is not None else 0.0)
             stats = torch.stack([(entropy.detach() * effective).sum(), tokens]).double()
             self._window = stats if self._window is None else self._window + stats
         return out
@@ -118,7 +121,10 @@ class Objective:
                                                       cfg.entropy_coef_max)
             self.last_entropy = entropy
         self._window = None
-        return {"policy/entropy_coef": self.entropy_coef}
+        # The bonus's share of the step's loss, every process's (TRL's policy_loss is the loss without it).
+        bonus = 0.0 if self._bonus is None else float(self.procs.gather(self._bonus.cpu().reshape(1)).sum())
+        self._bonus = None
+        return {"policy/entropy_coef": self.entropy_coef, "train/entropy_bonus": bonus}
 
     def state_dict(self) -> dict:
         return {"entropy_coef": self.entropy_coef, "last_entropy": self.last_entropy}

@@ -104,8 +104,9 @@ def make_reward_runner(cfg: GRPOConfig, reward_funcs, task, processing_classes=N
         specs = [specs]
     extra = agents.reward_funcs() if agents is not None else []
     if not specs and not extra:
-        raise ConfigError("reward_funcs: no reward function given; name at least one (e.g. reward_funcs: "
-                          "[math_accuracy, think_format]), use a built-in task, or an environment with get_reward" + (
+        raise ConfigError("No reward source provided. reward_funcs: no reward function given; name at least one (e.g. "
+                          "reward_funcs: [math_accuracy, think_format]), use a built-in task, or an environment with "
+                          "get_reward" + (
                               " (with dataset_name set, a task's rewards are used only when task is set too: "
                               "task=arithmetic)." if cfg.dataset_name is not None else "."))
     weights = cfg.reward_weights
@@ -154,8 +155,9 @@ def _reward_tokenizers(processing_classes, count: int) -> list:
     if not isinstance(processing_classes, (list, tuple)):
         processing_classes = [processing_classes]
     if len(processing_classes) != count:
-        raise ConfigError(f"reward_processing_classes: {len(processing_classes)} for {count} reward functions; give "
-                          "one per function (None for those that are not models), as TRL takes them.")
+        raise ConfigError(f"reward_processing_classes: {len(processing_classes)} for {count} reward functions; the "
+                          "counts must match: give one per function (None for those that are not models), as TRL "
+                          "takes them.")
     return list(processing_classes)
 
 

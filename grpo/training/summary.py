@@ -10,13 +10,14 @@ from grpo.training.sharded import describe
 
 class TrainResult(dict):
     """The last step's metrics (a dict, as `train()` returned before), with TRL's TrainOutput fields:
-    `global_step`, `training_loss` and `metrics`."""
+    `global_step`, `training_loss` (the mean over the run's steps) and `metrics` (the last step's, and the
+    end-of-training summary: train_runtime, train_loss, ...)."""
 
-    def __init__(self, metrics: dict[str, float], global_step: int):
+    def __init__(self, metrics: dict[str, float], global_step: int, summary: dict[str, float] | None = None):
         super().__init__(metrics)
         self.global_step = global_step
-        self.training_loss = metrics.get("train/loss", float("nan"))
-        self.metrics = dict(metrics)
+        self.training_loss = (summary or {}).get("train_loss", metrics.get("train/loss", float("nan")))
+        self.metrics = {**metrics, **(summary or {})}
 
 
 def resolved_config(trainer) -> dict:
@@ -49,6 +50,9 @@ def log_step(trainer, logger, display, step: int, metrics: dict[str, float]) -> 
     from grpo.training.metric_names import named
 
     logs = named(metrics, trainer.cfg.metric_names, trainer.reward_names)
+    summary = getattr(trainer, "_summary", None)
+    if summary is not None:
+        summary.logged()  # (the end-of-training entry carries only the steps after this one)
     logger.log(step, logs)
     display.update(step, metrics)
     trainer.control.logged(step, logs)

@@ -53,10 +53,12 @@ from grpo.training.setup import (check_inputs, check_reward_columns, check_sizes
 from grpo.training.stream import epochs_done, make_prompts, prompt_count
 from grpo.training.steps import StepPlan, resolve_layout
 from grpo.training.summary import TrainResult, end_lines, finish_run, log_step, start_lines, write_run_files
+from grpo.training.trl_surface import (TRLSurface, TrainingSummary, data_without_dataset, eval_sets,
+                                       warn_as_trl, with_prompt_column)
 from grpo.training.update import Update, apply_step, clip_gradients
 
 
-class GRPOTrainer:
+class GRPOTrainer(TRLSurface):
     """Train a causal LM with GRPO; TRL's `GRPOTrainer` arguments, in TRL's order.
 
     model: a path / hub name, or a loaded `transformers` model (then `processing_class` is its tokenizer).
@@ -76,6 +78,7 @@ class GRPOTrainer:
                  environment_factory=None, *, generator=None,
                  step_reward_funcs: list | None = None, **unsupported):
         self.cfg = cfg = config_of(args, unsupported)
+        warn_as_trl(cfg)
         from_path = model is None or isinstance(model, (str, Path))
         if from_path and model is not None:
             cfg.model_name_or_path = shipped_model(str(model))  # `tiny-tools`: the one in the package
@@ -89,14 +92,18 @@ class GRPOTrainer:
         configure_process(cfg)
         seed_everything(cfg.seed)
         self.hub = start_hub(cfg) if cfg.push_to_hub and self.accel.is_main_process else None  # (up front)
-        self.task = load_task(cfg) if cfg.task is not None and (train_dataset is None or "task" in
-                                                                 cfg.__dict__.get("_explicit", ())) else None
+        train_dataset, task_ok = data_without_dataset(cfg, train_dataset, self.world, reward_funcs, tools,
+                                                      environment_factory, rollout_func)  # (TRL's rules)
+        self.task = load_task(cfg) if cfg.task is not None and task_ok else None
         self.prefill = cfg.prefill if cfg.prefill is not None else (self.task.prefill if self.task else "")
         self.agents = make_agent_spec(cfg, tools, environment_factory, rollout_func, self.task, self.accel)
         self.rewards, self.reward_names = make_reward_runner(cfg, reward_funcs, self.task, reward_processing_classes,
                                                              self.agents)
         self.step_rewards = make_step_rewards(cfg, step_reward_funcs)
+        given_eval = eval_dataset
         train_dataset, eval_dataset = make_datasets(cfg, self.task, train_dataset, eval_dataset)
+        train_dataset = with_prompt_column(train_dataset, self.agents)  # (a dataset of environments only)
+        self.eval_dataset = given_eval if given_eval is not None else eval_dataset  # (TRL's attribute)
         check_reward_columns(self.rewards, train_dataset, self.agents)  # before any model load
 
         self.tokenizer = tokenizer_for(cfg, processing_class, cfg.model_name_or_path if from_path else
@@ -104,8 +111,8 @@ class GRPOTrainer:
         # Tokenize and check the data before the weights load: a bad row or length fails in seconds.
         self.train_set, self.sampler = make_prompts(train_dataset, self.tokenizer, cfg, self.prefill, self.rewards,
                                                     agents=self.agents)
-        self.eval_set = (build_prompt_set(eval_dataset, self.tokenizer, cfg, self.prefill, "eval_dataset_name",
-                                          agents=self.agents) if eval_dataset is not None else None)
+        self.eval_set = eval_sets(eval_dataset, lambda data: build_prompt_set(
+            data, self.tokenizer, cfg, self.prefill, "eval_dataset_name", agents=self.agents))  # (a dict: by name)
         self.layout = resolve_layout(cfg, self.world, prompt_count(self.train_set))
         self.B, self.G = self.layout.prompts_per_rollout, cfg.num_generations
         check_sizes(cfg, prompt_count(self.train_set), self.B, self.train_set.prompt_ids,
@@ -154,12 +161,7 @@ class GRPOTrainer:
         self.num_tokens, self.pending = 0.0, None  # pending: (rollout, its optimizer steps still to take)
         self.control.event("on_init_end")
 
-    # ---- TRL's trainer surface ---------------------------------------------------------------------------------
-    @property
-    def state(self):
-        """The transformers.TrainerState callbacks and reward functions read (global_step, log_history, ...)."""
-        return self.control.state
-
+    # ---- TRL's trainer surface (the rest: grpo.training.trl_surface) -------------------------------------------
     def add_callback(self, callback) -> None:
         self.control.add(callback)
 
@@ -184,6 +186,8 @@ class GRPOTrainer:
         display = LiveDisplay(self.total_steps) if main and not cfg.disable_tqdm else NullDisplay()
         last: dict[str, float] = {}
         started = time.perf_counter()
+        self._summary = TrainingSummary()
+        self._summary.start(self.step)
         self.backend.prepare()  # (again, when train() is called a second time)
         self.control.event("on_train_begin")
         # Installed until train() returns: a signal after the last step lets the run finish (it is then complete).
@@ -192,7 +196,7 @@ class GRPOTrainer:
             try:
                 self.source.start()  # (a rollout worker with max_staleness > 0: forked from the model as it now is)
                 if self.step == 0 and self.control.cadence.evaluate_first(self.eval_set is not None):
-                    log_step(self, logger, display, 0, self.evaluate())
+                    log_step(self, logger, display, 0, self.evaluate(loss=False))
                 while self.step < self.total_steps and not self.control.control.should_training_stop:
                     with engine_faults(cfg, "update"):
                         last = self._step_and_report(logger, display)
@@ -206,12 +210,14 @@ class GRPOTrainer:
             if main:
                 finish_run(out)
                 print("\n".join(end_lines(self, last, time.perf_counter() - started)))
+            summary = self._summary.metrics(self)
+            self.control.logged(self.step, summary)  # (transformers' last log_history entry)
             self.control.event("on_train_end")
             if self.hub is not None:
                 self.hub.finished(out / "final", self.step)
         finally:
             signals.restore()
-        return TrainResult(last, global_step=self.step)
+        return TrainResult(last, global_step=self.step, summary=summary)
 
     def _step_and_report(self, logger, display) -> dict[str, float]:
         """One optimizer step, its health alarms, then what the cadence and the callbacks ask for."""
@@ -221,6 +227,7 @@ class GRPOTrainer:
         self.source.stepped(self.step)  # (with a lag, the worker may start the next rollout now)
         health, alarms = self.health.check(metrics)
         metrics.update(health)
+        self._summary.add(metrics)
         for name, message in alarms:
             display.alarm(name, message)
         self.control.after_step(self, metrics, logger, display)  # eval, log, samples, checkpoint, as flagged
@@ -306,17 +313,18 @@ class GRPOTrainer:
         report_nonfinite(self, batch, grad_norm, TrainingStopped)
 
     # ---- eval, save, resume ---------------------------------------------------------------------------------
-    def evaluate(self) -> dict[str, float]:
+    def _score_eval_set(self, prompt_set) -> dict[str, float]:
+        """Sample and score one eval set (evaluate(), grpo.training.trl_surface, names and prefixes the metrics)."""
         from grpo.evaluate import evaluate_prompts
 
         params = SamplingParams(self.cfg.max_completion_length, self.cfg.eval_temperature)
         self.rollouts.ready_engine()
         with self.accel.autocast():
-            result = evaluate_prompts(self.generator, self.tokenizer, self.eval_set, self.rewards, self.reward_names,
+            result = evaluate_prompts(self.generator, self.tokenizer, prompt_set, self.rewards, self.reward_names,
                                       params, seed=self.cfg.seed + 12345, k=self.cfg.eval_num_samples,
                                       batch_size=self.cfg.per_device_eval_batch_size, agent=self.rollouts.agent)
         sleep(self.generator)  # (vLLM's sleep mode: the next update gets its memory, as after a rollout)
-        return {f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float))}
+        return {k: v for k, v in result.items() if isinstance(v, (int, float))}
 
     def state_dict(self) -> dict[str, Any]:
         return trainer_state(self)
