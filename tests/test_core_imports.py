@@ -81,7 +81,7 @@ def test_public_api_names_and_parameters():
         "token_logprobs": ["logits", "tokens", "temperature", "chunk_size"],
         "token_entropy": ["logits", "chunk_size", "temperature"],
         "hidden_logprobs": ["hidden", "weight", "tokens", "temperature", "chunk_size", "bias", "with_entropy",
-                            "vocab_block", "weight_grad_in_place", "kernels"],
+                            "vocab_block", "weight_grad_in_place", "kernels", "float32_head"],
     }
     for name, params in expected.items():
         assert name in grpo.core.__all__
