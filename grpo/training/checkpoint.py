@@ -141,14 +141,19 @@ def write_failed(target: Path, err: BaseException) -> SaveFailed:
     reason = f"{type(err).__name__}: {err}"
     if isinstance(err, OSError) and err.strerror:
         reason = err.strerror + (f" ({err.filename})" if err.filename else "")
-    try:
-        free = f"; {shutil.disk_usage(target.parent).free / 2**20:.1f} MiB free there"
-    except OSError:
-        free = ""
+    free = free_space(target.parent)
     found = [path for _, path in complete_checkpoints(target.parent) if path != target]
     last = (f"the newest complete checkpoint, {found[-1]}, is intact: free space or fix the permission, then "
             f"resume: {resume_hint()}" if found else "no complete checkpoint was written before it")
     return SaveFailed(f"could not write {target}: {reason}{free}. {last}")
+
+
+def free_space(directory: Path) -> str:
+    """"; <n> MiB free there" (a full disk reaches torch.save and safetensors as a bare error), or "" if unknown."""
+    try:
+        return f"; {shutil.disk_usage(directory).free / 2**20:.1f} MiB free there"
+    except OSError:
+        return ""
 
 
 @contextlib.contextmanager
