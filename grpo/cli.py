@@ -116,13 +116,15 @@ def main(argv: list[str] | None = None) -> int:
     """`grpo ...`. As the command itself (argv None), a stop signal from the first instant ends in one line: while
     the libraries import, at once (exit 130 for SIGINT, 75 otherwise); while the trainer is built, unwound (the same
     codes); during training, after the step, with a checkpoint (grpo.training.signals)."""
-    previous = _on_stops(_exit_now) if argv is None else {}
+    import signal
+
+    previous = {getattr(signal, name): signal.getsignal(getattr(signal, name)) for name in STOPS}
+    if argv is None:
+        _on_stops(_exit_now)
     try:
         return _main(argv)
     finally:
         if argv is not None:  # (a caller's main([...]): its handlers back; the command keeps what _run set)
-            import signal
-
             for number, handler in previous.items():
                 signal.signal(number, handler)
 
