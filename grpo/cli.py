@@ -1,7 +1,8 @@
 """The `grpo` command: train, eval, plot.
 
     grpo train [RECIPE.yaml] [key=value ...]     train; no recipe means the default recipe
-    grpo train --help-config                      every config key, its type, default and meaning
+    grpo train [RECIPE.yaml] [key=value ...] --help-config   the resolved config as YAML, each key's meaning, and
+                                                            the values that differ from grpo's and TRL's defaults
     grpo eval --model PATH --task NAME [--n N] [--k K] [--json FILE]
     grpo plot RUN_DIR
     grpo vllm-serve --model PATH [--port 8000] [--tensor-parallel-size N] ...   a vLLM server (vllm_mode: server)
@@ -31,7 +32,10 @@ def _parser() -> argparse.ArgumentParser:
                            f"recipe ({DEFAULT_RECIPE.name}) is used, with the overrides applied.")
     train.add_argument("args", nargs="*", metavar="RECIPE|key=value")
     train.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
-    train.add_argument("--help-config", action="store_true", help="print every config key and exit")
+    train.add_argument("--help-config", action="store_true", help="print the resolved config (RECIPE and the "
+                       "overrides applied) as YAML with each key's meaning, marking values that differ from grpo's "
+                       "and TRL's defaults, and exit")
+    train.add_argument("--print-config", action="store_true", help="the same, without the meanings")
 
     ev = sub.add_parser("eval", help="score a model on a task's held-out split or a dataset",
                         description="Accuracy, format rate, pass@k, maj@k and mean length over k samples.")
@@ -173,12 +177,9 @@ def _reward_errors() -> tuple[type, ...]:
 def _train(args, argv: list[str] | None) -> int:
     import signal
 
-    from grpo.config import GRPOConfig, config_reference
+    from grpo.config import GRPOConfig
     from grpo.training.errors import EXIT_INTERRUPTED, set_resume_command
 
-    if args.help_config:
-        sys.stdout.write(config_reference())
-        return 0
     recipe = None
     overrides = []
     for item in args.args:
@@ -193,6 +194,12 @@ def _train(args, argv: list[str] | None) -> int:
     if args.resume:
         overrides.append("resume=true")
     cfg = GRPOConfig.load(recipe or DEFAULT_RECIPE, overrides)
+    if args.help_config or args.print_config:
+        from grpo.config.show import resolved_yaml
+
+        given = [a if len(a) <= 60 else a[:57] + "..." for a in args.args] or [f"(the default recipe)"]
+        sys.stdout.write(resolved_yaml(cfg, explain=args.help_config, title=" ".join(["grpo train", *given])))
+        return 0
     set_resume_command(resume_command(argv))
     import grpo.training.trainer  # noqa: F401 - the heavy imports, while a stop signal still exits at once
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -18,9 +20,34 @@ def test_help_lists_every_command(capsys):
         assert command in out
 
 
-def test_help_config_prints_the_reference(capsys):
-    assert main(["train", "--help-config"]) == 0
-    assert "| `num_generations` |" in capsys.readouterr().out
+def test_help_config_prints_the_resolved_config_as_a_readable_recipe(capsys, monkeypatch):
+    """Before issue 34 it printed the Markdown table, the same whatever recipe and overrides stood beside it, with
+    lines up to 951 characters."""
+    import yaml
+
+    from grpo.config import GRPOConfig
+
+    monkeypatch.setenv("COLUMNS", "100")
+    recipe = str(Path(__file__).parent.parent / "recipes" / "calculator_tools.yaml")
+    assert main(["train", recipe, "learning_rate=3e-4", "--help-config"]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 100
+    assert "\nlearning_rate: 0.0003  # grpo default: 1.0e-06; TRL: 1.0e-06\n" in out
+    assert "\nbf16: false  # TRL: true\n" in out and "\nnum_generations: 8\n" in out  # (as TRL's and ours: no mark)
+    assert "# Peak AdamW learning rate.\n" in out  # the meanings, as comments
+    assert yaml.safe_load(out) == GRPOConfig.load(recipe, ["learning_rate=3e-4"]).to_dict()  # a valid recipe
+    assert main(["train", recipe, "--print-config"]) == 0
+    plain = capsys.readouterr().out
+    assert "# Peak AdamW" not in plain and "\nlearning_rate: 0.0002  # grpo default: 1.0e-06; TRL: 1.0e-06\n" in plain
+
+
+def test_the_markdown_reference_escapes_bars_in_types():
+    from grpo.config import config_reference
+
+    text = config_reference()
+    assert "| `reward_timeout` | float \\| None | `60.0` |  | Seconds one reward-function call" in text
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    assert rows and all(len(re.findall(r"(?<!\\)\|", line)) == 6 for line in rows)  # 5 cells each
 
 
 @pytest.fixture()
