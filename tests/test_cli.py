@@ -154,3 +154,39 @@ def test_no_deepspeed_line_when_deepspeed_is_merely_installed():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert "Setting accelerator to CPU" not in out.stdout + out.stderr
     assert "another DeepSpeed warning" in out.stdout + out.stderr
+
+
+def test_the_calculator_task_with_the_default_model_says_which_model_has_tools(capsys, tmp_path):
+    assert main(["train", "task=calculator", f"output_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("grpo: error: tools: tool calling needs a chat template") and "\n" not in err
+    assert "model_name_or_path=tiny-tools, as recipes/calculator_tools.yaml sets" in err
+
+
+def test_saved_files_are_readable_as_the_umask_allows_and_no_past_key_values_warning(tiny_model_dir, tmp_path):
+    """transformers writes model.safetensors through a mkstemp file (mode 0600), and from 5.24 warned in every
+    command that the `past_key_values` keyword is deprecated."""
+    import os
+    import stat
+    import warnings
+
+    from datasets import Dataset
+
+    from grpo import GRPOConfig, GRPOTrainer
+    from rewards_for_tests import count_a
+
+    out = tmp_path / "run"
+    cfg = GRPOConfig(output_dir=str(out), task=None, num_generations=4, prompts_per_step=2,
+                     per_device_train_batch_size=4, max_completion_length=6, max_steps=2, save_steps=1, report_to=[],
+                     log_completions_steps=0, beta=0.04, engine="transformers")
+    old = os.umask(0o027)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)  # (past_key_values: the sampler's and the reference's)
+            GRPOTrainer(model=tiny_model_dir, reward_funcs=[count_a], args=cfg,
+                        train_dataset=Dataset.from_dict({"prompt": [f"q{i}\n" for i in range(8)]})).train()
+    finally:
+        os.umask(old)
+    for path in [out / "final" / "model.safetensors", out / "checkpoint-1" / "model.safetensors",
+                 out / "checkpoint-1" / "trainer_state.pt"]:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o640, path  # 0666 less the umask 027

@@ -84,6 +84,7 @@ def save_checkpoint(output_dir: str | Path, step: int, write_model: Callable[[Pa
             torch.save(trainer_state, tmp / STATE)
         if write_json is not None:
             write_json(tmp / "trainer_state.json")
+        share_files(tmp)
         files = {name: file_record(tmp / name) for name in file_names(tmp)}
         _write_json(tmp / MANIFEST, {"step": step, "files": files, "resumable": trainer_state is not None})
         _fsync_dir(tmp)
@@ -158,11 +159,26 @@ def free_space(directory: Path) -> str:
 
 @contextlib.contextmanager
 def writing(target: str | Path):
-    """A write of final/ (or another model directory): whatever it raises becomes SaveFailed (write_failed)."""
+    """A write of final/ (or another model directory): whatever it raises becomes SaveFailed (write_failed); the
+    files written are then readable as the umask allows (share_files)."""
     try:
         yield
+        if Path(target).is_dir():
+            share_files(Path(target))
     except Exception as err:  # noqa: BLE001 - a full disk: OSError, torch's RuntimeError, SafetensorError
         raise write_failed(Path(target), err) from err
+
+
+def share_files(root: Path) -> None:
+    """Give the files under `root` the mode a plain open() would (0666 less the umask: 0644 by default).
+    transformers writes model.safetensors through a temporary file made by mkstemp, which is 0600: teammates on a
+    shared cluster could not read the model."""
+    umask = os.umask(0)
+    os.umask(umask)  # (reading the umask means setting it; put straight back)
+    mode = 0o666 & ~umask
+    for path in root.rglob("*"):
+        if path.is_file() and not path.is_symlink() and path.stat().st_mode & 0o777 != mode:
+            path.chmod(mode)
 
 
 def complete_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:

@@ -110,6 +110,8 @@ def save(accelerator, model, policy, optimizer, tokenizer, output_dir, step: int
             if write_json is not None:
                 write_json(tmp / "trainer_state.json")
         accelerator.wait_for_everyone()  # every process's part is on disk
+        if main:
+            ckpt.share_files(tmp)
         files = _records(accelerator, tmp)
         if main:
             for part in sorted(tmp.rglob("*")):  # (the directories that hold every process's files)
