@@ -107,7 +107,15 @@ def test_the_manifest_records_every_file_with_its_size_and_digest(stopped):
     import hashlib
 
     data = (source / "checkpoint-3" / "model.safetensors").read_bytes()
-    assert manifest["files"]["model.safetensors"] == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert manifest["files"]["model.safetensors"] == {"bytes": len(data), "sha256": [hashlib.sha256(data).hexdigest()]}
+    big = source / "big.bin"  # (not part of it: a file of three blocks, hashed block by block)
+    big.write_bytes(bytes(range(256)) * (ckpt.BLOCK // 256 * 2 + 1))
+    try:
+        blocks = ckpt.file_records(source, ["big.bin"])["big.bin"]["sha256"]
+        data = big.read_bytes()
+        assert blocks == [hashlib.sha256(data[k:k + ckpt.BLOCK]).hexdigest() for k in (0, ckpt.BLOCK, 2 * ckpt.BLOCK)]
+    finally:
+        big.unlink()
     assert ckpt.damage(source / "checkpoint-3") is None
 
 

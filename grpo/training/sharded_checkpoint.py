@@ -181,8 +181,7 @@ def _records(accelerator, tmp: Path) -> dict[str, Any]:
         box = [names]
         broadcast_object_list(box)
         names = box[0]
-    mine = [(name, ckpt.file_record(tmp / name)) for name in names[accelerator.process_index::
-                                                                    accelerator.num_processes]]
+    mine = list(ckpt.file_records(tmp, names[accelerator.process_index::accelerator.num_processes]).items())
     if accelerator.num_processes > 1:
         from accelerate.utils import gather_object
 
