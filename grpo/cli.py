@@ -90,7 +90,7 @@ def _exit_now(number: int, frame) -> None:
     import signal
 
     if os.environ.get("RANK", "0") == "0":
-        os.write(2, f"grpo: {_stop_name(number)} while starting; nothing was written.\n".encode())
+        os.write(2, f"grpo: {_stop_name(number)} before anything was written.\n".encode())
     os._exit(130 if number == signal.SIGINT else 75)
 
 
@@ -197,7 +197,7 @@ def _train(args, argv: list[str] | None) -> int:
     if args.help_config or args.print_config:
         from grpo.config.show import resolved_yaml
 
-        given = [a if len(a) <= 60 else a[:57] + "..." for a in args.args] or [f"(the default recipe)"]
+        given = [a if len(a) <= 60 else a[:57] + "..." for a in args.args] or ["(the default recipe)"]
         sys.stdout.write(resolved_yaml(cfg, explain=args.help_config, title=" ".join(["grpo train", *given])))
         return 0
     set_resume_command(resume_command(argv))

@@ -86,8 +86,8 @@ trainer.{at} = hooked
 
 
 @pytest.mark.parametrize("sig, at, code, said", [
-    ("SIGINT", "import", 130, "grpo: interrupted while starting; nothing was written."),
-    ("SIGTERM", "import", 75, "grpo: stopped: SIGTERM while starting; nothing was written."),
+    ("SIGINT", "import", 130, "grpo: interrupted before anything was written."),
+    ("SIGTERM", "import", 75, "grpo: stopped: SIGTERM before anything was written."),
     ("SIGTERM", "load_model", 75, "grpo: stopped: SIGTERM: no checkpoint was written, nothing to resume."),
     ("SIGINT", "make_optimizer", 130, "grpo: interrupted: no checkpoint was written, nothing to resume."),
     ("SIGUSR1", "make_optimizer", 75, "grpo: stopped: SIGUSR1: no checkpoint was written, nothing to resume."),

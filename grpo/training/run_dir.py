@@ -64,16 +64,17 @@ def prepare(trainer, requested: Any) -> bool:
     applies the same changes. Collective."""
     cfg, main, out = trainer.cfg, trainer.accel.is_main_process, Path(trainer.cfg.output_dir)
     resuming = bool(requested if requested is not None else (cfg.resume_from_checkpoint or cfg.resume))
-    verdict = [None, False]  # (refusal, finished)
+    verdict = [None, None]  # (refusal, the step a finished run ended at)
     if main:
         try:
             lock.take(out)
-            verdict[1] = resuming and (requested is True or (requested is None and not cfg.resume_from_checkpoint)) \
-                and _finished(trainer, out)
+            if resuming and (requested is True or (requested is None and not cfg.resume_from_checkpoint)):
+                verdict[1] = _finished(trainer, out)
         except ConfigError as err:
             verdict[0] = str(err)
     _agree(trainer, verdict)
     if verdict[1]:
+        trainer.step = verdict[1]
         release(trainer)
         return True
     try:
@@ -88,13 +89,13 @@ def prepare(trainer, requested: Any) -> bool:
             except ConfigError as err:
                 decision[0] = str(err)
         _agree(trainer, decision)
+        if path is not None:
+            trainer._resume(path)
+            apply_changes(trainer, {k for k, _, _ in decision[1]})
     except BaseException:
         release(trainer)  # (a refused run leaves the directory free)
         raise
     trainer.owns_output_dir = True  # (a second train() of this trainer continues in it)
-    if path is not None:
-        trainer._resume(path)
-        apply_changes(trainer, {k for k, _, _ in decision[1]})
     return False
 
 
@@ -108,20 +109,20 @@ def _agree(trainer, decision: list) -> None:
         raise ConfigError(decision[0])
 
 
-def _finished(trainer, out: Path) -> bool:
-    """Whether the run in `out` ended (final/ written) at this run's max steps or beyond: said in a line. A run
-    that is to go further is no longer finished."""
+def _finished(trainer, out: Path) -> int | None:
+    """The step the run in `out` ended at (final/ written), if at this run's max steps or beyond: said in a line.
+    A run that is to go further is no longer finished."""
     done = out / FINISHED
-    if not done.is_file():
-        return False
-    step = json.loads(done.read_text())["step"]
+    try:
+        step = int(json.loads(done.read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
     if step < trainer.total_steps:
         done.unlink()
-        return False
+        return None
     print(f"resume: the run in {out} finished at step {step} (final/ written): nothing to do; raise max_steps above "
           f"{step} to train it further.")
-    trainer.step = step
-    return True
+    return step
 
 
 def finished(trainer) -> None:
