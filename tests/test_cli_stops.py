@@ -65,6 +65,9 @@ def test_a_full_disk_while_writing_the_reference_weights_exits_74(tiny_model_dir
 
 
 # A stop signal sent by the process to itself at a chosen moment, with the `grpo` command's entry point (cli.command).
+# SIGINT as a terminal's: a runner that started the tests in the background passes it on ignored (which the command
+# then respects, as nohup asks).
+RESET = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
 SIGNAL_DURING_IMPORT = """
 import importlib.abc, os, signal, sys
 class Hook(importlib.abc.MetaPathFinder):
@@ -95,8 +98,8 @@ trainer.{at} = hooked
 def test_a_stop_signal_before_training_is_one_line(tiny_model_dir, tmp_path, sig, at, code, said):
     path = recipe(tmp_path, tiny_model_dir)
     hook = SIGNAL_DURING_IMPORT if at == "import" else SIGNAL_AT.replace("{at}", at)
-    script = hook.replace("{sig}", sig) + ("import sys; from grpo import cli; sys.argv = ['grpo', 'train', "
-                                           f"{str(path)!r}]; cli.command()")
+    script = (RESET + hook.replace("{sig}", sig) + "import sys; from grpo import cli; sys.argv = ['grpo', 'train', "
+              f"{str(path)!r}]; cli.command()")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)])}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == code, done.stderr[-3000:]

@@ -47,7 +47,8 @@ def resolved_yaml(cfg: GRPOConfig, explain: bool, title: str = "", width: int | 
     `explain`, each key's meaning as wrapped comment lines above it."""
     width = width or max(60, min(120, shutil.get_terminal_size((100, 24)).columns))
     trl = trl_defaults()
-    marks = "`# grpo default: X` marks a value that differs from GRPOConfig()'s, `# TRL: Y` one that differs from TRL 1.16's."
+    marks = ("`# grpo default: X` marks a value that differs from GRPOConfig()'s, `# TRL: Y` one that differs from "
+             "TRL 1.16's.")
     lines = [f"# {line}" for line in [*textwrap.wrap(title, width - 2), *textwrap.wrap(
         f"The resolved config: what this run would use. {marks}", width - 2)]]
     for f in dataclasses.fields(GRPOConfig):

@@ -85,8 +85,9 @@ def check_utf8(path: Path, key: str, chunk: int = 1 << 24) -> None:
                 decoder.decode(data, final=not data)
             except UnicodeDecodeError as err:  # (err.start counts from the held bytes)
                 line += (held + data)[:err.start].count(b"\n")
-                raise ConfigError(f"{key}: {str(path)!r} is not UTF-8: line {line} (byte {offset - len(held) + err.start}"
-                                  f") holds {err.object[err.start:err.end]!r}; save the file as UTF-8.") from None
+                at = offset - len(held) + err.start
+                raise ConfigError(f"{key}: {str(path)!r} is not UTF-8: line {line} (byte {at}) holds "
+                                  f"{err.object[err.start:err.end]!r}; save the file as UTF-8.") from None
             if not data:
                 return
             line += data.count(b"\n")

@@ -13,8 +13,8 @@ over B prompts (8 in the default job), too few to tell a trend from noise (below
 | entropy_collapse | entropy (one step) < 10% of its first measured value | the policy stopped exploring |
 | reward_hacking | over the last `window` steps the format reward rose by > 0.2 while accuracy moved < 0.02 | "Perfect format, wrong answers" |
 | nonfinite | a step's gradient norm was not finite (the step was skipped) | "NaN losses" |
-| reward_errors | a reward function failed (raised, timed out, non-finite) on > 10% of its rows | its rows score 0 or None: the run learns from the others only (reward_on_error: zero prints the first failure only) |
-| tool_faults | tools raised or timed out on > 10% of their calls | a broken or hanging tool (each timeout costs tool_timeout seconds) teaches nothing |
+| reward_errors | a reward function failed on > 10% of its rows (raised, overran, non-finite) | its rows teach nothing |
+| tool_faults | tools raised or timed out on > 10% of their calls | a broken or hanging tool teaches nothing, slowly |
 
 Why a mean over 10 steps, and why 75% of groups (the default job: `grpo train`, 300 steps, B=8 prompts x G=8, binary
 accuracy reward; its trace is tests/fixtures/default_job_metrics.jsonl, and it raises no alarm):
