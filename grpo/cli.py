@@ -1,7 +1,8 @@
 """The `grpo` command: train, eval, plot.
 
     grpo train [RECIPE.yaml] [key=value ...]     train; no recipe means the default recipe
-    grpo train --help-config                      every config key, its type, default and meaning
+    grpo train [RECIPE.yaml] [key=value ...] --help-config   the resolved config as YAML, each key's meaning, and
+                                                            the values that differ from grpo's and TRL's defaults
     grpo eval --model PATH --task NAME [--n N] [--k K] [--json FILE]
     grpo plot RUN_DIR
     grpo vllm-serve --model PATH [--port 8000] [--tensor-parallel-size N] ...   a vLLM server (vllm_mode: server)
@@ -31,7 +32,10 @@ def _parser() -> argparse.ArgumentParser:
                            f"recipe ({DEFAULT_RECIPE.name}) is used, with the overrides applied.")
     train.add_argument("args", nargs="*", metavar="RECIPE|key=value")
     train.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
-    train.add_argument("--help-config", action="store_true", help="print every config key and exit")
+    train.add_argument("--help-config", action="store_true", help="print the resolved config (RECIPE and the "
+                       "overrides applied) as YAML with each key's meaning, marking values that differ from grpo's "
+                       "and TRL's defaults, and exit")
+    train.add_argument("--print-config", action="store_true", help="the same, without the meanings")
 
     ev = sub.add_parser("eval", help="score a model on a task's held-out split or a dataset",
                         description="Accuracy, format rate, pass@k, maj@k and mean length over k samples.")
@@ -68,7 +72,68 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+STOPS = ("SIGINT", "SIGTERM", "SIGUSR1")  # (SIGUSR1: SLURM's --signal warning; its default action is to die)
+
+
+class Stopped(KeyboardInterrupt):
+    """A stop signal while the trainer is being built (model, data, engine): unwound like Ctrl-C, then one line."""
+
+    def __init__(self, number: int):
+        super().__init__(number)
+        self.number = number
+
+
+def _exit_now(number: int, frame) -> None:
+    """A stop signal while the libraries import: one line and out. Unwinding a half-done `import torch` can crash
+    the interpreter (a segfault, exit -11), and nothing has been written yet."""
+    import os
+    import signal
+
+    if os.environ.get("RANK", "0") == "0":
+        os.write(2, f"grpo: {_stop_name(number)} before anything was written.\n".encode())
+    os._exit(130 if number == signal.SIGINT else 75)
+
+
+def _raise_stop(number: int, frame) -> None:
+    raise Stopped(number)
+
+
+def _stop_name(number: int) -> str:
+    import signal
+
+    return "interrupted" if number == signal.SIGINT else f"stopped: {signal.Signals(number).name}"
+
+
+def _on_stops(handler) -> dict:
+    """Install `handler` for the stop signals (not those the parent set to be ignored); the previous ones."""
+    import signal
+
+    previous = {}
+    for name in STOPS:
+        number = getattr(signal, name)
+        if signal.getsignal(number) is not signal.SIG_IGN:
+            previous[number] = signal.signal(number, handler)
+    return previous
+
+
 def main(argv: list[str] | None = None) -> int:
+    """`grpo ...`. As the command itself (argv None), a stop signal from the first instant ends in one line: while
+    the libraries import, at once (exit 130 for SIGINT, 75 otherwise); while the trainer is built, unwound (the same
+    codes); during training, after the step, with a checkpoint (grpo.training.signals)."""
+    import signal
+
+    previous = {getattr(signal, name): signal.getsignal(getattr(signal, name)) for name in STOPS}
+    if argv is None:
+        _on_stops(_exit_now)
+    try:
+        return _main(argv)
+    finally:
+        if argv is not None:  # (a caller's main([...]): its handlers back; the command keeps what _run set)
+            for number, handler in previous.items():
+                signal.signal(number, handler)
+
+
+def _main(argv: list[str] | None) -> int:
     from grpo.config import ConfigError
 
     args = _parser().parse_args(argv)
@@ -110,12 +175,11 @@ def _reward_errors() -> tuple[type, ...]:
 
 
 def _train(args, argv: list[str] | None) -> int:
-    from grpo.config import GRPOConfig, config_reference
+    import signal
+
+    from grpo.config import GRPOConfig
     from grpo.training.errors import EXIT_INTERRUPTED, set_resume_command
 
-    if args.help_config:
-        sys.stdout.write(config_reference())
-        return 0
     recipe = None
     overrides = []
     for item in args.args:
@@ -130,17 +194,27 @@ def _train(args, argv: list[str] | None) -> int:
     if args.resume:
         overrides.append("resume=true")
     cfg = GRPOConfig.load(recipe or DEFAULT_RECIPE, overrides)
+    if args.help_config or args.print_config:
+        from grpo.config.show import resolved_yaml
+
+        given = [a if len(a) <= 60 else a[:57] + "..." for a in args.args] or ["(the default recipe)"]
+        sys.stdout.write(resolved_yaml(cfg, explain=args.help_config, title=" ".join(["grpo train", *given])))
+        return 0
     set_resume_command(resume_command(argv))
+    import grpo.training.trainer  # noqa: F401 - the heavy imports, while a stop signal still exits at once
+
+    _on_stops(_raise_stop)  # (from here a stop signal unwinds: files being written are cleaned up)
     try:
         return _run(cfg, owns_process=argv is None)  # (argv None: the `grpo` command itself, not a caller's main())
-    except KeyboardInterrupt:  # a Ctrl-C before training started, or a second one during it
+    except KeyboardInterrupt as err:  # a stop signal before training started, or a second Ctrl-C during it
         from grpo.training.checkpoint import complete_checkpoints
-        from grpo.training.errors import resume_hint
+        from grpo.training.errors import EXIT_RESUMABLE, resume_hint
 
+        number = err.number if isinstance(err, Stopped) else signal.SIGINT
         found = complete_checkpoints(cfg.output_dir)
-        _say(f"grpo: interrupted: the newest checkpoint is {found[-1][1]}; resume: {resume_hint()}" if found else
-             "grpo: interrupted: no checkpoint was written, nothing to resume.")
-        return EXIT_INTERRUPTED
+        _say(f"grpo: {_stop_name(number)}: the newest checkpoint is {found[-1][1]}; resume: {resume_hint()}" if found
+             else f"grpo: {_stop_name(number)}: no checkpoint was written, nothing to resume.")
+        return EXIT_INTERRUPTED if number == signal.SIGINT else EXIT_RESUMABLE
 
 
 def _run(cfg, owns_process: bool) -> int:
@@ -154,10 +228,10 @@ def _run(cfg, owns_process: bool) -> int:
         from grpo.engines.cpu import native
 
         native.keep_freed_memory()
-    trainer = GRPOTrainer(args=cfg)
     try:
+        trainer = GRPOTrainer(args=cfg)
         trainer.train()
-    except TrainingStopped as err:
+    except TrainingStopped as err:  # (a write that fails at the start, e.g. the on-disk reference weights, too)
         _say(f"grpo: stopped: {err}")
         return err.exit_code
     if owns_process:
@@ -284,5 +358,19 @@ def _print_table(model: str, result: dict) -> None:
             print(f"  {key:<14} {value:.4f}" if key != "num_prompts" else f"  {key:<14} {int(value)}")
 
 
+def command() -> None:
+    """The `grpo` command (and `python -m grpo.cli`): main(), then out at once. Exit handlers run (worker pools, the
+    reference weights' file, trackers), then the process ends without tearing down torch, transformers and
+    DeepSpeed module by module, which took 2-5 s after the last line (docs/runs.md)."""
+    import atexit
+    import os
+
+    code = main()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    command()

@@ -47,7 +47,10 @@ class Rows:
 
 def as_table(data):
     """`data` as a table the trainer reads: a list of dicts or a dict of columns becomes `Rows`; anything else (a
-    `datasets.Dataset` or IterableDataset) is returned as it is."""
+    `datasets.Dataset` or IterableDataset) is returned as it is. A dict none of whose values is a list is a dict of
+    named datasets (TRL's several eval sets): each is made a table."""
+    if isinstance(data, dict) and data and not any(isinstance(v, (list, tuple)) for v in data.values()):
+        return {name: as_table(part) for name, part in data.items()}
     if isinstance(data, dict):
         return Rows(data)
     if isinstance(data, (list, tuple)):

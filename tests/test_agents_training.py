@@ -288,3 +288,24 @@ def test_grpo_eval_runs_the_tool_loop(tmp_path, tools_model_dir):
                  "32", "--json", str(tmp_path / "eval.json")]) == 0
     result = json.loads((tmp_path / "eval.json").read_text())
     assert {"tool_call_rate", "tool_calls", "accuracy"} <= set(result) and len(result["rows"]) == 4
+
+
+def broken(expression: str) -> str:
+    """A calculator that is down.
+
+    Args:
+        expression: the arithmetic to do
+    """
+    raise ConnectionError("calculator service unreachable")
+
+
+def test_a_tool_failing_on_every_call_raises_the_alarm_once_and_the_run_sums_it_up(tmp_path, tools_model_dir, capsys):
+    """Issue 34: a tool that raised (or hung) on every call gave no warning; its errors went only to the model."""
+    call = CALL.replace('"calculator"', '"broken"')
+    trainer = make_trainer(tmp_path, tools_model_dir, [call, "<answer>42</answer>"], tools=[broken],
+                           overrides={"max_steps": 3, "disable_tqdm": False})
+    metrics = trainer.train()
+    assert metrics["tools/fault_frac"] == 1.0 and metrics["health/tool_faults"] == 1.0
+    out = capsys.readouterr().out
+    assert out.count("WARNING tool_faults: tools raised or timed out on 100% of their calls over the last steps") == 1
+    assert "WARNING  tools raised or timed out on 100% of their calls this run" in out

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -18,9 +20,34 @@ def test_help_lists_every_command(capsys):
         assert command in out
 
 
-def test_help_config_prints_the_reference(capsys):
-    assert main(["train", "--help-config"]) == 0
-    assert "| `num_generations` |" in capsys.readouterr().out
+def test_help_config_prints_the_resolved_config_as_a_readable_recipe(capsys, monkeypatch):
+    """Before issue 34 it printed the Markdown table, the same whatever recipe and overrides stood beside it, with
+    lines up to 951 characters."""
+    import yaml
+
+    from grpo.config import GRPOConfig
+
+    monkeypatch.setenv("COLUMNS", "100")
+    recipe = str(Path(__file__).parent.parent / "recipes" / "calculator_tools.yaml")
+    assert main(["train", recipe, "learning_rate=3e-4", "--help-config"]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 100
+    assert "\nlearning_rate: 0.0003  # grpo default: 1.0e-06; TRL: 1.0e-06\n" in out
+    assert "\nbf16: false  # TRL: true\n" in out and "\nnum_generations: 8\n" in out  # (as TRL's and ours: no mark)
+    assert "# Peak AdamW learning rate.\n" in out  # the meanings, as comments
+    assert yaml.safe_load(out) == GRPOConfig.load(recipe, ["learning_rate=3e-4"]).to_dict()  # a valid recipe
+    assert main(["train", recipe, "--print-config"]) == 0
+    plain = capsys.readouterr().out
+    assert "# Peak AdamW" not in plain and "\nlearning_rate: 0.0002  # grpo default: 1.0e-06; TRL: 1.0e-06\n" in plain
+
+
+def test_the_markdown_reference_escapes_bars_in_types():
+    from grpo.config import config_reference
+
+    text = config_reference()
+    assert "| `reward_timeout` | float \\| None | `60.0` |  | Seconds one reward-function call" in text
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    assert rows and all(len(re.findall(r"(?<!\\)\|", line)) == 6 for line in rows)  # 5 cells each
 
 
 @pytest.fixture()
@@ -127,3 +154,39 @@ def test_no_deepspeed_line_when_deepspeed_is_merely_installed():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert "Setting accelerator to CPU" not in out.stdout + out.stderr
     assert "another DeepSpeed warning" in out.stdout + out.stderr
+
+
+def test_the_calculator_task_with_the_default_model_says_which_model_has_tools(capsys, tmp_path):
+    assert main(["train", "task=calculator", f"output_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("grpo: error: tools: tool calling needs a chat template") and "\n" not in err
+    assert "model_name_or_path=tiny-tools, as recipes/calculator_tools.yaml sets" in err
+
+
+def test_saved_files_are_readable_as_the_umask_allows_and_no_past_key_values_warning(tiny_model_dir, tmp_path):
+    """transformers writes model.safetensors through a mkstemp file (mode 0600), and from 5.24 warned in every
+    command that the `past_key_values` keyword is deprecated."""
+    import os
+    import stat
+    import warnings
+
+    from datasets import Dataset
+
+    from grpo import GRPOConfig, GRPOTrainer
+    from rewards_for_tests import count_a
+
+    out = tmp_path / "run"
+    cfg = GRPOConfig(output_dir=str(out), task=None, num_generations=4, prompts_per_step=2,
+                     per_device_train_batch_size=4, max_completion_length=6, max_steps=2, save_steps=1, report_to=[],
+                     log_completions_steps=0, beta=0.04, engine="transformers")
+    old = os.umask(0o027)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)  # (past_key_values: the sampler's and the reference's)
+            GRPOTrainer(model=tiny_model_dir, reward_funcs=[count_a], args=cfg,
+                        train_dataset=Dataset.from_dict({"prompt": [f"q{i}\n" for i in range(8)]})).train()
+    finally:
+        os.umask(old)
+    for path in [out / "final" / "model.safetensors", out / "checkpoint-1" / "model.safetensors",
+                 out / "checkpoint-1" / "trainer_state.pt"]:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o640, path  # 0666 less the umask 027

@@ -130,3 +130,26 @@ def test_hanging_reward_costs_seconds(tiny_model_dir, tmp_path):
     start = time.monotonic()
     metrics = GRPOTrainer(model=tiny_model_dir, reward_funcs=[count_a, hangs], args=cfg, train_dataset=data()).train()
     assert metrics["reward/timeouts/hangs"] == 1 and time.monotonic() - start < 30
+
+
+def test_a_reward_failing_on_every_row_prints_once_then_alarms_and_sums_up(tiny_model_dir, tmp_path, capsys, caplog):
+    """reward_on_error: zero with a function that raises on every row printed a line per row (192 in 3 steps, issue
+    34): now its first failure is one line, the health alarm reward_errors fires, and the run's end says how often
+    it failed; the hints name the config's keys."""
+    import logging
+
+    cfg = config(tmp_path, reward_on_error="zero", max_steps=3, save_steps=0, disable_tqdm=False)
+    with caplog.at_level(logging.WARNING, logger="grpo.rewards.runner"):
+        GRPOTrainer(model=tiny_model_dir, reward_funcs=[count_a, raises], args=cfg, train_dataset=data()).train()
+    logged = [r.getMessage() for r in caplog.records if "raises" in r.getMessage()]
+    assert len(logged) == 1 and logged[0].startswith("reward function 'raises' raised KeyError('boom') on row 0")
+    out = capsys.readouterr().out
+    assert out.count("WARNING reward_errors: reward function 'raises' failed on 100% of its rows") == 1
+    assert "WARNING  reward function 'raises' failed on 24 of 24 rows (100%) this run; the first: reward function " \
+           "'raises' raised KeyError('boom') on row 0" in out
+    with pytest.raises(RewardError, match=r"or set reward_on_error: zero to score such rows 0"):
+        GRPOTrainer(model=tiny_model_dir, reward_funcs=[raises], args=config(tmp_path / "b"),
+                    train_dataset=data()).train()
+    with pytest.raises(RewardError, match=r"or set reward_on_nonfinite: none to skip such values"):
+        GRPOTrainer(model=tiny_model_dir, reward_funcs=[returns_nan], args=config(tmp_path / "c"),
+                    train_dataset=data()).train()

@@ -18,12 +18,25 @@ HEALTHY = {"advantage/std": 0.9, "policy/kl_divergence": 0.01, "groups/zero_std_
 def fired(monitor, **changes):
     values, alarms = monitor.check({**HEALTHY, **changes})
     assert set(values) == {f"health/{n}" for n in ("no_signal", "high_kl", "zero_variance_groups", "truncation",
-                                                     "entropy_collapse", "reward_hacking", "nonfinite")}
+                                                     "entropy_collapse", "reward_hacking", "nonfinite",
+                                                     "reward_errors", "tool_faults")}
     return {name for name, _ in alarms}
 
 
 def test_healthy_metrics_fire_nothing():
     assert fired(HealthMonitor("math_accuracy", "think_format")) == set()
+
+
+def test_failing_rewards_and_tools_alarm_past_a_tenth_of_rows_or_calls():
+    m = HealthMonitor("math_accuracy", "think_format")
+    assert fired(m, **{"reward/error_frac/math_accuracy": 0.1, "tools/fault_frac": 0.1}) == set()  # (at the limit)
+    assert fired(m, **{"reward/error_frac/math_accuracy": 1.0, "tools/fault_frac": 1.0}) == {"reward_errors",
+                                                                                             "tool_faults"}
+    _, alarms = m.check({**HEALTHY, "reward/error_frac/math_accuracy": 1.0, "tools/fault_frac": 1.0})
+    assert dict(alarms)["reward_errors"].startswith("reward function 'math_accuracy' failed on 70% of its rows")
+    # (the mean of the last steps: 0.1, 1.0, 1.0)
+    assert m.summary() == ["tools raised or timed out on 70% of their calls this run (tools/errors/raised, "
+                           "tools/errors/timeout)."]
 
 
 def test_each_threshold_alarm():

@@ -78,7 +78,8 @@ def test_a_run_directory_is_not_reused_without_resume_or_overwrite(tiny_model_di
     train(tiny_model_dir, out, max_steps=2)
     before = (out / "metrics.jsonl").read_text()
     with pytest.raises(ConfigError, match=r"output_dir: .* holds a run \(checkpoint-1, config.yaml, final, "
-                                          r"layout.yaml, metrics.jsonl, plot.png\); continue it with --resume.*overwrite_output_dir: true"):
+                                          r"finished.json, layout.yaml, metrics.jsonl, ...\); continue it with "
+                                          r"--resume.*overwrite_output_dir: true"):
         train(tiny_model_dir, out, max_steps=2)
     assert (out / "metrics.jsonl").read_text() == before  # nothing of the first run was touched
     assert (out / "checkpoint-1").is_dir()

@@ -175,6 +175,26 @@ def test_kill_and_resume_reaches_the_uninterrupted_weights(runs, tmp_path, kind,
     AutoModelForCausalLM.from_pretrained(latest_checkpoint(out))  # a checkpoint's top level is a model directory
 
 
+def test_a_damaged_sharded_checkpoint_falls_back_exactly(runs):
+    """FSDP2 (issue 34): a run killed in step 4 leaves checkpoint-2 and checkpoint-3; one process's shard file of
+    checkpoint-3 is cut short. Resume names it in one line, falls back to checkpoint-2 and reaches the uninterrupted
+    run's weights, bit for bit."""
+    out = runs.base / "damaged-fsdp2"
+    killed = run(launch(runs.base, "fsdp2", "--main_process_port", str(free_port())), out,
+                 {**runs.env, "GRPO_TEST_KILL": "micro_step:4"}, succeed=False, overrides=[*JOB, "save_steps=1"])
+    assert killed.returncode != 0, killed.stderr[-3000:]
+    shard = sorted((out / "checkpoint-3" / "sharded").glob("*.distcp"))[-1]  # (the second process's)
+    size = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[:-100])
+    resumed = run(launch(runs.base, "fsdp2", "--main_process_port", str(free_port())), out, runs.env,
+                  overrides=[*JOB, "save_steps=1", "resume=true"])
+    said = [line for line in resumed.stdout.splitlines() if " is damaged: " in line]
+    assert said == [f"resume: {out}/checkpoint-3 is damaged: sharded/{shard.name} has {size - 100} bytes, its "
+                    f"manifest says {size}. Falling back to {out}/checkpoint-2, the newest intact checkpoint."], \
+        resumed.stdout[-3000:]
+    assert max_diff(final_weights(runs("fsdp2")), final_weights(out)) == 0.0
+
+
 def test_two_machines_train_as_one_launch(runs):
     """Two launches of one process each, machine ranks 0 and 1 of 2, meeting at 127.0.0.1 over gloo (as two
     machines would over the network), reach the weights of one launch of 2 processes exactly."""

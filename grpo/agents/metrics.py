@@ -28,9 +28,11 @@ def agent_metrics(stats: list[dict[str, int]], model_mask: list[list[int]],
     column = {k: table[:, j] for j, k in enumerate(keys)}
     calls = float(column["calls"].sum())
     errors = sum(float(column[k].sum()) for k in ERROR_KINDS)
+    faults = float(column["raised"].sum() + column["timeout"].sum())
     out = {"tools/calls_per_completion": float(column["calls"].mean()),
            "tools/call_rate": float((column["calls"] > 0).float().mean()),
            "tools/failure_frac": errors / calls if calls else 0.0,
+           "tools/fault_frac": faults / calls if calls else 0.0,  # (the tools' own: raised or timed out)
            "tools/turns_per_completion": float(column["turns"].mean()),
            "tools/model_token_frac": float(tokens[:, 0].sum() / tokens[:, 1].sum().clamp(min=1))}
     out.update({f"tools/errors/{k}": float(column[k].sum()) for k in ERROR_KINDS})

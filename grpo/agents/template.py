@@ -24,7 +24,9 @@ class ToolTemplate:
         self.tokenizer = tokenizer
         if getattr(tokenizer, "chat_template", None) is None:
             raise ConfigError("tools: tool calling needs a chat template that renders tool calls and tool messages "
-                              "(e.g. Qwen2.5's); the tokenizer has no chat template.")
+                              "(e.g. Qwen2.5's); the tokenizer has no chat template. Of the shipped models "
+                              "tiny-tools has one (model_name_or_path=tiny-tools, as recipes/calculator_tools.yaml "
+                              "sets), tiny-arith (the default) does not.")
         probe = "7c1f3e tool answer"
         try:
             ids = self._render([{"role": "tool", "name": "probe", "content": probe}], "probe")

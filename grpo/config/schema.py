@@ -348,6 +348,9 @@ class GRPOConfig:
     resume: bool = _f(False, "Continue from the newest complete checkpoint in output_dir.")
     resume_from_checkpoint: str | None = _f(None, "Continue from this checkpoint directory (TRL's; train() takes "
                                             "it too).")
+    damaged_checkpoint: str = _f("fall_back", "What resume does when the newest checkpoint fails its manifest's "
+                                 "check (a file missing, cut short or changed): name it and fall back to the newest "
+                                 "intact one, or refuse, naming both (docs/runs.md).", ("fall_back", "refuse"))
     overwrite_output_dir: bool = _f(False, "Start over in an output_dir that holds a run (transformers < 5's key): "
                                     "its checkpoints, final/, metrics and samples are deleted first. Without it, "
                                     "and without resume, such a directory is refused (docs/runs.md).")

@@ -8,6 +8,9 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 
 
@@ -85,3 +88,24 @@ def keep_cache_rows(cache, keep: torch.Tensor) -> None:
             setattr(layer, name, buffer[:k])
         layer.keys = layer.key_buffer[:, :, :layer.length]
         layer.values = layer.value_buffer[:, :, :layer.length]
+
+
+def cache_args(module, cache) -> dict:
+    """The keyword that hands `cache` to `module`'s forward: `cache` from transformers 5.24 (the old name,
+    past_key_values, prints a FutureWarning in every grpo command and goes in 5.40), past_key_values before it and
+    for wrappers whose forward takes **kwargs."""
+    return {_cache_keyword(type(module)): cache}
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword(cls) -> str:
+    try:
+        return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+    except (TypeError, ValueError, AttributeError):
+        return "past_key_values"
+
+
+def returned_cache(out):
+    """The cache a forward returned (transformers 5.24 names it `cache`, reading past_key_values warns)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values

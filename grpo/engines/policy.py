@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from grpo.core import LossOutput, hidden_logprobs, token_entropy, token_logprobs
-from grpo.engines.kv_cache import distinct_rows, expand_cache, positions as position_ids, preallocated_cache
+from grpo.engines.kv_cache import cache_args, distinct_rows, expand_cache, positions as position_ids, preallocated_cache
 from grpo.engines.packing import PackedRows, Packing, choose_packing
 from grpo.engines.sharding import is_peft, sharding
 
@@ -133,12 +133,12 @@ def _shared_prompt_hidden(model, input_ids: torch.Tensor, attention_mask: torch.
     positions = position_ids(attention_mask)
     decoder = model.get_decoder()
     head = decoder(input_ids=input_ids[first, :prompt_len], attention_mask=attention_mask[first, :prompt_len],
-                   position_ids=positions[first, :prompt_len], use_cache=True, past_key_values=cache)
+                   position_ids=positions[first, :prompt_len], use_cache=True, **cache_args(decoder, cache))
     if not all(layer.is_initialized for layer in cache.layers):
         return None  # the model declined the cache (gradient checkpointing in training mode, e.g. a LoRA reference)
     expand_cache(cache, copies)
     tail = decoder(input_ids=input_ids[:, prompt_len:-1], attention_mask=attention_mask[:, :-1],
-                   position_ids=positions[:, prompt_len:-1], use_cache=True, past_key_values=cache)
+                   position_ids=positions[:, prompt_len:-1], use_cache=True, **cache_args(decoder, cache))
     return torch.cat([head.last_hidden_state[copies, -1:], tail.last_hidden_state], dim=1).contiguous()
 
 

@@ -13,7 +13,8 @@ from collections.abc import Callable
 import torch
 
 from grpo.engines.base import Completions, SamplingParams
-from grpo.engines.kv_cache import distinct_rows, expand_cache, keep_cache_rows, positions, preallocated_cache
+from grpo.engines.kv_cache import (cache_args, distinct_rows, expand_cache, keep_cache_rows, positions,
+                                   preallocated_cache, returned_cache)
 
 def uniform_streams(rngs: list[torch.Generator], length: int) -> torch.Tensor:
     """(N, length) uniforms, row i from generator i: every random number a rollout needs, drawn up front."""
@@ -198,13 +199,13 @@ class TransformersSampler:
         if cache is not None and len(first) < n:  # a group's G rows share a prompt: encode each prompt once
             pick = torch.tensor(first, device=device)
             out = self.model(input_ids=ids[pick], attention_mask=mask[pick], position_ids=pos[pick],
-                             use_cache=True, past_key_values=cache, logits_to_keep=1)
+                             use_cache=True, **cache_args(self.model, cache), logits_to_keep=1)
             copies = torch.tensor(copies, device=device)
             expand_cache(cache, copies)
             logits = out.logits[:, -1, :].index_select(0, copies)
         else:
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                             past_key_values=cache, logits_to_keep=1)
+                             **cache_args(self.model, cache), logits_to_keep=1)
             logits = out.logits[:, -1, :]
         vocab = logits.shape[-1]
         step = self._decode_step(cache, n, mask, p) if cache is not None else None
@@ -254,7 +255,7 @@ class TransformersSampler:
             else:
                 mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype, device=device)], dim=1)
                 out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=pos,
-                                 past_key_values=out.past_key_values, use_cache=True)
+                                 **cache_args(self.model, returned_cache(out)), use_cache=True)
                 logits = out.logits[:, -1, :]
         ended[torch.arange(n, device=device)[row][done]] = True
         # One synchronisation for the whole rollout: everything comes to the host here.

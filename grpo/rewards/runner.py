@@ -11,9 +11,13 @@ Where TRL crashes or silently spoils a step (reliability.md 3.1, measured), this
   a NaN total, which the advantages leave out of the group statistics and give advantage 0; `"raise"` raises
   `RewardError` naming the row;
 - for a function that raises: `on_error="raise"` re-runs it row by row to name the failing row, then raises;
-  `on_error="zero"` scores the failing rows 0.0, logs and counts them;
+  `on_error="zero"` scores the failing rows 0.0 and counts them;
 - for NaN/inf (TRL: an inf zeroes the whole group's advantages without a warning): `on_nonfinite="raise"` raises
-  naming function and row; `on_nonfinite="none"` makes the value None, logs and counts it.
+  naming function and row; `on_nonfinite="none"` makes the value None and counts it.
+A counted failure is logged once per function and kind (the first one, naming the row); the rest are counted
+(`reward/errors/<name>`, the health alarm reward_errors, and `failure_summary()` at the run's end), so a function
+that fails on every row prints one line, not one per row. The config's keys are reward_on_error and
+reward_on_nonfinite (the messages name those).
 `async def` reward functions run concurrently on an event loop, as TRL gathers them.
 
 With `timeout_s` set (TRL has no timeout: a hanging function blocks its run forever, reliability.md 3.4), each call
@@ -143,6 +147,9 @@ class RewardRunner:
         self.timeout_s = timeout_s
         self.on_error = on_error
         self.on_nonfinite = on_nonfinite
+        self.rows = {name: 0 for name in self.names}  # rows scored this run, and those that failed
+        self.failed = {name: 0 for name in self.names}
+        self.first_failure: dict[tuple[str, str], str] = {}  # (function, kind) -> the one line logged for it
 
     def check_columns(self, columns: Iterable[str]) -> None:
         """Raise `RewardError` before training when a function needs a column the dataset lacks."""
@@ -186,15 +193,19 @@ class RewardRunner:
             else:
                 values = _validate(name, result, n)
             per_func[name] = self._finite(name, values, errors)
+            self.rows[name] += n
+            self.failed[name] += errors[name]
         return RewardOutput(self._combine(per_func, completions), per_func, errors, timeouts)
 
     def _timed_out(self, name: str, n: int, errors: dict, timeouts: dict) -> list[float | None]:
         if self.on_error == "raise":
             raise RewardError(
                 f"reward function '{name}' did not return within {self.timeout_s} s on a batch of {n} completions. "
-                "Make it faster, raise reward_timeout, or set on_error='zero' to score such batches 0 and count them."
+                "Make it faster, raise reward_timeout, or set reward_on_error: zero to score such batches 0 and "
+                "count them."
             )
-        logger.warning("reward function '%s' timed out after %s s; its %d rewards scored 0", name, self.timeout_s, n)
+        self._once(name, "timeout", f"reward function '{name}' timed out after {self.timeout_s} s; its {n} rewards "
+                   "scored 0")
         timeouts[name] += 1
         errors[name] += 1
         return [0.0] * n
@@ -214,9 +225,9 @@ class RewardRunner:
             if self.on_error == "raise":
                 raise RewardError(
                     f"reward function '{name}' raised {type(result).__name__}: {result} on {where}. Fix the "
-                    "function, or set on_error='zero' to score such rows 0 and count them."
+                    "function, or set reward_on_error: zero to score such rows 0 and count them."
                 ) from result
-            logger.warning("reward function '%s' raised %s on %s; scored 0", name, repr(result), where)
+            self._once(name, "raised", f"reward function '{name}' raised {result!r} on {where}; scored 0")
             values.append(0.0)
         if failed == 0 and self.on_error == "raise":
             raise RewardError(
@@ -225,7 +236,8 @@ class RewardRunner:
             ) from error
         if failed == 0:
             # A transient failure (a dropped connection, ...): the row-by-row rewards stand; the failure is counted.
-            logger.warning("reward function '%s' raised %r on the batch; row-by-row rewards used", name, error)
+            self._once(name, "batch", f"reward function '{name}' raised {error!r} on the batch; row-by-row rewards "
+                       "used")
         errors[name] += max(failed, 1)
         return values
 
@@ -236,12 +248,28 @@ class RewardRunner:
             if self.on_nonfinite == "raise":
                 raise RewardError(
                     f"reward function '{name}' returned {value} for row {row}; rewards must be finite. "
-                    "Fix the function, or set on_nonfinite='none' to skip such values (they are counted)."
+                    "Fix the function, or set reward_on_nonfinite: none to skip such values (they are counted)."
                 )
-            logger.warning("reward function '%s' returned %s for row %d; treated as None", name, value, row)
+            self._once(name, "nonfinite", f"reward function '{name}' returned {value} for row {row}; treated as None")
             values[row] = None
             errors[name] += 1
         return values
+
+    def _once(self, name: str, kind: str, message: str) -> None:
+        """Log the first failure of this kind of function `name`; later ones are only counted."""
+        if (name, kind) not in self.first_failure:
+            self.first_failure[name, kind] = message
+            logger.warning("%s (further failures of it are counted in reward/errors/%s, not printed)", message, name)
+
+    def failure_summary(self, fraction: float = 0.1) -> list[str]:
+        """One line per function that failed on more than `fraction` of its rows this run (with its first failure)."""
+        lines = []
+        for name in self.names:
+            if self.rows[name] and self.failed[name] > fraction * self.rows[name]:
+                first = next((m for (n, _), m in self.first_failure.items() if n == name), "")
+                lines.append(f"reward function '{name}' failed on {self.failed[name]} of {self.rows[name]} rows "
+                             f"({self.failed[name] / self.rows[name]:.0%}) this run; the first: {first}")
+        return lines
 
     def _combine(self, per_func: dict[str, list[float | None]], completions: list) -> list[float]:
         total = []

@@ -5,14 +5,19 @@ and model.safetensors, or for LoRA adapter_config.json and adapter_model.safeten
 so `from_pretrained` loads it, and resume reads the weights from those files. Beside them: `trainer_state.pt`
 (optimizer, scheduler, prompt sampler, every random state, the step, and a rollout still feeding optimizer steps),
 `trainer_state.json` (transformers' TrainerState: the step and log_history callbacks read), and `manifest.json`,
-written last. Everything goes into `checkpoint-<step>.tmp`, each file flushed, and is renamed to `checkpoint-<step>`
-only then; resume takes the newest directory that has a manifest, and a leftover `.tmp` is ignored and removed.
+written last: the size and SHA-256 of every other file, per 256 MiB block so that threads hash the blocks in
+parallel (SHA-256 runs at about 1.8 GiB/s per core with the CPU's SHA instructions; docs/runs.md). Everything goes
+into `checkpoint-<step>.tmp`, each file flushed, and is renamed to `checkpoint-<step>` only then; a leftover `.tmp`
+is ignored and removed. Resume
+checks the newest checkpoint against its manifest: one with a file missing, cut short or changed is named in one
+line, and resume falls back to the newest intact one (`damaged_checkpoint: refuse` stops instead, naming both).
 With save_only_model the directory holds the model and the manifest only (it cannot be resumed).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import random
@@ -29,6 +34,8 @@ from grpo.training.errors import SaveFailed, resume_hint
 MANIFEST = "manifest.json"
 PREFIX = "checkpoint-"
 STATE = "trainer_state.pt"
+DIGEST = "sha256"  # (measured against blake2b, sha1 and md5 on a 1 GiB file: the fastest with SHA-NI, docs/runs.md)
+BLOCK = 1 << 28  # a digest per 256 MiB block, so the blocks of every file are hashed by parallel threads
 
 
 def rng_state() -> dict[str, Any]:
@@ -79,10 +86,8 @@ def save_checkpoint(output_dir: str | Path, step: int, write_model: Callable[[Pa
             torch.save(trainer_state, tmp / STATE)
         if write_json is not None:
             write_json(tmp / "trainer_state.json")
-        files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
-        for name in files:
-            with open(tmp / name, "rb") as fh:
-                os.fsync(fh.fileno())
+        share_files(tmp)
+        files = file_records(tmp, file_names(tmp))
         _write_json(tmp / MANIFEST, {"step": step, "files": files, "resumable": trainer_state is not None})
         _fsync_dir(tmp)
         if final.exists():
@@ -97,29 +102,113 @@ def save_checkpoint(output_dir: str | Path, step: int, write_model: Callable[[Pa
     return final
 
 
+def file_names(root: Path) -> list[str]:
+    """Every file under `root` but the manifest, as paths relative to it (sorted)."""
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def file_records(root: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    """The manifest's record of each file: its size and the digests of its 256 MiB blocks, hashed by a pool of
+    threads (hashlib lets go of the GIL), so a multi-GB checkpoint costs its largest block's time per core; each
+    file is flushed to disk on the way (it was just written)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    sizes = {name: (root / name).stat().st_size for name in names}
+    blocks = [(name, start) for name in names for start in range(0, max(sizes[name], 1), BLOCK)]
+    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1, max(len(blocks), 1))) as pool:
+        digests = list(pool.map(lambda block: _block_digest(root / block[0], block[1]), blocks))
+        list(pool.map(lambda name: _fsync(root / name), names))
+    out = {name: {"bytes": sizes[name], DIGEST: []} for name in names}
+    for (name, _), digest in zip(blocks, digests):
+        out[name][DIGEST].append(digest)
+    return out
+
+
+def _block_digest(path: Path, start: int) -> str:
+    digest = hashlib.new(DIGEST)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for offset in range(start, start + BLOCK, 1 << 24):
+            data = os.pread(fd, min(1 << 24, start + BLOCK - offset), offset)
+            if not data:
+                break
+            digest.update(data)
+    finally:
+        os.close(fd)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
+def damage(path: str | Path) -> str | None:
+    """None when checkpoint `path` is whole (every file its manifest names, of that size and digest), else what is
+    wrong, in a few words. A manifest of grpo before digests (a list of names) is checked for the files' presence."""
+    path = Path(path)
+    try:
+        files = json.loads((path / MANIFEST).read_text()).get("files", [])  # (older sharded ones: none)
+    except (OSError, ValueError, AttributeError) as err:
+        return f"its {MANIFEST} is unreadable ({type(err).__name__})"
+    records = files if isinstance(files, dict) else {name: None for name in files}
+    for name, want in records.items():
+        target = path / name
+        if not target.is_file():
+            return f"{name} is missing"
+        if want is None:  # (a manifest of names only)
+            continue
+        size = target.stat().st_size
+        if size != want["bytes"]:
+            return f"{name} has {size} bytes, its manifest says {want['bytes']}"
+        if DIGEST in want and file_records(path, [name])[name][DIGEST] != want[DIGEST]:
+            return f"{name} has changed since it was written ({DIGEST} differs from its manifest's)"
+    return None
+
+
 def write_failed(target: Path, err: BaseException) -> SaveFailed:
     """The error of a checkpoint or final/ that could not be written: which path, why (with the space left, since a
     full disk reaches torch.save as a bare RuntimeError), and the newest complete checkpoint, which is intact."""
     reason = f"{type(err).__name__}: {err}"
     if isinstance(err, OSError) and err.strerror:
         reason = err.strerror + (f" ({err.filename})" if err.filename else "")
-    try:
-        free = f"; {shutil.disk_usage(target.parent).free / 2**20:.1f} MiB free there"
-    except OSError:
-        free = ""
+    free = free_space(target.parent)
     found = [path for _, path in complete_checkpoints(target.parent) if path != target]
     last = (f"the newest complete checkpoint, {found[-1]}, is intact: free space or fix the permission, then "
             f"resume: {resume_hint()}" if found else "no complete checkpoint was written before it")
     return SaveFailed(f"could not write {target}: {reason}{free}. {last}")
 
 
+def free_space(directory: Path) -> str:
+    """"; <n> MiB free there" (a full disk reaches torch.save and safetensors as a bare error), or "" if unknown."""
+    try:
+        return f"; {shutil.disk_usage(directory).free / 2**20:.1f} MiB free there"
+    except OSError:
+        return ""
+
+
 @contextlib.contextmanager
 def writing(target: str | Path):
-    """A write of final/ (or another model directory): whatever it raises becomes SaveFailed (write_failed)."""
+    """A write of final/ (or another model directory): whatever it raises becomes SaveFailed (write_failed); the
+    files written are then readable as the umask allows (share_files)."""
     try:
         yield
+        if Path(target).is_dir():
+            share_files(Path(target))
     except Exception as err:  # noqa: BLE001 - a full disk: OSError, torch's RuntimeError, SafetensorError
         raise write_failed(Path(target), err) from err
+
+
+def share_files(root: Path) -> None:
+    """Give the files under `root` the mode a plain open() would (0666 less the umask: 0644 by default).
+    transformers writes model.safetensors through a temporary file made by mkstemp, which is 0600: teammates on a
+    shared cluster could not read the model."""
+    umask = os.umask(0)
+    os.umask(umask)  # (reading the umask means setting it; put straight back)
+    mode = 0o666 & ~umask
+    for path in root.rglob("*"):
+        if path.is_file() and not path.is_symlink() and path.stat().st_mode & 0o777 != mode:
+            path.chmod(mode)
 
 
 def complete_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
@@ -140,9 +229,12 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
 
 
 def load_trainer_state(path: str | Path) -> dict[str, Any]:
-    """trainer_state.pt of a checkpoint; a ConfigError-worthy ValueError for one written with save_only_model."""
+    """trainer_state.pt of a checkpoint; a ConfigError-worthy ValueError for one written with save_only_model (its
+    manifest says so: a resumable checkpoint whose state is missing is damaged, see `damage`)."""
     path = Path(path)
     if not (path / STATE).is_file():
+        if json.loads((path / MANIFEST).read_text()).get("resumable", True):
+            raise ValueError(f"{path} is damaged: {STATE} is missing; resume from an earlier checkpoint.")
         raise ValueError(f"{path} holds the model only (written with save_only_model): it cannot be resumed; "
                          "load it with from_pretrained, or resume from a full checkpoint.")
     return torch.load(path / STATE, weights_only=False)
@@ -164,16 +256,37 @@ def model_weights(path: str | Path, adapters: bool) -> dict[str, torch.Tensor]:
     return weights
 
 
-def resolve_resume(output_dir: str | Path, requested: Any) -> Path | None:
-    """The checkpoint a run continues from: True means the newest complete one in output_dir (None when there is
-    none), a path that directory (a ValueError when it is not a complete checkpoint), None/False none."""
+def resolve_resume(output_dir: str | Path, requested: Any, damaged: str = "fall_back") -> Path | None:
+    """The checkpoint a run continues from: True means the newest intact one in output_dir (None when there is
+    none; a damaged newer one is named in a line, or with damaged="refuse" a ValueError naming both), a path that
+    directory (a ValueError when it is not a complete, intact checkpoint), None/False none."""
     if requested is None or requested is False:
         return None
-    if requested is True:
-        return latest_checkpoint(output_dir)
-    path = Path(requested)
-    if not (path / MANIFEST).is_file():
-        raise ValueError(f"resume_from_checkpoint: {str(path)!r} is not a complete checkpoint (no {MANIFEST}).")
+    if requested is not True:
+        path = Path(requested)
+        if not (path / MANIFEST).is_file():
+            raise ValueError(f"resume_from_checkpoint: {str(path)!r} is not a complete checkpoint (no {MANIFEST}).")
+        if (why := damage(path)) is not None:
+            raise ValueError(f"resume_from_checkpoint: {path} is damaged: {why}; resume from an earlier checkpoint.")
+        return path
+    newest = latest_checkpoint(output_dir)
+    bad: list[str] = []
+    for _, path in reversed(complete_checkpoints(output_dir)):
+        why = damage(path)
+        if why is None:
+            break
+        bad.append(f"{path} is damaged: {why}")
+    else:
+        path = None
+    if not bad:
+        return path
+    if path is None:
+        raise ValueError(f"resume: {'; '.join(bad)}; no intact checkpoint is left in {output_dir}: start over with "
+                         "overwrite_output_dir: true, or another output_dir.")
+    if damaged == "refuse":
+        raise ValueError(f"resume: {'; '.join(bad)}. The newest intact checkpoint is {path}: resume from it with "
+                         f"damaged_checkpoint: fall_back (or resume_from_checkpoint: {path}), or restore {newest}.")
+    print(f"resume: {'; '.join(bad)}. Falling back to {path}, the newest intact checkpoint.")
     return path
 
 

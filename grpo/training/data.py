@@ -48,6 +48,8 @@ def load_dataset_any(name: str, split: str, config_name: str | None = None, key:
                               f"{', '.join(FILE_FORMATS)} or a save_to_disk directory.")
         if path.stat().st_size == 0:
             raise ConfigError(f"{key}: {name!r} is empty; GRPO needs at least one prompt.")
+        if fmt != "parquet":
+            check_utf8(path, key)
         try:
             return datasets.load_dataset(fmt, data_files=str(path), split="train", streaming=streaming)
         except Exception as err:  # noqa: BLE001 - malformed files fail in many ways inside datasets
@@ -72,6 +74,28 @@ def load_dataset_any(name: str, split: str, config_name: str | None = None, key:
     except Exception as err:  # noqa: BLE001 - datasets raises many kinds; say what to do instead
         raise ConfigError(f"{key}: could not load {name!r} from the hub ({type(err).__name__}: {err}). "
                           "Point it at a local file or save_to_disk directory.") from None
+
+
+def check_utf8(path: Path, key: str, chunk: int = 1 << 24) -> None:
+    """A text data file must be UTF-8: a byte that is not is named (line and byte offset), where datasets would
+    load it and fail only when the row is read, deep in pyarrow. Reads the file once (GB/s)."""
+    import codecs
+
+    decoder, line, offset = codecs.getincrementaldecoder("utf-8")(), 1, 0
+    with open(path, "rb") as fh:
+        while True:
+            data, held = fh.read(chunk), decoder.getstate()[0]  # (held: a character cut by the last chunk)
+            try:
+                decoder.decode(data, final=not data)
+            except UnicodeDecodeError as err:  # (err.start counts from the held bytes)
+                line += (held + data)[:err.start].count(b"\n")
+                at = offset - len(held) + err.start
+                raise ConfigError(f"{key}: {str(path)!r} is not UTF-8: line {line} (byte {at}) holds "
+                                  f"{err.object[err.start:err.end]!r}; save the file as UTF-8.") from None
+            if not data:
+                return
+            line += data.count(b"\n")
+            offset += len(data)
 
 
 def check_data_path(name: str, key: str) -> None:

@@ -13,6 +13,8 @@ over B prompts (8 in the default job), too few to tell a trend from noise (below
 | entropy_collapse | entropy (one step) < 10% of its first measured value | the policy stopped exploring |
 | reward_hacking | over the last `window` steps the format reward rose by > 0.2 while accuracy moved < 0.02 | "Perfect format, wrong answers" |
 | nonfinite | a step's gradient norm was not finite (the step was skipped) | "NaN losses" |
+| reward_errors | a reward function failed on > 10% of its rows (raised, overran, non-finite) | its rows teach nothing |
+| tool_faults | tools raised or timed out on > 10% of their calls | a broken or hanging tool teaches nothing, slowly |
 
 Why a mean over 10 steps, and why 75% of groups (the default job: `grpo train`, 300 steps, B=8 prompts x G=8, binary
 accuracy reward; its trace is tests/fixtures/default_job_metrics.jsonl, and it raises no alarm):
@@ -48,11 +50,17 @@ ADVICE = {
     "reward_hacking": "format reward rose by {value:.2f} while accuracy stayed flat: the model is learning the format, "
                       "not the task. Lower the format reward's weight (e.g. 0.1 x accuracy).",
     "nonfinite": "non-finite gradient at this step; it was skipped. Lower learning_rate or check the rewards.",
+    "reward_errors": "reward function '{name}' failed on {value:.0%} of its rows over the last steps (reward/errors/"
+                     "{name}; its first failure was printed above); those rows teach nothing. Fix the function.",
+    "tool_faults": "tools raised or timed out on {value:.0%} of their calls over the last steps (tools/errors/raised, "
+                   "tools/errors/timeout; a timeout costs tool_timeout s). Fix the tool, or lower tool_timeout.",
 }
+FAILURE_LIMIT = 0.1  # reward_errors, tool_faults: the fraction of rows or calls that fail, over the last steps
 # alarm -> (metric, limit, fires above the limit): judged on the mean of the last `window` steps
 RATE_ALARMS = {"no_signal": ("advantage/std", 0.1, False), "high_kl": ("policy/kl_divergence", 0.05, True),
                "zero_variance_groups": ("groups/zero_std_frac", 0.75, True),
-               "truncation": ("completion/truncated_frac", 0.5, True)}
+               "truncation": ("completion/truncated_frac", 0.5, True),
+               "tool_faults": ("tools/fault_frac", FAILURE_LIMIT, True)}
 
 
 class HealthMonitor:
@@ -64,15 +72,21 @@ class HealthMonitor:
         self.history: deque[tuple[float, float]] = deque(maxlen=window)
         self.recent = {name: deque(maxlen=smooth) for name in RATE_ALARMS}
         self.nonfinite_seen = 0.0
+        self.reward_errors: dict[str, deque] = {}  # function -> its recent error fractions
+        self.tool_faults = [0.0, 0]  # (sum of the steps' fault fractions, steps): the run's summary
 
     def check(self, metrics: dict[str, float]) -> tuple[dict[str, float], list[tuple[str, str]]]:
         """(health metrics, [(alarm name, message)] for the alarms that fire at this step)."""
         values = {name: self._rate(name, metrics) for name in RATE_ALARMS}
+        failing = self._reward_errors(metrics)
         values.update(entropy_collapse=self._entropy(metrics), reward_hacking=self._hacking(metrics),
-                      nonfinite=self._nonfinite(metrics))
+                      nonfinite=self._nonfinite(metrics), reward_errors=failing and failing[1])
+        if "tools/fault_frac" in metrics:
+            self.tool_faults = [self.tool_faults[0] + metrics["tools/fault_frac"], self.tool_faults[1] + 1]
         order = ("no_signal", "high_kl", "zero_variance_groups", "truncation", "entropy_collapse", "reward_hacking",
-                 "nonfinite")
-        fired = [(name, ADVICE[name].format(value=values[name])) for name in order if values[name] is not None]
+                 "nonfinite", "reward_errors", "tool_faults")
+        fired = [(name, ADVICE[name].format(value=values[name], name=failing and failing[0])) for name in order
+                 if values[name] is not None]
         return {f"health/{name}": float(values[name] is not None) for name in order}, fired
 
     def _rate(self, name: str, metrics: dict) -> float | None:
@@ -108,6 +122,27 @@ class HealthMonitor:
         mean = lambda xs, i: sum(x[i] for x in xs) / len(xs)  # noqa: E731
         format_gain, accuracy_gain = mean(new, 1) - mean(old, 1), mean(new, 0) - mean(old, 0)
         return format_gain if format_gain > 0.2 and abs(accuracy_gain) < 0.02 else None
+
+    def _reward_errors(self, metrics: dict) -> tuple[str, float] | None:
+        """(the function, its mean error fraction over the last steps) that fails most, if past FAILURE_LIMIT."""
+        worst = None
+        for key, value in metrics.items():
+            if key.startswith("reward/error_frac/") and math.isfinite(value):
+                recent = self.reward_errors.setdefault(key[len("reward/error_frac/"):], deque(maxlen=10))
+                recent.append(value)
+        for name, recent in self.reward_errors.items():
+            mean = sum(recent) / len(recent)
+            if mean > FAILURE_LIMIT and (worst is None or mean > worst[1]):
+                worst = (name, mean)
+        return worst
+
+    def summary(self) -> list[str]:
+        """The run's end: a line when its tools failed on more than FAILURE_LIMIT of their calls on average."""
+        total, steps = self.tool_faults
+        if steps and total / steps > FAILURE_LIMIT:
+            return [f"tools raised or timed out on {total / steps:.0%} of their calls this run (tools/errors/raised, "
+                    "tools/errors/timeout)."]
+        return []
 
     def _nonfinite(self, metrics: dict) -> float | None:
         total = metrics.get("health/nonfinite_steps", 0.0)

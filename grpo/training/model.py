@@ -109,13 +109,27 @@ def prepare_model(model, cfg: GRPOConfig, peft_config=None, reference_dir: Path 
     reference = None
     if cfg.beta > 0 and peft_config is None:
         if reference_dir is not None and not cfg.sync_ref_model:  # (a synced reference changes: kept in memory)
-            reference = DiskReference(model, reference_dir, reference_prefix)
+            reference = disk_reference(model, reference_dir, reference_prefix)
         else:
             reference = reference_copy(model, cfg).eval()
             reference.requires_grad_(False)
             if cfg.cast_lm_head_to_fp32 and not getattr(reference.get_output_embeddings(), "grpo_float32_head", 0):
                 cast_lm_head_to_fp32(reference)  # (loaded again under ZeRO-3, not copied)
     return model, reference
+
+
+def disk_reference(model, directory: Path, prefix: str) -> DiskReference:
+    """A DiskReference; a file that cannot be written (a full disk) is SaveFailed naming it and what to do."""
+    from grpo.training.checkpoint import free_space
+    from grpo.training.errors import SaveFailed
+
+    try:
+        return DiskReference(model, directory, prefix)
+    except Exception as err:  # noqa: BLE001 - a full disk: OSError, or safetensors' SafetensorError
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else f"{type(err).__name__}: {err}"
+        raise SaveFailed(f"could not write the reference model's weights (reference_weights: disk) into "
+                         f"{directory}: {reason}{free_space(directory)}. Free space there, or keep the reference in "
+                         "memory: reference_weights=memory.") from err
 
 
 def reference_copy(model, cfg: GRPOConfig):

@@ -455,6 +455,7 @@ class Rollouts:
             m[f"reward/{name}/none_frac"] = float(vals.isnan().float().mean())  # "does not apply" to these rows
         for name, count in scored.errors.items():
             m[f"reward/errors/{name}"] = float(count)
+            m[f"reward/error_frac/{name}"] = count / max(1, len(scored.per_func[name]))  # (health: reward_errors)
         for name, count in scored.timeouts.items():
             m[f"reward/timeouts/{name}"] = float(count)
         m.update(group_stats(rewards))

@@ -12,10 +12,16 @@ config (grpo.training.summary.resolved_config, kept in each checkpoint) with the
   restored optimizer and schedule (which would otherwise keep the checkpoint's), as a user who lowers the rate to
   calm a run means;
 - where the output goes, how often it logs, evaluates and saves, and the launch details say nothing.
+
+One run at a time: train, resume and overwrite alike first take the directory's lock (grpo.training.lock), so a
+second run into a directory a live run holds is refused in one line, and its files are untouched. A run that wrote
+final/ records its step in finished.json: `--resume` of it says it is finished and does nothing, unless max_steps
+grew.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -23,12 +29,14 @@ from typing import Any
 import yaml
 
 from grpo.config import ConfigError
+from grpo.training import lock
 from grpo.training.checkpoint import PREFIX
 from grpo.training.state import checkpoint_to_resume
 from grpo.training.summary import resolved_config
 
+FINISHED = "finished.json"  # the step at which final/ was written
 RUN_FILES = ("config.yaml", "layout.yaml", "metrics.jsonl", "samples", "tensorboard", "final", "plot.png",
-             "nonfinite", "wandb_run_id")
+             "nonfinite", "wandb_run_id", FINISHED)
 IDENTITY = ("model_name_or_path", "model_revision", "torch_dtype", "bf16", "fp16", "task", "task_difficulty",
             "task_train_size", "dataset_name", "dataset_config", "dataset_split", "prompt_column", "system_prompt",
             "chat_template", "use_chat_template", "prefill", "max_prompt_length", "num_generations", "seed",
@@ -50,32 +58,85 @@ def run_files(out: Path) -> list[str]:
     return sorted(p.name for p in out.iterdir() if p.name in RUN_FILES or p.name.startswith(PREFIX))
 
 
-def prepare(trainer, requested: Any) -> None:
-    """At the start of train(): the run directory's rules, then the checkpoint to continue from (if any) restored,
-    with the changes the config may make. The main process decides; every process raises the same ConfigError and
+def prepare(trainer, requested: Any) -> bool:
+    """At the start of train(): the run directory's lock (grpo.training.lock) and rules, then the checkpoint to
+    continue from (if any) restored, with the changes the config may make. True: a resume of a run that is finished
+    (nothing to do; said in a line). The main process decides; every process raises the same ConfigError and
     applies the same changes. Collective."""
-    cfg, main = trainer.cfg, trainer.accel.is_main_process
-    path = checkpoint_to_resume(cfg, requested, trainer.procs)
+    cfg, main, out = trainer.cfg, trainer.accel.is_main_process, Path(trainer.cfg.output_dir)
     resuming = bool(requested if requested is not None else (cfg.resume_from_checkpoint or cfg.resume))
-    decision = [None, []]  # (refusal, changes)
+    verdict = [None, None]  # (refusal, the step a finished run ended at)
     if main:
         try:
-            if path is not None:
-                decision[1] = compare_with_checkpoint(trainer, path)
-            elif not resuming and not getattr(trainer, "owns_output_dir", False):
-                claim(Path(cfg.output_dir), cfg.overwrite_output_dir)
+            lock.take(out)
+            if resuming and (requested is True or (requested is None and not cfg.resume_from_checkpoint)):
+                verdict[1] = _finished(trainer, out)
         except ConfigError as err:
-            decision[0] = str(err)
+            verdict[0] = str(err)
+    _agree(trainer, verdict)
+    if verdict[1]:
+        trainer.step = verdict[1]
+        release(trainer)
+        return True
+    try:
+        path = checkpoint_to_resume(cfg, requested, trainer.procs)
+        decision = [None, []]  # (refusal, changes)
+        if main:
+            try:
+                if path is not None:
+                    decision[1] = compare_with_checkpoint(trainer, path)
+                elif not resuming and not getattr(trainer, "owns_output_dir", False):
+                    claim(out, cfg.overwrite_output_dir)
+            except ConfigError as err:
+                decision[0] = str(err)
+        _agree(trainer, decision)
+        if path is not None:
+            trainer._resume(path)
+            apply_changes(trainer, {k for k, _, _ in decision[1]})
+    except BaseException:
+        release(trainer)  # (a refused run leaves the directory free)
+        raise
+    trainer.owns_output_dir = True  # (a second train() of this trainer continues in it)
+    return False
+
+
+def _agree(trainer, decision: list) -> None:
+    """The main process's decision to every process; its refusal (decision[0]) raised on all. Collective."""
     if trainer.world > 1:
         from accelerate.utils import broadcast_object_list
 
         broadcast_object_list(decision)
     if decision[0] is not None:
         raise ConfigError(decision[0])
-    trainer.owns_output_dir = True  # (a second train() of this trainer continues in it)
-    if path is not None:
-        trainer._resume(path)
-        apply_changes(trainer, {k for k, _, _ in decision[1]})
+
+
+def _finished(trainer, out: Path) -> int | None:
+    """The step the run in `out` ended at (final/ written), if at this run's max steps or beyond: said in a line.
+    A run that is to go further is no longer finished."""
+    done = out / FINISHED
+    try:
+        step = int(json.loads(done.read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if step < trainer.total_steps:
+        done.unlink()
+        return None
+    print(f"resume: the run in {out} finished at step {step} (final/ written): nothing to do; raise max_steps above "
+          f"{step} to train it further.")
+    return step
+
+
+def finished(trainer) -> None:
+    """After final/ is written: the run is complete at this step (a later --resume does nothing unless max_steps
+    grows)."""
+    if trainer.accel.is_main_process:
+        (Path(trainer.cfg.output_dir) / FINISHED).write_text(json.dumps({"step": trainer.step}) + "\n")
+
+
+def release(trainer) -> None:
+    """When train() ends, however it ends: the directory's lock given back (main process)."""
+    if trainer.accel.is_main_process:
+        lock.release(Path(trainer.cfg.output_dir))
 
 
 def claim(out: Path, overwrite: bool) -> None:

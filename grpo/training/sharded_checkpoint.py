@@ -9,7 +9,9 @@ level (gathered whole on the main process, so `from_pretrained` loads it; with L
     deepspeed/          DeepSpeed: its own checkpoint (each process's partitions of weights and optimizer state)
     trainer_state.pt    step, scheduler, prompt sampler, counters, and each process's random state and rows of a
                         rollout still feeding optimizer steps (grpo.training.state), gathered to the main process
-    manifest.json       written last, by the main process, after every process has written its part
+    manifest.json       written last, by the main process, after every process has written its part: the size
+                        and SHA-256 of every file (each process reads its share of the files), which resume
+                        checks (grpo.training.checkpoint.damage)
 
 Resume loads the sharded state, not the gathered copy, so weights and optimizer continue exactly. Every process
 writes into `checkpoint-<step>.tmp`, and the main process renames it only after all have finished and the manifest
@@ -109,13 +111,14 @@ def save(accelerator, model, policy, optimizer, tokenizer, output_dir, step: int
                 write_json(tmp / "trainer_state.json")
         accelerator.wait_for_everyone()  # every process's part is on disk
         if main:
-            for part in sorted(tmp.rglob("*")):  # (another process's writes, and the directories that hold them)
-                if part.is_file():
-                    _fsync(part)
-                else:
+            ckpt.share_files(tmp)
+        files = _records(accelerator, tmp)
+        if main:
+            for part in sorted(tmp.rglob("*")):  # (the directories that hold every process's files)
+                if part.is_dir():
                     ckpt._fsync_dir(part)
             ckpt._write_json(tmp / ckpt.MANIFEST, {"step": step, "format": backend, "resumable": state is not None,
-                                                   "processes": accelerator.num_processes})
+                                                   "processes": accelerator.num_processes, "files": files})
             ckpt._fsync_dir(tmp)
             if final.exists():
                 shutil.rmtree(final)
@@ -168,6 +171,19 @@ def _load_fsdp(model, optimizer, path: Path) -> None:
     set_state_dict(model, optimizer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as fh:
-        os.fsync(fh.fileno())
+def _records(accelerator, tmp: Path) -> dict[str, Any]:
+    """The manifest's size and digest of every file of the checkpoint (flushed on the way), each process taking
+    every num_processes-th file, so the reading is shared out. Collective."""
+    names = ckpt.file_names(tmp) if accelerator.is_main_process else None
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        box = [names]
+        broadcast_object_list(box)
+        names = box[0]
+    mine = list(ckpt.file_records(tmp, names[accelerator.process_index::accelerator.num_processes]).items())
+    if accelerator.num_processes > 1:
+        from accelerate.utils import gather_object
+
+        mine = gather_object(mine)
+    return dict(sorted(mine))

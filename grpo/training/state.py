@@ -27,7 +27,7 @@ def checkpoint_to_resume(cfg, requested: Any, processes=None) -> Path | None:
     choice = [None]
     if processes is None or processes.rank == 0:
         try:
-            path = ckpt.resolve_resume(cfg.output_dir, requested)
+            path = ckpt.resolve_resume(cfg.output_dir, requested, cfg.damaged_checkpoint)
         except ValueError as err:
             raise ConfigError(str(err)) from None
         choice = [None if path is None else str(path)]

@@ -177,7 +177,8 @@ class GRPOTrainer(TRLSurface):
         from grpo.training.tracking import NullLogger, RunLogger
 
         cfg, out, main = self.cfg, Path(self.cfg.output_dir), self.accel.is_main_process
-        run_dir.prepare(self, resume_from_checkpoint)  # one run per directory; restores a checkpoint to resume
+        if run_dir.prepare(self, resume_from_checkpoint):  # one run per directory (locked); restores a checkpoint
+            return TrainResult({}, global_step=self.step)  # (a resume of a finished run: nothing to do)
         if main:
             write_run_files(self, out)
             print("\n".join(start_lines(self)))
@@ -207,6 +208,7 @@ class GRPOTrainer(TRLSurface):
                 self.source.close()
                 self.backend.release()  # the model goes back as it was loaded
             self.save_model(out / "final")
+            run_dir.finished(self)
             if main:
                 finish_run(out)
                 print("\n".join(end_lines(self, last, time.perf_counter() - started)))
@@ -217,6 +219,7 @@ class GRPOTrainer(TRLSurface):
                 self.hub.finished(out / "final", self.step)
         finally:
             signals.restore()
+            run_dir.release(self)
         return TrainResult(last, global_step=self.step, summary=summary)
 
     def _step_and_report(self, logger, display) -> dict[str, float]:
