@@ -11,6 +11,7 @@ ALIASES = {
     "clip_range": "epsilon",  # seed tutorial 004
     "num_epochs": "num_train_epochs",
     "ppo_max_token_len_per_gpu": "max_tokens_per_micro_batch",  # verl (with use_dynamic_bsz: true)
+    "ulysses_sequence_parallel_size": "sequence_parallel_size",  # verl (actor_rollout_ref.actor's)
 }
 
 # TRL 1.16's `loss_type` chooses two things we keep apart: how token losses are averaged (`loss_aggregation`) and

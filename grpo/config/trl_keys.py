@@ -172,7 +172,8 @@ TABLE: list[TRLKey] = [
            ("ignore_data_skip", False, "resume restores the prompt order exactly: nothing is skipped"),
            ("restore_callback_states_from_checkpoint", False, "callback states are not checkpointed"),
            ("accelerator_config", None, _LAUNCH, [_ACCELERATOR_DEFAULTS]),
-           ("parallelism_config", None, "context and sequence parallelism are not built (TRL refuses them too)"),
+           ("parallelism_config", None, "context (cp_size) and tensor (tp_size) parallelism are not built; "
+            "{sp_size: N} alone is sequence_parallel_size"),
            ("dataloader_drop_last", False, _NO_LOADER), ("dataloader_num_workers", 0, _NO_LOADER),
            ("dataloader_pin_memory", True, _NO_LOADER, [False]), ("dataloader_persistent_workers", False, _NO_LOADER),
            ("dataloader_prefetch_factor", None, _NO_LOADER), ("dataloader_multiprocessing_context", None, _NO_LOADER),

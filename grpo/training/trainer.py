@@ -45,10 +45,10 @@ from grpo.training.errors import TrainingStopped
 from grpo.training.faults import engine_faults
 from grpo.training.signals import StopSignals, stop_if_signalled
 from grpo.training.state import restore, save_checkpoint, trainer_state
-from grpo.training.setup import (check_inputs, check_reward_columns, check_sizes, config_of, configure_process,
-                                 fill_deepspeed_auto, load_task, make_accelerator, make_datasets, make_optimizer,
-                                 make_reward_runner, make_schedule, make_step_rewards, seed_everything, tokenizer_for,
-                                 warn_low_precision_training)
+from grpo.training.setup import (check_inputs, check_reward_columns, check_sequence_parallel, check_sizes, config_of,
+                                 configure_process, fill_deepspeed_auto, load_task, make_accelerator, make_datasets,
+                                 make_optimizer, make_reward_runner, make_schedule, make_step_rewards, seed_everything,
+                                 tokenizer_for, warn_low_precision_training)
 from grpo.training.stream import epochs_done, make_prompts, prompt_count
 from grpo.training.steps import StepPlan, resolve_layout
 from grpo.training.summary import TrainResult, end_lines, finish_run, log_step, start_lines, write_run_files
@@ -85,6 +85,7 @@ class GRPOTrainer:
         self.sharded = self.accel.distributed_type in ("FSDP", "DEEPSPEED")  # its state saved in shards
         self.procs = Processes(self.accel)
         self.world, self.rank = self.procs.world, self.procs.rank
+        check_sequence_parallel(cfg, self.world)
         configure_process(cfg)
         seed_everything(cfg.seed)
         self.hub = start_hub(cfg) if cfg.push_to_hub and self.accel.is_main_process else None  # (up front)
