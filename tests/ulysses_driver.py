@@ -89,6 +89,7 @@ def main(out: Path, kv_heads: int, tokens: int) -> None:
         result["grads"][name] = rel(p.grad, grads[name])
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{sp.rank}.json").write_text(json.dumps(result))
+    dist.barrier()
     dist.destroy_process_group()
 
 

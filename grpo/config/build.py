@@ -69,7 +69,8 @@ def _sequence_parallel_of(values: dict[str, Any]) -> dict[str, Any]:
     config = values.get("parallelism_config")
     if not isinstance(config, dict) or config.get("sp_backend") not in (None, "deepspeed"):
         return values
-    others = {k: v for k, v in config.items() if k not in ("sp_size", "sp_backend", "sp_handler") and v not in (None, 1)}
+    others = {k: v for k, v in config.items()
+              if k not in ("sp_size", "sp_backend", "sp_handler") and v not in (None, 1)}
     if others or config.get("sp_size") in (None, 1):
         return values
     if values.get("sequence_parallel_size", config["sp_size"]) != config["sp_size"]:

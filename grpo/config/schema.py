@@ -136,9 +136,9 @@ class GRPOConfig:
                                   "false: rows padded to the longest. The run prints which it took.")
     sequence_parallel_size: int = _f(1, "Processes that share one packed micro-batch, each holding a 1/N slice of its "
                                      "tokens, attention head-parallel (Ulysses; verl's "
-                                     "ulysses_sequence_parallel_size, accelerate's parallelism_config.sp_size). "
-                                     "The passes exist (grpo.engines.ulysses); grpo train refuses > 1 until its "
-                                     "micro-batch layout is wired (docs/long.md).")
+                                     "ulysses_sequence_parallel_size, accelerate's parallelism_config.sp_size): "
+                                     "launch a multiple of it; each group of that many processes is one "
+                                     "data-parallel rank (docs/long.md).")
     gradient_accumulation_steps: int | None = _f(None, "Micro-batches per optimizer step on each process. Default: "
                                                  "what prompts_per_step needs, else 1.")
     steps_per_generation: int | None = _f(None, "Micro-batch passes one rollout feeds (TRL's): a multiple of "

@@ -66,7 +66,7 @@ def prepare(trainer, requested: Any) -> None:
                 claim(Path(cfg.output_dir), cfg.overwrite_output_dir)
         except ConfigError as err:
             decision[0] = str(err)
-    if trainer.world > 1:
+    if trainer.accel.num_processes > 1:  # (every process, sequence-parallel ones included)
         from accelerate.utils import broadcast_object_list
 
         broadcast_object_list(decision)

@@ -338,16 +338,13 @@ def make_accelerator(cfg: GRPOConfig):
 
 
 def check_sequence_parallel(cfg: GRPOConfig, world: int) -> None:
-    """Refuse a sequence_parallel_size the processes cannot take, or that `grpo train` does not run yet."""
+    """Refuse a sequence_parallel_size the processes cannot take (the model's heads: the backend's `packing`)."""
     size = cfg.sequence_parallel_size
     if size == 1:
         return
     if world % size:
         raise ConfigError(f"sequence_parallel_size={size}: {world} processes do not split into groups of {size}; "
                           "launch a multiple of it.")
-    raise ConfigError(f"sequence_parallel_size={size}: the Ulysses passes exist (grpo.engines.ulysses, docs/long.md) "
-                      "but grpo train does not yet lay micro-batches out over sequence-parallel groups; use "
-                      "sequence_parallel_size: 1.")
 
 
 def configure_process(cfg: GRPOConfig) -> None:
