@@ -59,6 +59,25 @@ def _own_aliases(values: dict[str, Any]) -> dict[str, Any]:
             if key in values:
                 raise ConfigError(f"both {alias!r} and {key!r} are set; they are the same setting, keep one.")
             values[key] = values.pop(alias)
+    return _sequence_parallel_of(values)
+
+
+def _sequence_parallel_of(values: dict[str, Any]) -> dict[str, Any]:
+    """accelerate's `parallelism_config` (TRL's TrainingArguments key) holding only `sp_size` (its backend
+    "deepspeed": ALST/Ulysses, the same splitting) becomes sequence_parallel_size; any other size (cp_size: ring
+    attention, tp_size, dp sizes) stays for TRL's row of that key to refuse."""
+    config = values.get("parallelism_config")
+    if not isinstance(config, dict) or config.get("sp_backend") not in (None, "deepspeed"):
+        return values
+    others = {k: v for k, v in config.items()
+              if k not in ("sp_size", "sp_backend", "sp_handler") and v not in (None, 1)}
+    if others or config.get("sp_size") in (None, 1):
+        return values
+    if values.get("sequence_parallel_size", config["sp_size"]) != config["sp_size"]:
+        raise ConfigError("both 'parallelism_config.sp_size' and 'sequence_parallel_size' are set; they are the same "
+                          "setting, keep one.")
+    values.pop("parallelism_config")
+    values["sequence_parallel_size"] = config["sp_size"]
     return values
 
 

@@ -14,6 +14,7 @@ ALIASES = {
     "max_async_level": "max_staleness",  # prime-rl: how many steps inference may run ahead of the trainer
     "max_trajectory_age_steps": "max_staleness",  # NeMo-RL's async_grpo
     "max_head_offpolicyness": "max_staleness",  # AReaL
+    "ulysses_sequence_parallel_size": "sequence_parallel_size",  # verl (actor_rollout_ref.actor's)
 }
 
 # TRL 1.16's `loss_type` chooses two things we keep apart: how token losses are averaged (`loss_aggregation`) and

@@ -134,6 +134,11 @@ class GRPOConfig:
                                   "sequences packed end to end, a group's prompt once where the attention takes a "
                                   "custom mask (sdpa, eager), so the model computes real tokens only (docs/engines.md). "
                                   "false: rows padded to the longest. The run prints which it took.")
+    sequence_parallel_size: int = _f(1, "Processes that share one packed micro-batch, each holding a 1/N slice of its "
+                                     "tokens, attention head-parallel (Ulysses; verl's "
+                                     "ulysses_sequence_parallel_size, accelerate's parallelism_config.sp_size): "
+                                     "launch a multiple of it; each group of that many processes is one "
+                                     "data-parallel rank (docs/long.md).")
     gradient_accumulation_steps: int | None = _f(None, "Micro-batches per optimizer step on each process. Default: "
                                                  "what prompts_per_step needs, else 1.")
     steps_per_generation: int | None = _f(None, "Micro-batch passes one rollout feeds (TRL's): a multiple of "

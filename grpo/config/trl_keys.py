@@ -221,7 +221,8 @@ TABLE: list[TRLKey] = [
            ("greater_is_better", None, _BEST),
            ("ignore_data_skip", False, "resume restores the prompt order exactly: nothing is skipped"),
            ("restore_callback_states_from_checkpoint", False, "callback states are not checkpointed"),
-           ("parallelism_config", None, "context and sequence parallelism are not built (TRL refuses them too)"),
+           ("parallelism_config", None, "context (cp_size) and tensor (tp_size) parallelism are not built; "
+            "{sp_size: N} alone is sequence_parallel_size"),
            ("dataloader_drop_last", False, _NO_LOADER),
            ("label_names", None, "GRPO has no labels"),
            ("train_sampling_strategy", "random", "prompts are shuffled each epoch (shuffle_dataset)"),

@@ -46,12 +46,23 @@ class TransformersBackend:
     name = "transformers"
     tile_kernels = None  # (dtype, device) -> compiled kernels for the head's tiles, or None: the CPU engine's
 
-    def __init__(self, model, accelerator):
+    def __init__(self, model, accelerator, sp=None):
         self.model, self.accel = model, accelerator
+        self.sp = sp  # this process's sequence-parallel group (grpo.engines.ulysses), or None
 
     def packing(self, model, enabled: bool) -> tuple[Packing | None, str]:
-        """How this backend's passes pack micro-batches for `model` (None: padded, and why)."""
-        return choose_packing(model, enabled)
+        """How this backend's passes pack micro-batches for `model` (None: padded, and why). Sequence-parallel:
+        whole sequences in one row, which the group's processes split (grpo.engines.ulysses)."""
+        packing, why = choose_packing(model, enabled)
+        if self.sp is None:
+            return packing, why
+        from grpo.engines.ulysses import check_heads
+
+        if packing is None:
+            raise ValueError(f"sequence_parallel_size={self.sp.size} splits packed micro-batches, but this model's "
+                             f"passes cannot be packed ({why}); use sequence_parallel_size: 1.")
+        check_heads(model.config, self.sp.size)
+        return Packing(False, None, None, f"Ulysses over {self.sp.size} processes"), ""
 
     def prepare(self) -> None:
         """Ready the model for training (the plain backend changes nothing)."""
@@ -63,6 +74,11 @@ class TransformersBackend:
                  temperature: float, packed: PackedRows | None = None) -> torch.Tensor:
         """(n, width) log-probs of the completion tokens under `model` (the policy or the reference), through the
         packed layout `packed` of these rows when given (0 past each row's end)."""
+        if self.sp is not None and packed is not None:
+            from grpo.engines.ulysses import installed, sequence_parallel_logprobs
+
+            with installed(model):
+                return sequence_parallel_logprobs(model, packed, self.sp, temperature, tile_kernels=self.tile_kernels)
         return completion_logprobs(model, input_ids, attention_mask, width, temperature, tile_kernels=self.tile_kernels,
                                    packed=packed)
 
@@ -72,14 +88,29 @@ class TransformersBackend:
         `entropy_in_loss`: the loss uses the entropies (an entropy bonus or mask), so they keep their gradient.
         The forward and the loss run under the run's autocast (mixed precision), the backward outside it, as torch
         advises (autograd replays the forward's casts)."""
-        with self.accel.autocast():
-            out = completion_logprobs(self.model, micro.input_ids, micro.attention_mask, micro.width, temperature,
-                                      with_entropy=with_entropy or entropy_in_loss, tile_kernels=self.tile_kernels,
-                                      entropy_grad=entropy_in_loss, packed=micro.packed)
-            logp, entropy = out if with_entropy or entropy_in_loss else (out, None)
-            result = loss_fn(logp, slice(None), entropy)
-        self.backward(result.loss)
+        with self._sequence_parallel():  # (the backward too: checkpointing recomputes the forward in it)
+            with self.accel.autocast():
+                out = self._logprobs_with_grad(micro, temperature, with_entropy or entropy_in_loss, entropy_in_loss)
+                logp, entropy = out if with_entropy or entropy_in_loss else (out, None)
+                result = loss_fn(logp, slice(None), entropy)
+            # (a micro-batch that cannot be packed runs whole on every process of its group: its share, once)
+            self.backward(result.loss / self.sp.size if self.sp is not None and micro.packed is None else result.loss)
         return logp.detach(), result
+
+    def _sequence_parallel(self):
+        from grpo.engines.ulysses import installed
+
+        return installed(self.model) if self.sp is not None else contextlib.nullcontext()
+
+    def _logprobs_with_grad(self, micro: MicroBatch, temperature: float, with_entropy: bool, entropy_grad: bool):
+        if self.sp is not None and micro.packed is not None:
+            from grpo.engines.ulysses import sequence_parallel_logprobs
+
+            return sequence_parallel_logprobs(self.model, micro.packed, self.sp, temperature, with_entropy,
+                                              entropy_grad, tile_kernels=self.tile_kernels)
+        return completion_logprobs(self.model, micro.input_ids, micro.attention_mask, micro.width, temperature,
+                                   with_entropy=with_entropy, tile_kernels=self.tile_kernels,
+                                   entropy_grad=entropy_grad, packed=micro.packed)
 
     def backward(self, loss: torch.Tensor) -> None:
         # DDP averages gradients over processes; the loss is already a share of the global sum, so undo the mean.

@@ -66,15 +66,16 @@ def choose_engine(requested: str, model, device: torch.device, processes: int, d
 
 
 def make_engine(choice: EngineChoice, model, policy, accelerator, tokenizer, params, reference=None,
-                generator=None, gather_for_generation: bool = True):
+                generator=None, gather_for_generation: bool = True, sp=None):
     """(rollout engine, update backend) for the choice. `model` is the policy as accelerate prepared it, `policy`
-    the unwrapped module; `generator` a rollout engine of the caller's that replaces the built one."""
+    the unwrapped module; `generator` a rollout engine of the caller's that replaces the built one; `sp`: this
+    process's sequence-parallel group (grpo.engines.ulysses.SequenceGroup), or None."""
     generator = generator or make_sampler(choice, policy, tokenizer, model, gather_for_generation)
     if choice.name == "cpu":
         from grpo.engines.cpu import CPUBackend
 
         return generator, CPUBackend(policy, accelerator, generator, params, reference)
-    return generator, TransformersBackend(model, accelerator)
+    return generator, TransformersBackend(model, accelerator, sp)
 
 
 LOCAL_HOSTS = ("0.0.0.0", "127.0.0.1", "localhost", "::", "::1")

@@ -177,29 +177,62 @@ def group_stats(rewards: torch.Tensor) -> dict[str, float]:
 
 
 class Processes:
-    """This process's place among the run's processes, and the two gathers the rollout needs."""
+    """This process's place among the run's data-parallel ranks, and the gathers the rollout needs.
 
-    def __init__(self, accelerator):
-        self.accel, self.world, self.rank = accelerator, accelerator.num_processes, accelerator.process_index
+    With sequence parallelism (`sp_size` > 1) the processes form groups of `sp_size` consecutive ranks that share
+    every row (grpo.engines.ulysses): a group is one data-parallel rank, so `world` counts groups and `rank` is this
+    process's group, and a gather keeps one copy of each group's values (its first process's)."""
+
+    def __init__(self, accelerator, sp_size: int = 1):
+        self.accel, self.sp_size = accelerator, sp_size
+        self.world, self.rank = accelerator.num_processes // sp_size, accelerator.process_index // sp_size
+        self.sp = sequence_group(accelerator, sp_size) if sp_size > 1 else None
+
+    def _firsts(self, gathered: torch.Tensor) -> torch.Tensor:
+        """The parts of the SP groups' first processes from a gather of equal parts over every process."""
+        if self.sp_size == 1:
+            return gathered
+        parts = gathered.reshape(self.accel.num_processes, -1, *gathered.shape[1:])[::self.sp_size]
+        return parts.reshape(-1, *gathered.shape[1:])
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
-        return t if self.world == 1 else self.accel.gather(t.to(self.accel.device)).cpu()
+        if self.accel.num_processes == 1:
+            return t
+        return self._firsts(self.accel.gather(t.to(self.accel.device)).cpu())
 
     def gather_ragged(self, t: torch.Tensor) -> torch.Tensor:
         """A 1-D tensor of each process, of any length, concatenated on every process (TRL pads with a sentinel)."""
-        if self.world == 1:
+        if self.accel.num_processes == 1:
             return t
         local = t.to(self.accel.device)
         padded = self.accel.pad_across_processes(local, dim=0, pad_index=-1e9)
-        gathered = self.accel.gather(padded)
+        gathered = self._firsts(self.accel.gather(padded))
         return gathered[gathered != -1e9]
 
     def gather_objects(self, rows: list) -> list:
-        if self.world == 1:
+        if self.accel.num_processes == 1:
             return rows
-        from accelerate.utils import gather_object
+        if self.sp_size == 1:
+            from accelerate.utils import gather_object
 
-        return gather_object(rows)
+            return gather_object(rows)
+        parts = [None] * self.accel.num_processes
+        torch.distributed.all_gather_object(parts, rows)
+        return [row for part in parts[::self.sp_size] for row in part]
+
+
+def sequence_group(accelerator, sp_size: int):
+    """This process's sequence-parallel group: consecutive ranks [k*sp_size, (k+1)*sp_size). Collective: every
+    process creates every group, in the same order."""
+    from grpo.engines.ulysses import SequenceGroup
+
+    rank = accelerator.process_index
+    mine = None
+    for start in range(0, accelerator.num_processes, sp_size):
+        group = torch.distributed.new_group(list(range(start, start + sp_size)))
+        if start <= rank < start + sp_size:
+            mine = group
+    return SequenceGroup(mine, rank % sp_size, sp_size)
 
 
 class Rollouts:

@@ -102,7 +102,7 @@ def prepare(trainer, requested: Any) -> bool:
 
 def _agree(trainer, decision: list) -> None:
     """The main process's decision to every process; its refusal (decision[0]) raised on all. Collective."""
-    if trainer.world > 1:
+    if trainer.accel.num_processes > 1:  # (every process, sequence-parallel ones included)
         from accelerate.utils import broadcast_object_list
 
         broadcast_object_list(decision)

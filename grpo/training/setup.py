@@ -339,6 +339,16 @@ def make_accelerator(cfg: GRPOConfig):
     return Accelerator(cpu=not cuda, mixed_precision=precision)
 
 
+def check_sequence_parallel(cfg: GRPOConfig, world: int) -> None:
+    """Refuse a sequence_parallel_size the processes cannot take (the model's heads: the backend's `packing`)."""
+    size = cfg.sequence_parallel_size
+    if size == 1:
+        return
+    if world % size:
+        raise ConfigError(f"sequence_parallel_size={size}: {world} processes do not split into groups of {size}; "
+                          "launch a multiple of it.")
+
+
 def configure_process(cfg: GRPOConfig) -> None:
     """Process-wide settings the config asks for: threads, log levels, determinism, TF32."""
     import logging

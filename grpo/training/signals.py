@@ -57,7 +57,7 @@ class StopSignals:
 
     def agreed(self) -> int:
         """The signal any process received (0: none): the same answer on every process. Collective."""
-        if self.processes.world == 1:
+        if self.processes.accel.num_processes == 1:
             return self.received
         flag = torch.tensor([self.received], device=self.processes.accel.device)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
@@ -83,7 +83,7 @@ def _saved_now(trainer) -> bool:
     every process takes its answer."""
     found = [trainer.step in dict(complete_checkpoints(trainer.cfg.output_dir))] if trainer.accel.is_main_process \
         else [False]
-    if trainer.world > 1:
+    if trainer.accel.num_processes > 1:  # (every process, sequence-parallel ones included)
         from accelerate.utils import broadcast_object_list
 
         broadcast_object_list(found)

@@ -31,7 +31,7 @@ def checkpoint_to_resume(cfg, requested: Any, processes=None) -> Path | None:
         except ValueError as err:
             raise ConfigError(str(err)) from None
         choice = [None if path is None else str(path)]
-    if processes is not None and processes.world > 1:
+    if processes is not None and processes.accel.num_processes > 1:
         from accelerate.utils import broadcast_object_list
 
         broadcast_object_list(choice)

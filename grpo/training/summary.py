@@ -78,7 +78,10 @@ def start_lines(trainer) -> list[str]:
     evals = f", {len(trainer.eval_set)} eval" if trainer.eval_set is not None else ""
     weights = trainer.rewards.weights
     rewards = ", ".join(f"{n} x{w:g}" for n, w in zip(trainer.reward_names, weights))
-    device = f"{trainer.accel.device}, {trainer.world} process" + ("es" if trainer.world > 1 else "")
+    count = trainer.accel.num_processes
+    device = f"{trainer.accel.device}, {count} process" + ("es" if count > 1 else "")
+    if trainer.procs.sp_size > 1:
+        device += f" ({trainer.world} data-parallel groups of {trainer.procs.sp_size})"
     device += describe(trainer.accel, cfg)
     return [f"model    {cfg.model_name_or_path} ({params} parameters)",
             f"data     {data}: {_prompts(trainer.train_set)}{evals}",

@@ -46,10 +46,10 @@ from grpo.training.errors import TrainingStopped
 from grpo.training.faults import engine_faults
 from grpo.training.signals import StopSignals, stop_if_signalled
 from grpo.training.state import restore, save_checkpoint, trainer_state
-from grpo.training.setup import (check_inputs, check_reward_columns, check_sizes, config_of, configure_process,
-                                 fill_deepspeed_auto, load_task, make_accelerator, make_datasets, make_optimizer,
-                                 make_reward_runner, make_schedule, make_step_rewards, seed_everything, tokenizer_for,
-                                 warn_low_precision_training)
+from grpo.training.setup import (check_inputs, check_reward_columns, check_sequence_parallel, check_sizes, config_of,
+                                 configure_process, fill_deepspeed_auto, load_task, make_accelerator, make_datasets,
+                                 make_optimizer, make_reward_runner, make_schedule, make_step_rewards, seed_everything,
+                                 tokenizer_for, warn_low_precision_training)
 from grpo.training.stream import epochs_done, make_prompts, prompt_count
 from grpo.training.steps import StepPlan, resolve_layout
 from grpo.training.summary import TrainResult, end_lines, finish_run, log_step, start_lines, write_run_files
@@ -87,7 +87,8 @@ class GRPOTrainer(TRLSurface):
         check_sharding(self.accel, cfg)
         reduce_in_float32(self.accel)  # (FSDP2 with bf16: gradients reduce in float32, as verl's)
         self.sharded = self.accel.distributed_type in ("FSDP", "DEEPSPEED")  # its state saved in shards
-        self.procs = Processes(self.accel)
+        check_sequence_parallel(cfg, self.accel.num_processes)
+        self.procs = Processes(self.accel, cfg.sequence_parallel_size)  # (a sequence-parallel group: one rank)
         self.world, self.rank = self.procs.world, self.procs.rank
         configure_process(cfg)
         seed_everything(cfg.seed)
@@ -119,11 +120,12 @@ class GRPOTrainer(TRLSurface):
                     None if from_path else model.config)
         if from_path:
             model = load_model(cfg, quantization_config)
-        self.engine = choose_engine(cfg.engine, model, self.accel.device, self.world, self.accel.distributed_type,
+        self.engine = choose_engine(cfg.engine, model, self.accel.device, self.accel.num_processes,
+                                    self.accel.distributed_type,
                                     self.accel.mixed_precision)
         on_disk = cfg.reference_weights == "disk" or (cfg.reference_weights == "auto" and self.engine.name == "cpu")
         model, self.reference = prepare_model(model, cfg, peft_config, Path(cfg.output_dir) if on_disk else None,
-                                              reference_prefix=f".reference-rank{self.rank}-")
+                                              reference_prefix=f".reference-rank{self.accel.process_index}-")
         self.total_steps = self.layout.total_steps
         self.optimizer = optimizers[0] or make_optimizer(model, cfg)
         self.scheduler = optimizers[1] or torch.optim.lr_scheduler.LambdaLR(
@@ -140,7 +142,8 @@ class GRPOTrainer(TRLSurface):
             generator = make_vllm(cfg, self.policy, self.tokenizer, self.accel, rows=self.B * self.G // self.world)
         self.generator, self.backend = make_engine(self.engine, self.model, self.policy, self.accel, self.tokenizer,
                                                    self.params, self.reference, generator,
-                                                   gather_for_generation=cfg.ds3_gather_for_generation)
+                                                   gather_for_generation=cfg.ds3_gather_for_generation,
+                                                   sp=self.procs.sp)
         packing, why = self.backend.packing(self.policy, cfg.use_remove_padding)
         self.rollouts = Rollouts(cfg, self.generator, self.policy, self.tokenizer, self.train_set, self.sampler,
                                  self.rewards, self.step_rewards, self.procs, self.B, self.G, self.params,
