@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from grpo.rows import make_table
-from grpo.tasks import arithmetic, calculator, countdown
+from grpo.tasks import arithmetic, calculator, countdown, shapes
 from grpo.tasks._common import SPLITS, check_split
 
 __all__ = ["SPLITS", "TASKS", "Task", "export", "get_task"]
@@ -99,6 +99,20 @@ TASKS: dict[str, Task] = {
         make_rows=calculator.rows,
         default_sizes={"train": 10_000, "test": 500},
         tools=("calculator",),
+    ),
+    "shapes": Task(
+        name="shapes",
+        description=(
+            "Count the shapes of one colour and kind in a generated 64x64 picture ('How many red squares?'), the "
+            "picture in the `image` column: a vision-language task for grpo/assets/tiny-vision (docs/vision.md); "
+            "knobs `max_count` (default 4) and `distractors` (default 3)."
+        ),
+        reward_funcs=["math_accuracy"],
+        reward_weights=[1.0],
+        prefill="",
+        step_reward=None,
+        make_rows=shapes.rows,
+        default_sizes={"train": 10_000, "test": 500},
     ),
 }
 
