@@ -134,5 +134,8 @@ def export(task_name: str, out_dir: str | Path, n_train: int, n_test: int, seed:
         paths[split] = out / f"{split}.jsonl"
         with paths[split].open("w", encoding="utf-8") as f:
             for row in task.dataset(split, n=n, seed=seed, **knobs):
+                if "image" in row:
+                    raise ValueError(f"export: task {task_name!r} has images, which JSONL cannot hold; use "
+                                     "task.dataset(...).save_to_disk(path) instead")
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
     return paths

@@ -23,6 +23,8 @@ from typing import Any, Callable
 import torch
 
 from grpo.config import ConfigError, GRPOConfig
+from grpo.engines.images import split_rows
+from grpo.training.vision import has_images, vision_prompts
 
 PROMPT_COLUMN_CANDIDATES = ("prompt", "problem", "question")
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -148,12 +150,10 @@ class PromptSet:
                 {k: [v[i] for i in index] for k, v in self.columns.items()})
 
     def pixels(self, index: list[int]) -> list | None:
-        """The image features (grpo.training.vision.RowImages) of rows `index`, each distinct prompt processed
+        """The image features (grpo.engines.images.RowImages) of rows `index`, each distinct prompt processed
         once (a group's G rows share theirs); None without images."""
         if self.images is None:
             return None
-        from grpo.training.vision import split_rows
-
         distinct = list(dict.fromkeys(index))
         flat = [img for i in distinct for img in self.images[i]]
         pixels, grids = self.image_processing.features(flat)
@@ -216,8 +216,6 @@ def build_prompt_set(dataset, tokenizer, cfg: GRPOConfig, prefill: str, name: st
         table = {c: [values[i] for i in keep] for c, values in table.items()}
         prompts = table[column]
     columns = {c: table[c] for c in dataset.column_names if c != column}
-    from grpo.training.vision import has_images
-
     if has_images(list(columns), prompts):
         return _vision_prompt_set(prompts, columns, tokenizer, cfg, prefill, name, skipped, images, agents)
     tools = agents.prompt_tools(tokenizer)(columns, len(prompts)) if agents else None
@@ -228,14 +226,13 @@ def build_prompt_set(dataset, tokenizer, cfg: GRPOConfig, prefill: str, name: st
 
 
 def _vision_prompt_set(prompts, columns, tokenizer, cfg, prefill, name, skipped, images, agents) -> PromptSet:
-    from grpo.training.vision import vision_prompts
-
     if images is None:
         raise ConfigError(f"{name}: the data has images, but the model is not a vision-language model with an image "
                           "processor; train a vision-language model (docs/vision.md) or drop the image column.")
     if agents is not None:
         raise ConfigError(f"{name}: image prompts with tools or environments are not supported yet (docs/vision.md).")
-    ids, row_images = vision_prompts(prompts, columns, images, cfg, prefill)
+    ids, row_images = vision_prompts(prompts, columns, images, lambda m: render_prompt(m, tokenizer, cfg, prefill),
+                                     cfg.max_prompt_length)
     kept = columns if not cfg.remove_unused_columns else {}
     return PromptSet([as_messages(p, tokenizer, cfg) for p in prompts], ids, kept, None, skipped=skipped,
                      images=row_images, image_processing=images)

@@ -142,12 +142,11 @@ def check_image_tokens_masked(input_ids: torch.Tensor, completion_mask: torch.Te
                            "suppressed in sampling)")
 
 
-def vision_prompts(prompts: list, table: dict[str, list], processing: ImageProcessing, cfg, prefill: str,
-                   chunk: int = 256) -> tuple[list[list[int]], list[list]]:
-    """(token ids, images) per row: each prompt with its image parts, rendered by the chat template, each image pad
-    expanded to the image's token count (the grids come from the image processor, a chunk of rows at a time)."""
-    from grpo.training.data import render_prompt
-
+def vision_prompts(prompts: list, table: dict[str, list], processing: ImageProcessing, render,
+                   limit: int | None, chunk: int = 256) -> tuple[list[list[int]], list[list]]:
+    """(token ids, images) per row: each prompt with its image parts, rendered to text by `render(messages)` (the
+    chat template: grpo.training.data.render_prompt), each image pad expanded to the image's token count (the grids
+    come from the image processor, a chunk of rows at a time). A prompt over `limit` tokens is an error."""
     column = image_column(list(table))
     images = [row_images(p, table[column][i] if column else None, i) for i, p in enumerate(prompts)]
     ids = []
@@ -157,11 +156,10 @@ def vision_prompts(prompts: list, table: dict[str, list], processing: ImageProce
         grids = processing.features(flat)[1] if flat else torch.zeros((0, 3), dtype=torch.long)
         first = 0
         for i in part:
-            text = render_prompt(with_image_parts(prompts[i], len(images[i])), processing.tokenizer, cfg, prefill)
+            text = render(with_image_parts(prompts[i], len(images[i])))
             row = processing.tokenizer(text, add_special_tokens=False)["input_ids"]
             ids.append(processing.expand(row, grids[first:first + len(images[i])]))
             first += len(images[i])
-    limit = cfg.max_prompt_length
     long = [i for i, x in enumerate(ids) if limit is not None and len(x) > limit]
     if long:  # (cutting a prompt would cut its image tokens from their features)
         raise ConfigError(f"max_prompt_length: row {long[0]}'s prompt is {len(ids[long[0]])} tokens with its image "
