@@ -220,3 +220,28 @@ def test_vision_refusals(tmp_path):
     with pytest.raises(ConfigError, match="the data has images, but the model is not a vision-language model"):
         GRPOTrainer(args=vision_config(tmp_path, model_name_or_path="tiny-arith"),
                     train_dataset=get_task("shapes").dataset("train", n=8))
+
+
+def test_a_checkpoint_inside_a_rollout_keeps_its_rows_pixels_and_resumes_exactly(tmp_path):
+    """num_iterations 2: the rollout of step 1 feeds step 2 too, so step 1's checkpoint keeps it, pixels included;
+    stopped after step 1 and resumed, the run ends on the uninterrupted run's weights, bit for bit."""
+    from safetensors.torch import load_file
+    from transformers import TrainerCallback
+
+    from grpo.training.trainer import GRPOTrainer
+
+    class StopAfterFirstStep(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 1
+
+    data = get_task("shapes").dataset("train", n=16)
+    settings = dict(num_iterations=2, save_steps=1, save_strategy="steps", seed=3)
+    GRPOTrainer(args=vision_config(tmp_path / "a", **settings), reward_funcs=larger_answer, train_dataset=data).train()
+    GRPOTrainer(args=vision_config(tmp_path / "b", **settings), reward_funcs=larger_answer, train_dataset=data,
+                callbacks=[StopAfterFirstStep()]).train()
+    resumed = GRPOTrainer(args=vision_config(tmp_path / "b", **settings), reward_funcs=larger_answer,
+                          train_dataset=data)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.pending is not None and resumed.pending[0].images is not None  # (the kept rollout fed step 2)
+    straight, again = (load_file(str(tmp_path / d / "run" / "final" / "model.safetensors")) for d in "ab")
+    assert straight.keys() == again.keys() and all(torch.equal(straight[k], again[k]) for k in straight)

@@ -17,6 +17,7 @@ import torch
 from grpo.agents.metrics import agent_metrics, sample_stats
 from grpo.core import decoupled_advantages, group_advantages, mix_advantages, process_advantages
 from grpo.engines.base import SamplingParams, row_seed, sleep, update_weights, wake
+from grpo.engines.images import RowImages
 from grpo.engines.sampling import left_pad
 from grpo.training.faults import engine_faults
 
@@ -39,6 +40,10 @@ class RolloutBatch:
     plans: list | None = None  # its optimizer steps (grpo.training.steps.StepPlan), planned on the CPU; not saved
     images: list | None = None  # (N,) each row's image features (grpo.training.vision.RowImages), with image data
 
+    def __post_init__(self):
+        if self.images is not None:  # (a checkpoint keeps each row's features as a [pixels, grids] pair)
+            self.images = [r if isinstance(r, RowImages) else RowImages(*r) for r in self.images]
+
     @property
     def completion_width(self) -> int:
         return self.completion_mask.shape[1]
@@ -49,7 +54,7 @@ class RolloutBatch:
                  "ref_logp")
         return {**{n: None if getattr(self, n) is None else getattr(self, n).cpu() for n in names},
                 "metrics": self.metrics, "samples": self.samples, "index": self.index,
-                **({"images": self.images} if self.images is not None else {})}
+                **({"images": [[r.pixel_values, r.image_grid_thw] for r in self.images]} if self.images else {})}
 
 
 @dataclass
