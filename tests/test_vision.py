@@ -245,3 +245,39 @@ def test_a_checkpoint_inside_a_rollout_keeps_its_rows_pixels_and_resumes_exactly
     assert resumed.pending is not None and resumed.pending[0].images is not None  # (the kept rollout fed step 2)
     straight, again = (load_file(str(tmp_path / d / "run" / "final" / "model.safetensors")) for d in "ab")
     assert straight.keys() == again.keys() and all(torch.equal(straight[k], again[k]) for k in straight)
+
+
+def test_trls_vlm_example_runs_with_the_tiny_model_and_shapes(tmp_path):
+    """TRL's examples/scripts/grpo_vlm.py, its trainer call as written: TRL's GRPOConfig, a model path, a
+    [system, user] conversation with the picture in an `image` column and the answer in `solution`, TRL's
+    think_format_reward beside an accuracy reward; then save_model. The hub model and dataset are swapped for
+    tiny-vision and shapes rows with the example's columns."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+    from trl.rewards import think_format_reward
+
+    from grpo import GRPOTrainer
+
+    system = "A conversation between user and assistant. The user asks a question, and the assistant solves it."
+    rows = get_task("shapes").make_rows("train", 8, 0)
+    dataset = Dataset.from_list([{"problem": r["prompt"][0]["content"], "image": r["image"], "solution": r["answer"]}
+                                 for r in rows])
+    dataset = dataset.map(lambda example: {"prompt": [{"role": "system", "content": system},
+                                                      {"role": "user", "content": example["problem"]}]})
+
+    def accuracy_reward(completions, solution: list[str], **kwargs):
+        return [float(c[0]["content"].strip() == f"<answer>{s}</answer>") for c, s in zip(completions, solution)]
+
+    args = trl.GRPOConfig(output_dir=str(tmp_path / "out"), max_steps=2, max_completion_length=8,
+                          per_device_train_batch_size=4, num_generations=4, learning_rate=1e-3, report_to="none",
+                          use_cpu=True)  # (TRL 1.16 defaults to bf16, which it refuses on a CPU)
+    trainer = GRPOTrainer(model="tiny-vision", args=args, reward_funcs=[think_format_reward, accuracy_reward],
+                          train_dataset=dataset, eval_dataset=None, peft_config=None)
+    trainer.train()
+    trainer.save_model(args.output_dir)
+    from grpo.training.tracking import read_metrics
+
+    logged = read_metrics(tmp_path / "out")
+    assert trainer.step == 2 and any("reward/accuracy_reward" in r and "reward/think_format_reward" in r
+                                     for r in logged)
+    assert (tmp_path / "out" / "preprocessor_config.json").exists()
