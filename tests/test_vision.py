@@ -83,11 +83,20 @@ def test_prompt_has_as_many_image_tokens_as_the_image_has_merged_patches(vlm):
     assert ids[0].count(model.config.image_token_id) == 16
 
 
-def test_sampled_logprobs_equal_a_forward_of_the_same_rows(vlm):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_sampled_logprobs_equal_a_forward_of_the_same_rows(vlm, lora):
     """Generation carries each row's pixels and M-RoPE positions: the sampler's log-probs of its tokens equal those of
     one padded forward over prompt + completion (left-padded prompts of different images and lengths), under the
-    distribution it samples from: the vision tokens banned (-inf), the rest renormalized."""
+    distribution it samples from: the vision tokens banned (-inf), the rest renormalized. Under a LoRA wrapper too
+    (the rows' position offsets are found inside it)."""
     model, tok, processing = vlm
+    if lora:
+        import copy
+
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                                 init_lora_weights=False))
     ids, images = prompt_rows(processing, 3)
     ids[1] = ids[1] + [ids[1][-1]] * 3  # prompts of different lengths: left padding differs per row
     rows = [i for i in range(3) for _ in range(2)]
@@ -99,6 +108,7 @@ def test_sampled_logprobs_equal_a_forward_of_the_same_rows(vlm):
     with torch.no_grad():
         logits = model(input_ids=input_ids, attention_mask=attention,
                        **model_inputs(row_images, input_ids, model.config)).logits[:, -T - 1:-1]
+    logits = logits.clone()
     logits[..., vision_token_ids(model.config)] = float("-inf")
     forward = logits.log_softmax(-1).gather(2, input_ids[:, -T:, None])[..., 0]
     sampled = torch.zeros_like(forward)
@@ -281,3 +291,18 @@ def test_trls_vlm_example_runs_with_the_tiny_model_and_shapes(tmp_path):
     assert trainer.step == 2 and any("reward/accuracy_reward" in r and "reward/think_format_reward" in r
                                      for r in logged)
     assert (tmp_path / "out" / "preprocessor_config.json").exists()
+
+
+def test_lora_on_the_language_model_leaves_the_vision_tower_frozen(tmp_path):
+    """lora_target_modules q_proj, v_proj name only the language model's attention (the vision tower's are qkv and
+    proj): only those adapters train, and they do."""
+    from grpo.training.trainer import GRPOTrainer
+
+    trainer = GRPOTrainer(args=vision_config(tmp_path, use_peft=True, lora_target_modules=["q_proj", "v_proj"],
+                                             lora_r=4, lora_alpha=8), reward_funcs=larger_answer,
+                          train_dataset=get_task("shapes").dataset("train", n=16))
+    trained = {n: p.detach().clone() for n, p in trainer.policy.named_parameters() if p.requires_grad}
+    assert trained and all(".language_model." in n and "lora_" in n for n in trained)
+    trainer.train()
+    now = dict(trainer.policy.named_parameters())
+    assert any(not torch.equal(trained[n], now[n]) for n in trained)

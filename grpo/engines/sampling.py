@@ -207,7 +207,7 @@ class TransformersSampler:
             logits = out.logits[:, -1, :]
             # M-RoPE: a text token after the images sits at its text position plus the row's offset (N, 1), which the
             # prefill left in the model (transformers' generate reads it the same way)
-            pos = pos + getattr(getattr(self.model, "model", None), "rope_deltas", 0)
+            pos = pos + _rope_deltas(self.model)
         elif cache is not None and len(first) < n:  # a group's G rows share a prompt: encode each prompt once
             pick = torch.tensor(first, device=device)
             out = self.model(input_ids=ids[pick], attention_mask=mask[pick], position_ids=pos[pick],
@@ -289,6 +289,16 @@ def _vision_inputs(model, images: list | None, ids: torch.Tensor):
     from grpo.engines.images import model_inputs, vision_token_ids
 
     return model_inputs(images, ids, model.config), torch.tensor(vision_token_ids(model.config), device=ids.device)
+
+
+def _rope_deltas(model) -> torch.Tensor:
+    """(N, 1) each row's M-RoPE offset that the prompts' forward left in the model (Qwen2-VL's `rope_deltas`, on its
+    inner model, under a LoRA wrapper too)."""
+    deltas = next((m.rope_deltas for m in model.modules() if getattr(m, "rope_deltas", None) is not None), None)
+    if deltas is None:
+        raise RuntimeError(f"{type(model).__name__}: the prompts' forward left no rope_deltas; only Qwen2-VL-shaped "
+                           "models are sampled with images (docs/vision.md)")
+    return deltas
 
 
 _DONE_CHECK = 16
