@@ -318,12 +318,16 @@ def _eval(args) -> int:
         specs, weights, prefill = task.reward_funcs, task.reward_weights, task.prefill
     funcs = [resolve_reward(s) for s in specs]
     runner = RewardRunner(funcs, weights, on_error="zero")
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from grpo.training.vision import image_processing_for
 
     agents = make_agent_spec(cfg)  # (the tools' worker processes start before the model loads)
     tokenizer = load_tokenizer(str(model_path))
-    prompts = build_prompt_set(dataset, tokenizer, cfg, prefill, "--dataset", agents=agents)
-    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
+    images = image_processing_for(cfg, None, tokenizer)  # (a vision-language model: its image processor)
+    prompts = build_prompt_set(dataset, tokenizer, cfg, prefill, "--dataset", agents=agents, images=images)
+    auto = AutoModelForCausalLM if images is None else AutoModelForImageTextToText
+    model = auto.from_pretrained(str(model_path), dtype=torch.float32).eval()
     torch.manual_seed(args.seed)
     gen = make_sampler(choose_engine("auto", model, torch.device("cpu"), 1, "NO"), model, tokenizer)
     agent = agents and AgentRollout(agents, gen, tokenizer, prompts.render, args.max_completion_length)

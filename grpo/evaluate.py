@@ -32,7 +32,10 @@ def evaluate_prompts(generator, tokenizer, prompts: PromptSet, rewards, reward_n
         idx = order[start:start + batch_size]
         p, ids, cols = prompts.rows(idx)
         seeds = [seed * 1_000_003 + start + r for r in range(len(idx))]
-        if agent is None:
+        images = prompts.pixels(idx) if getattr(prompts, "images", None) is not None else None
+        if images is not None:  # (each row's pixels with it: grpo.training.vision)
+            out = generator.generate(ids, params, seeds, images=images)
+        elif agent is None:
             out = generator.generate(ids, params, seeds)
         else:
             out = agent.generate(p, ids, cols, params, seeds)

@@ -22,7 +22,7 @@ from grpo.config.base import DEFAULT_MODEL, _f
 class GRPOConfig:
     # ---- model -------------------------------------------------------------------------------------------------
     model_name_or_path: str = _f(DEFAULT_MODEL, "Model to train: a local Hugging Face directory, a hub name, or a "
-                                 "model shipped in the package by name (tiny-arith, tiny-tools). Default: tiny-arith.")
+                                 "model shipped in the package by name (tiny-arith, tiny-tools, tiny-vision). Default: tiny-arith.")
     model_revision: str = _f("main", "Revision (branch, tag or commit) of a hub model (TRL ModelConfig).")
     model_init_kwargs: dict | None = _f(None, "Further keyword arguments for from_pretrained (TRL's), e.g. "
                                         "{device_map: auto}; dtype, revision and attn_implementation here win.")

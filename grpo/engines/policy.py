@@ -33,6 +33,7 @@ class MicroBatch:
     old_logp: torch.Tensor | None = None  # (n, width): the sampling policy's log-probs, once known
     sampling_logp: torch.Tensor | None = None  # (n, width): the rollout engine's own log-probs, where it gave them
     packed: PackedRows | None = None
+    images: list | None = None  # (n,) each row's image features (grpo.engines.images.RowImages), on the CPU
 
 
 LossFn = Callable[[torch.Tensor, slice, "torch.Tensor | None"], LossOutput]
@@ -54,6 +55,8 @@ class TransformersBackend:
         """How this backend's passes pack micro-batches for `model` (None: padded, and why). Sequence-parallel:
         whole sequences in one row, which the group's processes split (grpo.engines.ulysses)."""
         packing, why = choose_packing(model, enabled)
+        if enabled and getattr(getattr(model, "config", None), "vision_config", None) is not None:
+            packing, why = None, "a vision-language model: packed passes do not carry image features yet"
         if self.sp is None:
             return packing, why
         from grpo.engines.ulysses import check_heads
@@ -71,16 +74,16 @@ class TransformersBackend:
         """Undo what `prepare` changed, so the model and the process are as they were."""
 
     def logprobs(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int,
-                 temperature: float, packed: PackedRows | None = None) -> torch.Tensor:
+                 temperature: float, packed: PackedRows | None = None, images: list | None = None) -> torch.Tensor:
         """(n, width) log-probs of the completion tokens under `model` (the policy or the reference), through the
-        packed layout `packed` of these rows when given (0 past each row's end)."""
+        packed layout `packed` of these rows when given (0 past each row's end), with the rows' `images`."""
         if self.sp is not None and packed is not None:
             from grpo.engines.ulysses import installed, sequence_parallel_logprobs
 
             with installed(model):
                 return sequence_parallel_logprobs(model, packed, self.sp, temperature, tile_kernels=self.tile_kernels)
         return completion_logprobs(model, input_ids, attention_mask, width, temperature, tile_kernels=self.tile_kernels,
-                                   packed=packed)
+                                   packed=packed, images=images)
 
     def loss_and_backward(self, micro: MicroBatch, temperature: float, loss_fn: LossFn,
                           with_entropy: bool, entropy_in_loss: bool = False) -> tuple[torch.Tensor, LossOutput]:
@@ -110,7 +113,7 @@ class TransformersBackend:
                                               entropy_grad, tile_kernels=self.tile_kernels)
         return completion_logprobs(self.model, micro.input_ids, micro.attention_mask, micro.width, temperature,
                                    with_entropy=with_entropy, tile_kernels=self.tile_kernels,
-                                   entropy_grad=entropy_grad, packed=micro.packed)
+                                   entropy_grad=entropy_grad, packed=micro.packed, images=micro.images)
 
     def backward(self, loss: torch.Tensor) -> None:
         # DDP averages gradients over processes; the loss is already a share of the global sum, so undo the mean.
@@ -248,7 +251,7 @@ def _packed_logprobs(model, packed: PackedRows, temperature: float, with_entropy
 
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
                         temperature: float, with_entropy: bool = False, tile_kernels=None, entropy_grad: bool = False,
-                        packed: PackedRows | None = None):
+                        packed: PackedRows | None = None, images: list | None = None):
     """Log-probs (N, T) of the last T=completion_len tokens of each row under `model`, at the sampling temperature.
 
     input_ids (N, P+T): prompts left-padded to P, completions right-padded to T. Position j predicts token j+1, so
@@ -264,11 +267,14 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
 
     `packed`: the padding-free layout of these rows (`grpo.engines.packing.pack`); the passes then compute real
     tokens only, and the result is the same (N, T), 0 past each row's end.
+
+    `images`: each row's image features (a vision-language model): the model's own forward takes them with the ids
+    and computes its positions itself (M-RoPE), on the logits path.
     """
     if packed is not None:
         return _packed_logprobs(model, packed, temperature, with_entropy, tile_kernels, entropy_grad)
     targets = input_ids[:, -completion_len:]  # (N, T)
-    head, inner = tiled_head(model)
+    head, inner = tiled_head(model) if images is None else (None, None)
     if head is not None:
         if inner is None:
             hidden = _completion_hidden(model, input_ids, attention_mask, completion_len)
@@ -283,8 +289,9 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
                                         kernels=tile_kernels and tile_kernels(hidden.dtype, hidden.device),
                                         float32_head=getattr(head, "grpo_float32_head", False))
         return (logp, entropy if entropy_grad else entropy.detach()) if with_entropy else logp
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
-                logits_to_keep=completion_len + 1, use_cache=False)
+    extra = {"position_ids": position_ids(attention_mask)} if images is None else _image_inputs(model, images, input_ids)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=completion_len + 1, use_cache=False,
+                **extra)
     logits = out.logits[:, :-1, :]  # (N, T, V)
     logp = token_logprobs(logits, targets, temperature=temperature)
     if not with_entropy:
@@ -293,6 +300,16 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
         return logp, token_entropy(logits, temperature=temperature)
     with torch.no_grad():
         return logp, token_entropy(logits.detach(), temperature=temperature)
+
+
+def _image_inputs(model, images: list, input_ids: torch.Tensor) -> dict:
+    from accelerate.utils import extract_model_from_parallel
+
+    from grpo.engines.images import model_inputs
+
+    base = extract_model_from_parallel(model)
+    base = base.get_base_model() if is_peft(base) else base
+    return model_inputs(images, input_ids, base.config)
 
 
 def dropout_active(model) -> bool:

@@ -158,7 +158,9 @@ class TransformersSampler:
         self.all_stopped = all_stopped or (lambda done: bool(done.all()))
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seeds: list[int]) -> Completions:
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seeds: list[int],
+                 images: list | None = None) -> Completions:
+        """`images`: each row's image features (grpo.engines.images.RowImages) for a vision-language model."""
         size = self.batch_size or len(prompt_ids)
         ids: list[list[int]] = []
         truncated: list[bool] = []
@@ -168,7 +170,8 @@ class TransformersSampler:
         try:
             for start in range(0, len(prompt_ids), size):
                 rngs = [torch.Generator().manual_seed(s) for s in seeds[start:start + size]]
-                part = self._sample_batch(prompt_ids[start:start + size], params, rngs)
+                part = self._sample_batch(prompt_ids[start:start + size], params, rngs,
+                                          None if images is None else images[start:start + size])
                 ids += part.ids
                 truncated += part.truncated
                 logprobs += part.logprobs
@@ -186,8 +189,8 @@ class TransformersSampler:
     def _draw(self, logits: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return sample_rows(logits, uniforms)
 
-    def _sample_batch(self, prompt_ids: list[list[int]], p: SamplingParams,
-                      rngs: list[torch.Generator]) -> Completions:
+    def _sample_batch(self, prompt_ids: list[list[int]], p: SamplingParams, rngs: list[torch.Generator],
+                      images: list | None = None) -> Completions:
         device = next(self.model.parameters()).device
         ids, mask = left_pad(prompt_ids, self.pad_id)
         ids, mask = ids.to(device), mask.to(device)
@@ -196,7 +199,17 @@ class TransformersSampler:
         eos = torch.tensor(self.eos_ids, device=device)
         cache = preallocated_cache(self.model, ids.shape[1] + p.max_new_tokens)
         first, copies = distinct_rows(prompt_ids)
-        if cache is not None and len(first) < n:  # a group's G rows share a prompt: encode each prompt once
+        vision, banned = _vision_inputs(self.model, images, ids)
+        if vision is not None:
+            # A vision-language model computes its prompt's (M-RoPE) positions from the image grids and keeps each
+            # row's offset for the decode steps: every row stays in the batch, each prompt encoded with its pixels.
+            out = self.model(input_ids=ids, attention_mask=mask, use_cache=True, past_key_values=cache,
+                             logits_to_keep=1, **vision)
+            logits = out.logits[:, -1, :]
+            # M-RoPE: a text token after the images sits at its text position plus the row's offset (N, 1), which the
+            # prefill left in the model (transformers' generate reads it the same way)
+            pos = pos + _rope_deltas(self.model)
+        elif cache is not None and len(first) < n:  # a group's G rows share a prompt: encode each prompt once
             pick = torch.tensor(first, device=device)
             out = self.model(input_ids=ids[pick], attention_mask=mask[pick], position_ids=pos[pick],
                              use_cache=True, **cache_args(self.model, cache), logits_to_keep=1)
@@ -208,7 +221,7 @@ class TransformersSampler:
                              **cache_args(self.model, cache), logits_to_keep=1)
             logits = out.logits[:, -1, :]
         vocab = logits.shape[-1]
-        step = self._decode_step(cache, n, mask, p) if cache is not None else None
+        step = self._decode_step(cache, n, mask, p) if cache is not None and vision is None else None
         seen = None
         if p.repetition_penalty != 1.0:
             seen = torch.zeros((n, vocab), dtype=torch.bool, device=device)
@@ -228,6 +241,8 @@ class TransformersSampler:
         check_every = 1 if device.type == "cpu" else _DONE_CHECK
         for t in range(p.max_new_tokens):
             logits = process_logits(logits.float(), seen, p)
+            if banned is not None:  # (an image token drawn would have no features: TRL suppresses it too)
+                logits[:, banned] = float("-inf")
             token, logprob = self._draw(logits, uniforms[:, t])
             new_logprobs[row, t] = logprob
             token = torch.where(done, torch.full_like(token, self.pad_id), token)
@@ -238,7 +253,7 @@ class TransformersSampler:
                 seen[torch.arange(seen.shape[0], device=device), token] = True
             if t == p.max_new_tokens - 1 or ((t + 1) % check_every == 0 and self.all_stopped(done)):
                 break
-            if (t + 1) % check_every == 0 and cache is not None:
+            if (t + 1) % check_every == 0 and cache is not None and vision is None:
                 finished = int(done.sum())  # (all of them: other processes' rows still run, sharded weights)
                 if _LEAVE_FRACTION * done.shape[0] <= finished < done.shape[0]:
                     row = torch.arange(n, device=device)[row]
@@ -266,6 +281,25 @@ class TransformersSampler:
         rows, lps, lengths = rows.tolist(), lps.tolist(), length.tolist()
         return Completions([r[:k] for r, k in zip(rows, lengths)], [not e for e in ended],
                            [lp[:k] for lp, k in zip(lps, lengths)])
+
+
+def _vision_inputs(model, images: list | None, ids: torch.Tensor):
+    """(the model's image arguments for the prefill, the (k,) vision token ids never to sample), or (None, None)."""
+    if images is None:
+        return None, None
+    from grpo.engines.images import model_inputs, vision_token_ids
+
+    return model_inputs(images, ids, model.config), torch.tensor(vision_token_ids(model.config), device=ids.device)
+
+
+def _rope_deltas(model) -> torch.Tensor:
+    """(N, 1) each row's M-RoPE offset that the prompts' forward left in the model (Qwen2-VL's `rope_deltas`, on its
+    inner model, under a LoRA wrapper too)."""
+    deltas = next((m.rope_deltas for m in model.modules() if getattr(m, "rope_deltas", None) is not None), None)
+    if deltas is None:
+        raise RuntimeError(f"{type(model).__name__}: the prompts' forward left no rope_deltas; only Qwen2-VL-shaped "
+                           "models are sampled with images (docs/vision.md)")
+    return deltas
 
 
 _DONE_CHECK = 16

@@ -50,6 +50,9 @@ def choose_engine(requested: str, model, device: torch.device, processes: int, d
         blockers.append(f"the model trains on {device.type}")
     if dtype != "float32":
         blockers.append(f"its weights are {dtype}")
+    vision = getattr(getattr(model, "config", None), "vision_config", None) is not None
+    if vision:
+        blockers.append("it is a vision-language model")  # (the CPU engine's passes take no image features)
     if processes > 1:
         blockers.append(f"{processes} processes")
     elif distributed != "NO":
@@ -62,7 +65,8 @@ def choose_engine(requested: str, model, device: torch.device, processes: int, d
     if not blockers:
         return EngineChoice("cpu", f"float32 {arch} on CPU, 1 process")
     processes_text = f"{processes} process" + ("es" if processes > 1 else "")
-    return EngineChoice("transformers", f"{device.type}, {dtype} {arch}, {processes_text}")
+    return EngineChoice("transformers", f"{device.type}, {dtype} {arch}, {processes_text}"
+                                        + (", vision-language" if vision else ""))
 
 
 def make_engine(choice: EngineChoice, model, policy, accelerator, tokenizer, params, reference=None,

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from grpo.rows import make_table
-from grpo.tasks import arithmetic, calculator, countdown
+from grpo.tasks import arithmetic, calculator, countdown, shapes
 from grpo.tasks._common import SPLITS, check_split
 
 __all__ = ["SPLITS", "TASKS", "Task", "export", "get_task"]
@@ -100,6 +100,20 @@ TASKS: dict[str, Task] = {
         default_sizes={"train": 10_000, "test": 500},
         tools=("calculator",),
     ),
+    "shapes": Task(
+        name="shapes",
+        description=(
+            "Count the shapes of one colour and kind in a generated 64x64 picture ('How many red squares?'), the "
+            "picture in the `image` column: a vision-language task for grpo/assets/tiny-vision (docs/vision.md); "
+            "knobs `max_count` (default 4) and `distractors` (default 3)."
+        ),
+        reward_funcs=["math_accuracy"],
+        reward_weights=[1.0],
+        prefill="",
+        step_reward=None,
+        make_rows=shapes.rows,
+        default_sizes={"train": 10_000, "test": 500},
+    ),
 }
 
 
@@ -120,5 +134,8 @@ def export(task_name: str, out_dir: str | Path, n_train: int, n_test: int, seed:
         paths[split] = out / f"{split}.jsonl"
         with paths[split].open("w", encoding="utf-8") as f:
             for row in task.dataset(split, n=n, seed=seed, **knobs):
+                if "image" in row:
+                    raise ValueError(f"export: task {task_name!r} has images, which JSONL cannot hold; use "
+                                     "task.dataset(...).save_to_disk(path) instead")
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
     return paths

@@ -23,6 +23,8 @@ from typing import Any, Callable
 import torch
 
 from grpo.config import ConfigError, GRPOConfig
+from grpo.engines.images import split_rows
+from grpo.training.vision import has_images, vision_prompts
 
 PROMPT_COLUMN_CANDIDATES = ("prompt", "problem", "question")
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -161,6 +163,8 @@ class PromptSet:
     columns: dict[str, list[Any]]
     render: Callable[..., list[int]] | None = None  # render(prompt, tool_schemas) -> ids, as these were rendered
     skipped: int = 0  # bad rows left out (dataset_on_bad_row=skip)
+    images: list[list] | None = None  # each prompt's PIL images (vision-language data), else None
+    image_processing: Any = None  # grpo.training.vision.ImageProcessing, with images
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -168,6 +172,17 @@ class PromptSet:
     def rows(self, index: list[int]) -> tuple[list[Any], list[list[int]], dict[str, list[Any]]]:
         return ([self.prompts[i] for i in index], [self.prompt_ids[i] for i in index],
                 {k: [v[i] for i in index] for k, v in self.columns.items()})
+
+    def pixels(self, index: list[int]) -> list | None:
+        """The image features (grpo.engines.images.RowImages) of rows `index`, each distinct prompt processed
+        once (a group's G rows share theirs); None without images."""
+        if self.images is None:
+            return None
+        distinct = list(dict.fromkeys(index))
+        flat = [img for i in distinct for img in self.images[i]]
+        pixels, grids = self.image_processing.features(flat)
+        rows = dict(zip(distinct, split_rows(pixels, grids, [len(self.images[i]) for i in distinct])))
+        return [rows[i] for i in index]
 
 
 def uses_template(tokenizer, cfg: GRPOConfig) -> bool:
@@ -205,9 +220,10 @@ def render_prompt(prompt: Any, tokenizer, cfg: GRPOConfig, prefill: str, tools: 
 
 
 def build_prompt_set(dataset, tokenizer, cfg: GRPOConfig, prefill: str, name: str = "dataset",
-                     answer_columns: tuple[str, ...] = (), agents=None) -> PromptSet:
+                     answer_columns: tuple[str, ...] = (), agents=None, images=None) -> PromptSet:
     """The dataset's prompts rendered and tokenized; with `agents` (grpo.agents.AgentSpec), each with its row's
-    tools, once the chat template is known to render tool calls."""
+    tools, once the chat template is known to render tool calls. Data with images (an `image` / `images` column or
+    image parts) needs `images`, the model's grpo.training.vision.ImageProcessing."""
     if len(dataset) == 0:
         raise ConfigError(f"{name}: the dataset is empty; GRPO needs at least one prompt.")
     column = find_prompt_column(list(dataset.column_names), cfg.prompt_column)
@@ -224,11 +240,26 @@ def build_prompt_set(dataset, tokenizer, cfg: GRPOConfig, prefill: str, name: st
         table = {c: [values[i] for i in keep] for c, values in table.items()}
         prompts = table[column]
     columns = {c: table[c] for c in dataset.column_names if c != column}
+    if has_images(list(columns), prompts):
+        return _vision_prompt_set(prompts, columns, tokenizer, cfg, prefill, name, skipped, images, agents)
     tools = agents.prompt_tools(tokenizer)(columns, len(prompts)) if agents else None
     ids = tokenize_prompts(prompts, tokenizer, cfg, prefill, tools=tools)
     kept = columns if not cfg.remove_unused_columns else agents.needed_columns(columns) if agents else {}
     messages = [as_messages(p, tokenizer, cfg) for p in prompts]
     return PromptSet(messages, ids, kept, prompt_renderer(tokenizer, cfg, prefill), skipped=skipped)
+
+
+def _vision_prompt_set(prompts, columns, tokenizer, cfg, prefill, name, skipped, images, agents) -> PromptSet:
+    if images is None:
+        raise ConfigError(f"{name}: the data has images, but the model is not a vision-language model with an image "
+                          "processor; train a vision-language model (docs/vision.md) or drop the image column.")
+    if agents is not None:
+        raise ConfigError(f"{name}: image prompts with tools or environments are not supported yet (docs/vision.md).")
+    ids, row_images = vision_prompts(prompts, columns, images, lambda m: render_prompt(m, tokenizer, cfg, prefill),
+                                     cfg.max_prompt_length)
+    kept = columns if not cfg.remove_unused_columns else {}
+    return PromptSet([as_messages(p, tokenizer, cfg) for p in prompts], ids, kept, None, skipped=skipped,
+                     images=row_images, image_processing=images)
 
 
 def tokenize_prompts(prompts: list[Any], tokenizer, cfg: GRPOConfig, prefill: str, first_row: int = 0,

@@ -51,7 +51,8 @@ class Plan:
         return MicroBatch(batch.input_ids[self.rows, :end].to(device), batch.attention_mask[self.rows, :end].to(device),
                           self.width, old_logp=self.take(batch.old_logp, device),
                           sampling_logp=self.take(batch.sampling_logp, device),
-                          packed=None if self.packed is None else self.packed.to(device))
+                          packed=None if self.packed is None else self.packed.to(device),
+                          images=None if batch.images is None else [batch.images[r] for r in self.rows.tolist()])
 
 
 class MicroBatches:

@@ -40,8 +40,9 @@ def load_tokenizer(path: str, cfg: GRPOConfig | None = None):
 
 
 def load_model(cfg: GRPOConfig, quantization_config=None):
-    """The policy from model_name_or_path; model_init_kwargs (TRL's) are passed on and win over the separate keys."""
-    from transformers import AutoModelForCausalLM
+    """The policy from model_name_or_path; model_init_kwargs (TRL's) are passed on and win over the separate keys.
+    A vision-language config (one with a vision_config) loads with AutoModelForImageTextToText, as TRL loads it."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     kwargs = {"dtype": DTYPES[cfg.torch_dtype], "revision": cfg.model_revision,
               "trust_remote_code": cfg.trust_remote_code}
@@ -63,7 +64,10 @@ def load_model(cfg: GRPOConfig, quantization_config=None):
         extra["dtype"] = extra.pop("torch_dtype")
     kwargs.update(extra)
     try:
-        return AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, **kwargs)
+        config = AutoConfig.from_pretrained(cfg.model_name_or_path, revision=cfg.model_revision,
+                                            trust_remote_code=cfg.trust_remote_code)
+        auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+        return auto.from_pretrained(cfg.model_name_or_path, **kwargs)
     except (OSError, ValueError, TypeError) as err:
         raise ConfigError(f"model_name_or_path: cannot load {cfg.model_name_or_path!r}: {err}") from None
 
@@ -208,6 +212,12 @@ def load_model_files(model, path) -> None:
     from grpo.training.checkpoint import model_weights
 
     weights = model_weights(path, adapters=is_peft(model))
+    if not is_peft(model) and getattr(model.config, "vision_config", None) is not None:
+        # A vision-language model's files name its weights as the hub does (`visual.*`, `model.layers.*`), not as
+        # its modules do (`model.visual.*`, `model.language_model.*`): transformers' loader maps them back.
+        from transformers import AutoModelForImageTextToText
+
+        weights = AutoModelForImageTextToText.from_pretrained(path, dtype=next(model.parameters()).dtype).state_dict()
     if is_peft(model):
         from peft import set_peft_model_state_dict
 

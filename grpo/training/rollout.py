@@ -17,6 +17,7 @@ import torch
 from grpo.agents.metrics import agent_metrics, sample_stats
 from grpo.core import decoupled_advantages, group_advantages, mix_advantages, process_advantages
 from grpo.engines.base import SamplingParams, row_seed, sleep, update_weights, wake
+from grpo.engines.images import RowImages
 from grpo.engines.sampling import left_pad
 from grpo.training.faults import engine_faults
 
@@ -37,6 +38,11 @@ class RolloutBatch:
     samples: list[dict] = field(default_factory=list)
     index: int = 0  # which rollout of the run (seeds its sampling and the order of its optimizer steps)
     plans: list | None = None  # its optimizer steps (grpo.training.steps.StepPlan), planned on the CPU; not saved
+    images: list | None = None  # (N,) each row's image features (grpo.training.vision.RowImages), with image data
+
+    def __post_init__(self):
+        if self.images is not None:  # (a checkpoint keeps each row's features as a [pixels, grids] pair)
+            self.images = [r if isinstance(r, RowImages) else RowImages(*r) for r in self.images]
 
     @property
     def completion_width(self) -> int:
@@ -47,7 +53,8 @@ class RolloutBatch:
         names = ("input_ids", "attention_mask", "completion_mask", "advantages", "old_logp", "sampling_logp",
                  "ref_logp")
         return {**{n: None if getattr(self, n) is None else getattr(self, n).cpu() for n in names},
-                "metrics": self.metrics, "samples": self.samples, "index": self.index}
+                "metrics": self.metrics, "samples": self.samples, "index": self.index,
+                **({"images": [[r.pixel_values, r.image_grid_thw] for r in self.images]} if self.images else {})}
 
 
 @dataclass
@@ -82,6 +89,7 @@ class Sampled:
     logprobs: list[list[float]] | None = None  # the sampler's, per completion token (None if it gave none)
     model_mask: list[list[int]] | None = None  # multi-turn: 1 on the model's own completion tokens, 0 on tools'
     agent_stats: list[dict[str, int]] | None = None  # multi-turn: turns, tool calls and errors of each row
+    images: list | None = None  # each row's image features (grpo.training.vision.RowImages), with image data
 
     def select(self, rows: list[int]) -> "Sampled":
         values = {}
@@ -338,8 +346,11 @@ class Rollouts:
         prompts, prompt_ids, columns, seeds = request.prompts, request.prompt_ids, request.columns, request.seeds
         t0 = time.perf_counter()
         agent = None
+        images = self.train_set.pixels(rows) if getattr(self.train_set, "images", None) is not None else None
         with engine_faults(self.cfg, "generation"):  # (out of memory, a dead vLLM: an error naming the setting)
-            if self.agent is None:
+            if images is not None:  # (each row's pixels go with it: grpo.training.vision)
+                out = self.generator.generate(prompt_ids, self.params, seeds, images=images)
+            elif self.agent is None:
                 # (a server engine sends every process's rows in one request, all processes calling at once)
                 out = getattr(self.generator, "generate_together", self.generator.generate)(prompt_ids, self.params,
                                                                                              seeds)
@@ -356,7 +367,7 @@ class Rollouts:
         self.times["scoring"] += time.perf_counter() - t1
         return Sampled(prompts, prompt_ids, columns, out.ids, out.truncated, texts, completions, scored.total,
                        scored.per_func, scored.errors, scored.timeouts, out.logprobs,
-                       *((agent.model_mask, agent.stats) if agent is not None else ()))
+                       *((agent.model_mask, agent.stats) if agent is not None else ()), images=images)
 
     def _sample_dynamic(self, index: int) -> tuple[Sampled, dict[str, float]]:
         """DAPO dynamic sampling: drop groups whose rewards are all equal, sample more prompts until the step has
@@ -397,7 +408,11 @@ class Rollouts:
             ids = [strip_eos(c, self.eos_ids) for c in s.completion_ids]
             advantages, step_metrics = self._process_advantages(s.prompts, s.completions, ids, s.columns, outcome,
                                                                 cmask)
-        batch = RolloutBatch(input_ids, attention, cmask, advantages)
+        batch = RolloutBatch(input_ids, attention, cmask, advantages, images=s.images)
+        if s.images is not None:
+            from grpo.training.vision import check_image_tokens_masked
+
+            check_image_tokens_masked(input_ids, cmask, self.policy.config.image_token_id)
         if s.logprobs is not None:
             batch.sampling_logp = pad_rows(s.logprobs, cmask.shape[1])
         self.times["scoring"] += time.perf_counter() - t0

@@ -69,6 +69,8 @@ def tokenizer_for(cfg: GRPOConfig, processing_class, path: str):
     """The given tokenizer (with the config's chat template and a pad token, as TRL sets one), else the model's."""
     from grpo.training.model import load_tokenizer
 
+    if hasattr(processing_class, "image_processor") and hasattr(processing_class, "tokenizer"):
+        processing_class = processing_class.tokenizer  # a processor: its tokenizer (grpo.training.vision its images)
     if processing_class is None:
         return load_tokenizer(path, cfg)
     if cfg.chat_template is not None:

@@ -176,7 +176,7 @@ class StreamingPrompts:
 
 
 def make_prompts(dataset, tokenizer, cfg: GRPOConfig, prefill: str, rewards, name: str = "dataset_name",
-                 agents=None):
+                 agents=None, images=None):
     """(the prompt set, its sampler) of the training data: one `StreamingPrompts` for a stream (both roles), else a
     `PromptSet` tokenized whole and a shuffled `PromptSampler` over it."""
     from grpo.rewards import column_requirements
@@ -184,6 +184,9 @@ def make_prompts(dataset, tokenizer, cfg: GRPOConfig, prefill: str, rewards, nam
 
     answers = tuple(dict.fromkeys(c for f in rewards.funcs for accepted in column_requirements(f) for c in accepted))
     if is_stream(dataset):
+        if images is not None:
+            raise ConfigError("dataset_streaming: a streamed dataset with images is not supported yet; load it whole "
+                              "(dataset_streaming: false).")
         if cfg.max_steps <= 0:
             raise ConfigError("max_steps: a streamed dataset has no length, so num_train_epochs cannot say when to "
                               "stop; set max_steps (TRL's rule for an IterableDataset).")
@@ -192,7 +195,7 @@ def make_prompts(dataset, tokenizer, cfg: GRPOConfig, prefill: str, rewards, nam
                               "is not supported yet; load the dataset whole (dataset_streaming: false).")
         prompts = StreamingPrompts(dataset, tokenizer, cfg, prefill, answers, name)
         return prompts, prompts
-    prompts = build_prompt_set(dataset, tokenizer, cfg, prefill, name, answers, agents)
+    prompts = build_prompt_set(dataset, tokenizer, cfg, prefill, name, answers, agents, images)
     sampler = PromptSampler(len(prompts), cfg.seed if cfg.data_seed is None else cfg.data_seed, cfg.shuffle_dataset)
     return prompts, sampler
 

@@ -103,9 +103,10 @@ def end_lines(trainer, last: dict[str, float], seconds: float) -> list[str]:
     shown = [k for k in ("reward/total", "eval/accuracy", "policy/kl_divergence") if k in last]
     metrics = ", ".join(f"{k} {last[k]:.3f}" for k in shown)
     failures = [*trainer.rewards.failure_summary(), *trainer.health.summary()]  # (one line each, not per failure)
+    auto = "AutoModelForImageTextToText" if getattr(trainer, "images", None) is not None else "AutoModelForCausalLM"
     return [f"done     {trainer.step} steps in {minutes}m{secs:02d}s" + (f"; {metrics}" if metrics else ""),
             *(f"WARNING  {line}" for line in failures),
-            f"model    {trainer.cfg.output_dir}/final (AutoModelForCausalLM.from_pretrained loads it)"]
+            f"model    {trainer.cfg.output_dir}/final ({auto}.from_pretrained loads it)"]
 
 
 def finish_run(out) -> None:

@@ -56,6 +56,7 @@ from grpo.training.summary import TrainResult, end_lines, finish_run, log_step, 
 from grpo.training.trl_surface import (TRLSurface, TrainingSummary, data_without_dataset, eval_sets,
                                        warn_as_trl, with_prompt_column)
 from grpo.training.update import Update, apply_step, clip_gradients
+from grpo.training.vision import image_processing_for
 
 
 class GRPOTrainer(TRLSurface):
@@ -109,11 +110,13 @@ class GRPOTrainer(TRLSurface):
 
         self.tokenizer = tokenizer_for(cfg, processing_class, cfg.model_name_or_path if from_path else
                                        model.name_or_path)
+        self.images = image_processing_for(cfg, processing_class, self.tokenizer, None if from_path else model)
         # Tokenize and check the data before the weights load: a bad row or length fails in seconds.
         self.train_set, self.sampler = make_prompts(train_dataset, self.tokenizer, cfg, self.prefill, self.rewards,
-                                                    agents=self.agents)
+                                                    agents=self.agents, images=self.images)
         self.eval_set = eval_sets(eval_dataset, lambda data: build_prompt_set(
-            data, self.tokenizer, cfg, self.prefill, "eval_dataset_name", agents=self.agents))  # (a dict: by name)
+            data, self.tokenizer, cfg, self.prefill, "eval_dataset_name", agents=self.agents,
+            images=self.images))  # (a dict: by name)
         self.layout = resolve_layout(cfg, self.world, prompt_count(self.train_set))
         self.B, self.G = self.layout.prompts_per_rollout, cfg.num_generations
         check_sizes(cfg, prompt_count(self.train_set), self.B, self.train_set.prompt_ids,
@@ -347,4 +350,4 @@ class GRPOTrainer(TRLSurface):
         if self.sharded:  # gathered on the main process
             sharded_ckpt.save_final(self.accel, self.policy, self.tokenizer, path, self.cfg.merge_lora_on_save)
         elif self.accel.is_main_process:
-            save_final(self.policy, self.tokenizer, path, merge=self.cfg.merge_lora_on_save)
+            save_final(self.policy, self.images or self.tokenizer, path, merge=self.cfg.merge_lora_on_save)

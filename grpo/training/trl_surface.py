@@ -101,7 +101,8 @@ class TRLSurface:
 
         if eval_dataset is not None:
             sets = eval_sets(eval_dataset, lambda data: build_prompt_set(
-                data, self.tokenizer, self.cfg, self.prefill, "eval_dataset", agents=self.agents))
+                data, self.tokenizer, self.cfg, self.prefill, "eval_dataset", agents=self.agents,
+                images=self.images))
         else:
             sets = self.eval_set
         if sets is None:

@@ -55,7 +55,8 @@ class Update:
                 for m in step.micro_batches if step.iteration == 0 else ():
                     x = m.inputs(batch, device)
                     out[m.rows, :m.width] = self.backend.logprobs(model, x.input_ids, x.attention_mask, m.width,
-                                                                  self.cfg.temperature, x.packed)
+                                                                  self.cfg.temperature, x.packed,
+                                                                  **({"images": x.images} if x.images else {}))
         return out
 
     def run(self, batch: RolloutBatch, plans: list[StepPlan], optimizer, scheduler,
