@@ -47,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
                     "calculator; the samples are then multi-turn conversations")
     ev.add_argument("--n", type=int, default=500, help="number of held-out problems (default 500)")
     ev.add_argument("--k", type=int, default=1, help="samples per problem (default 1)")
-    ev.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
+    ev.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0; 0: greedy)")
     ev.add_argument("--max-completion-length", type=int, default=128, help="tokens per sample (default 128)")
     ev.add_argument("--difficulty", type=int, default=None, help="task difficulty (default: the task's)")
     ev.add_argument("--seed", type=int, default=0, help="seed of the problems and of sampling (default 0)")

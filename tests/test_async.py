@@ -113,8 +113,9 @@ def test_each_rollout_is_sampled_with_the_weights_lag_rollouts_before(tiny_model
     """Rollout t's sampling log-probs (the worker's, under the weights it had) equal the log-probs of its tokens
     under the trainer's weights at rollout max(0, t - lag), and not under the next or previous version; with the CPU
     engine and the transformers engine, several passes over a rollout (mu 2) and several optimizer steps per pass."""
+    # (one torch thread, as the worker has: the two processes' reference passes then sum in the same order)
     trainer = trainer_for(tiny_model_dir, tmp_path / "run", max_staleness=lag, num_iterations=mu, engine=engine,
-                          **extra)
+                          num_threads=1, **extra)
     snapshots, batches, real_next = {}, {}, trainer.source.next
 
     def recording_next(index):

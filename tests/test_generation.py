@@ -92,6 +92,12 @@ def test_filters_by_hand():
     seen = torch.tensor([[True, False, False, False]])
     penalized = process_logits(logits, seen, SamplingParams(8, repetition_penalty=2.0))
     assert math.isclose(penalized[0, 0].item(), 2 * math.log(0.5), rel_tol=1e-6)
+    # Temperature 0 (grpo eval's greedy): only the most likely token stays, and any uniform draws it.
+    greedy = SamplingParams(8, temperature=0.0)
+    assert keep(greedy) == [True, False, False, False] and not greedy.unfiltered
+    for u in (0.0, 0.5, 0.999):
+        drawn = sample_rows(process_logits(logits, None, greedy), torch.tensor([u], dtype=torch.float64))[0]
+        assert drawn.tolist() == [0]
 
 
 def test_left_pad():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -371,9 +372,10 @@ def test_resume_continues_to_the_same_weights(tiny_model_dir, tmp_path):
 
     interrupted = base_config(tmp_path / "b", max_steps=4, save_steps=2)  # leaves checkpoint-2
     GRPOTrainer(model=tiny_model_dir, reward_funcs=[count_a], args=interrupted, train_dataset=prompts()).train()
+    # (named: the run went on to finish, and `resume: true` of a finished run does nothing)
     resumed = GRPOTrainer(model=tiny_model_dir, reward_funcs=[count_a],
-                          args=base_config(tmp_path / "b", max_steps=4, resume=True), train_dataset=prompts())
-    resumed.train()
+                          args=base_config(tmp_path / "b", max_steps=4), train_dataset=prompts())
+    resumed.train(resume_from_checkpoint=str(Path(interrupted.output_dir) / "checkpoint-2"))
     assert resumed.step == 4
     got = resumed.policy.state_dict()
     assert max((got[k] - want[k]).abs().max().item() for k in want) == 0.0

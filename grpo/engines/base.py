@@ -27,7 +27,8 @@ class SamplingParams:
     @property
     def unfiltered(self) -> bool:
         """Whether tokens are drawn from the tempered distribution itself (no top-k/top-p/min-p/penalty)."""
-        return self.top_k == 0 and self.top_p == 1.0 and self.min_p == 0.0 and self.repetition_penalty == 1.0
+        return (self.temperature > 0 and self.top_k == 0 and self.top_p == 1.0 and self.min_p == 0.0
+                and self.repetition_penalty == 1.0)
 
 
 @dataclass

@@ -54,17 +54,16 @@ class TransformersBackend:
     def packing(self, model, enabled: bool) -> tuple[Packing | None, str]:
         """How this backend's passes pack micro-batches for `model` (None: padded, and why). Sequence-parallel:
         whole sequences in one row, which the group's processes split (grpo.engines.ulysses)."""
-        packing, why = choose_packing(model, enabled)
         if enabled and getattr(getattr(model, "config", None), "vision_config", None) is not None:
             packing, why = None, "a vision-language model: packed passes do not carry image features yet"
+        else:
+            packing, why = choose_packing(model, enabled)
         if self.sp is None:
             return packing, why
-        from grpo.engines.ulysses import check_heads
-
         if packing is None:
             raise ValueError(f"sequence_parallel_size={self.sp.size} splits packed micro-batches, but this model's "
                              f"passes cannot be packed ({why}); use sequence_parallel_size: 1.")
-        check_heads(model.config, self.sp.size)
+        self.sp.check_heads(model.config)
         return Packing(False, None, None, f"Ulysses over {self.sp.size} processes"), ""
 
     def prepare(self) -> None:
@@ -78,10 +77,8 @@ class TransformersBackend:
         """(n, width) log-probs of the completion tokens under `model` (the policy or the reference), through the
         packed layout `packed` of these rows when given (0 past each row's end), with the rows' `images`."""
         if self.sp is not None and packed is not None:
-            from grpo.engines.ulysses import installed, sequence_parallel_logprobs
-
-            with installed(model):
-                return sequence_parallel_logprobs(model, packed, self.sp, temperature, tile_kernels=self.tile_kernels)
+            with self.sp.installed(model):
+                return self.sp.logprobs(model, packed, temperature, tile_kernels=self.tile_kernels)
         return completion_logprobs(model, input_ids, attention_mask, width, temperature, tile_kernels=self.tile_kernels,
                                    packed=packed, images=images)
 
@@ -101,16 +98,12 @@ class TransformersBackend:
         return logp.detach(), result
 
     def _sequence_parallel(self):
-        from grpo.engines.ulysses import installed
-
-        return installed(self.model) if self.sp is not None else contextlib.nullcontext()
+        return self.sp.installed(self.model) if self.sp is not None else contextlib.nullcontext()
 
     def _logprobs_with_grad(self, micro: MicroBatch, temperature: float, with_entropy: bool, entropy_grad: bool):
         if self.sp is not None and micro.packed is not None:
-            from grpo.engines.ulysses import sequence_parallel_logprobs
-
-            return sequence_parallel_logprobs(self.model, micro.packed, self.sp, temperature, with_entropy,
-                                              entropy_grad, tile_kernels=self.tile_kernels)
+            return self.sp.logprobs(self.model, micro.packed, temperature, with_entropy, entropy_grad,
+                                    tile_kernels=self.tile_kernels)
         return completion_logprobs(self.model, micro.input_ids, micro.attention_mask, micro.width, temperature,
                                    with_entropy=with_entropy, tile_kernels=self.tile_kernels,
                                    entropy_grad=entropy_grad, packed=micro.packed, images=micro.images)

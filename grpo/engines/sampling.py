@@ -123,6 +123,8 @@ def process_logits(logits: torch.Tensor, seen: torch.Tensor | None, p: SamplingP
     if p.repetition_penalty != 1.0 and seen is not None:
         penalized = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
         logits = torch.where(seen, penalized, logits)
+    if p.temperature == 0.0:  # greedy (`grpo eval --temperature 0`): only the most likely token stays
+        return logits.masked_fill(logits < logits.amax(-1, keepdim=True), float("-inf"))
     if p.temperature != 1.0:
         logits = logits / p.temperature
     if p.top_k > 0 and p.top_k < logits.shape[-1]:

@@ -42,6 +42,17 @@ class SequenceGroup:
     rank: int
     size: int
 
+    # What the transformers backend (grpo.engines.policy) calls, so that it needs no import of this module.
+    def check_heads(self, config) -> None:
+        check_heads(config, self.size)
+
+    def installed(self, model):
+        return installed(model)
+
+    def logprobs(self, model, packed: PackedRows, temperature: float, with_entropy: bool = False,
+                 entropy_grad: bool = False, tile_kernels=None):
+        return sequence_parallel_logprobs(model, packed, self, temperature, with_entropy, entropy_grad, tile_kernels)
+
 
 @dataclass(frozen=True)
 class UlyssesShard:

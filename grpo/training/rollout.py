@@ -66,6 +66,7 @@ class SampleRequest:
     prompt_ids: list[list[int]]
     columns: dict[str, list]
     seeds: list[int]
+    rows: list[int] | None = None  # their indices in the prompt set (a vision task's pixels are looked up by them)
 
 
 @dataclass
@@ -340,13 +341,14 @@ class Rollouts:
         prompts, prompt_ids, columns = self.train_set.rows(rows)
         # Seeds belong to rows; a dynamic-sampling refill round gets rows of its own.
         seeds = [row_seed(self.cfg.seed, index, first + r + round_ * 1_000_000) for r in range(n_local)]
-        return SampleRequest(prompts, prompt_ids, columns, seeds)
+        return SampleRequest(prompts, prompt_ids, columns, seeds, rows)
 
     def _generate(self, request: SampleRequest) -> Sampled:
         prompts, prompt_ids, columns, seeds = request.prompts, request.prompt_ids, request.columns, request.seeds
         t0 = time.perf_counter()
         agent = None
-        images = self.train_set.pixels(rows) if getattr(self.train_set, "images", None) is not None else None
+        images = (self.train_set.pixels(request.rows) if getattr(self.train_set, "images", None) is not None
+                  else None)
         with engine_faults(self.cfg, "generation"):  # (out of memory, a dead vLLM: an error naming the setting)
             if images is not None:  # (each row's pixels go with it: grpo.training.vision)
                 out = self.generator.generate(prompt_ids, self.params, seeds, images=images)
