@@ -76,11 +76,8 @@ class TransformersBackend:
                  temperature: float, packed: PackedRows | None = None, images: list | None = None) -> torch.Tensor:
         """(n, width) log-probs of the completion tokens under `model` (the policy or the reference), through the
         packed layout `packed` of these rows when given (0 past each row's end), with the rows' `images`."""
-        if self.sp is not None and packed is not None:
-            with self.sp.installed(model):
-                return self.sp.logprobs(model, packed, temperature, tile_kernels=self.tile_kernels)
-        return completion_logprobs(model, input_ids, attention_mask, width, temperature, tile_kernels=self.tile_kernels,
-                                   packed=packed, images=images)
+        with self._sequence_parallel(model):
+            return self._passes(model, input_ids, attention_mask, width, temperature, packed, images)
 
     def loss_and_backward(self, micro: MicroBatch, temperature: float, loss_fn: LossFn,
                           with_entropy: bool, entropy_in_loss: bool = False) -> tuple[torch.Tensor, LossOutput]:
@@ -88,25 +85,28 @@ class TransformersBackend:
         `entropy_in_loss`: the loss uses the entropies (an entropy bonus or mask), so they keep their gradient.
         The forward and the loss run under the run's autocast (mixed precision), the backward outside it, as torch
         advises (autograd replays the forward's casts)."""
-        with self._sequence_parallel():  # (the backward too: checkpointing recomputes the forward in it)
+        with self._sequence_parallel(self.model):  # (the backward too: checkpointing recomputes the forward in it)
             with self.accel.autocast():
-                out = self._logprobs_with_grad(micro, temperature, with_entropy or entropy_in_loss, entropy_in_loss)
+                out = self._passes(self.model, micro.input_ids, micro.attention_mask, micro.width, temperature,
+                                   micro.packed, micro.images, with_entropy or entropy_in_loss, entropy_in_loss)
                 logp, entropy = out if with_entropy or entropy_in_loss else (out, None)
                 result = loss_fn(logp, slice(None), entropy)
             # (a micro-batch that cannot be packed runs whole on every process of its group: its share, once)
             self.backward(result.loss / self.sp.size if self.sp is not None and micro.packed is None else result.loss)
         return logp.detach(), result
 
-    def _sequence_parallel(self):
-        return self.sp.installed(self.model) if self.sp is not None else contextlib.nullcontext()
+    def _sequence_parallel(self, model):
+        return self.sp.installed(model) if self.sp is not None else contextlib.nullcontext()
 
-    def _logprobs_with_grad(self, micro: MicroBatch, temperature: float, with_entropy: bool, entropy_grad: bool):
-        if self.sp is not None and micro.packed is not None:
-            return self.sp.logprobs(self.model, micro.packed, temperature, with_entropy, entropy_grad,
+    def _passes(self, model, input_ids, attention_mask, width: int, temperature: float, packed, images,
+                with_entropy: bool = False, entropy_grad: bool = False):
+        """completion_logprobs, or its sequence-parallel split for a packed micro-batch (inside _sequence_parallel)."""
+        if self.sp is not None and packed is not None:
+            return self.sp.logprobs(model, packed, temperature, with_entropy, entropy_grad,
                                     tile_kernels=self.tile_kernels)
-        return completion_logprobs(self.model, micro.input_ids, micro.attention_mask, micro.width, temperature,
-                                   with_entropy=with_entropy, tile_kernels=self.tile_kernels,
-                                   entropy_grad=entropy_grad, packed=micro.packed, images=micro.images)
+        return completion_logprobs(model, input_ids, attention_mask, width, temperature, with_entropy=with_entropy,
+                                   tile_kernels=self.tile_kernels, entropy_grad=entropy_grad, packed=packed,
+                                   images=images)
 
     def backward(self, loss: torch.Tensor) -> None:
         # DDP averages gradients over processes; the loss is already a share of the global sum, so undo the mean.

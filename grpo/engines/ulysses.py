@@ -54,6 +54,18 @@ class SequenceGroup:
         return sequence_parallel_logprobs(model, packed, self, temperature, with_entropy, entropy_grad, tile_kernels)
 
 
+def sequence_group(accelerator, sp_size: int):
+    """This process's sequence-parallel group: consecutive ranks [k*sp_size, (k+1)*sp_size). Collective: every
+    process creates every group, in the same order."""
+    rank = accelerator.process_index
+    mine = None
+    for start in range(0, accelerator.num_processes, sp_size):
+        group = torch.distributed.new_group(list(range(start, start + sp_size)))
+        if start <= rank < start + sp_size:
+            mine = group
+    return SequenceGroup(mine, rank % sp_size, sp_size)
+
+
 @dataclass(frozen=True)
 class UlyssesShard:
     """What every attention layer needs to run this rank's slice head-parallel (passed as a forward kwarg)."""

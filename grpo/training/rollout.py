@@ -19,6 +19,7 @@ from grpo.core import decoupled_advantages, group_advantages, mix_advantages, pr
 from grpo.engines.base import SamplingParams, row_seed, sleep, update_weights, wake
 from grpo.engines.images import RowImages
 from grpo.engines.sampling import left_pad
+from grpo.engines.ulysses import sequence_group
 from grpo.training.faults import engine_faults
 
 
@@ -195,7 +196,7 @@ class Processes:
     def __init__(self, accelerator, sp_size: int = 1):
         self.accel, self.sp_size = accelerator, sp_size
         self.world, self.rank = accelerator.num_processes // sp_size, accelerator.process_index // sp_size
-        self.sp = sequence_group(accelerator, sp_size) if sp_size > 1 else None
+        self.sp = sequence_group(accelerator, sp_size) if sp_size > 1 else None  # (grpo.engines.ulysses)
 
     def _firsts(self, gathered: torch.Tensor) -> torch.Tensor:
         """The parts of the SP groups' first processes from a gather of equal parts over every process."""
@@ -228,20 +229,6 @@ class Processes:
         parts = [None] * self.accel.num_processes
         torch.distributed.all_gather_object(parts, rows)
         return [row for part in parts[::self.sp_size] for row in part]
-
-
-def sequence_group(accelerator, sp_size: int):
-    """This process's sequence-parallel group: consecutive ranks [k*sp_size, (k+1)*sp_size). Collective: every
-    process creates every group, in the same order."""
-    from grpo.engines.ulysses import SequenceGroup
-
-    rank = accelerator.process_index
-    mine = None
-    for start in range(0, accelerator.num_processes, sp_size):
-        group = torch.distributed.new_group(list(range(start, start + sp_size)))
-        if start <= rank < start + sp_size:
-            mine = group
-    return SequenceGroup(mine, rank % sp_size, sp_size)
 
 
 class Rollouts:
