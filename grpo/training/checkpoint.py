@@ -54,6 +54,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (or a file's data) to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -117,7 +118,7 @@ def file_records(root: Path, names: list[str]) -> dict[str, dict[str, Any]]:
     blocks = [(name, start) for name in names for start in range(0, max(sizes[name], 1), BLOCK)]
     with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1, max(len(blocks), 1))) as pool:
         digests = list(pool.map(lambda block: _block_digest(root / block[0], block[1]), blocks))
-        list(pool.map(lambda name: _fsync(root / name), names))
+        list(pool.map(lambda name: _fsync_dir(root / name), names))
     out = {name: {"bytes": sizes[name], DIGEST: []} for name in names}
     for (name, _), digest in zip(blocks, digests):
         out[name][DIGEST].append(digest)
@@ -136,11 +137,6 @@ def _block_digest(path: Path, start: int) -> str:
     finally:
         os.close(fd)
     return digest.hexdigest()
-
-
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as fh:
-        os.fsync(fh.fileno())
 
 
 def damage(path: str | Path) -> str | None:
