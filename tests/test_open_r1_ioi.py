@@ -46,10 +46,10 @@ def test_a_checker_gives_partial_scores_rounded_to_the_score_precision():
 
 
 @needs_sandbox
-def test_a_communication_task_runs_the_manager_with_the_user_process_over_fifos():
-    two = p.subtask_row(2, communication=True)
-    # the manager prints 1 when the user process returns the sum: correct 1.0; partial fails 2-01 (3 for 6) -> 0
-    assert score([p.CORRECT, p.PARTIAL, p.BROKEN], [two] * 3) == [1.0, 0.0, 0.0]
+def test_a_communication_task_runs_the_manager_with_the_user_processes_over_fifos():
+    std_io, fifo_io = p.subtask_row(2, communication="std_io"), p.subtask_row(2, communication="fifo_io")
+    # the manager prints 1 when the user process(es) return the sum: correct 1.0; partial fails 2-01 (3 for 6) -> 0
+    assert score([p.CORRECT, p.PARTIAL, p.CORRECT], [std_io, std_io, fifo_io]) == [1.0, 0.0, 1.0]
 
 
 @needs_sandbox
