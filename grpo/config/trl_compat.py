@@ -44,13 +44,27 @@ rewards, tools, environments or a rollout_func raises TRL's error (or takes its 
 
 ## open-r1's reward names
 
-Every name of open-r1's `get_reward_funcs` but `ioi_code` runs here: `accuracy`, `format`, `reasoning_steps`,
-`cosine`, `repetition_penalty`, `length` (Kimi 1.5's, grpo's math_accuracy judging), `code` and `binary_code` (the
-`code` reward on open-r1's `verification_info`, in grpo's sandbox), `cf_code` (open-r1's Codeforces layout:
-official tests, a checker, time and memory limits, file input; Python and C++ submissions, compiled and run in grpo's
-sandbox, judged as open-r1's Piston package judges them), `code_format`, `tag_count`, `soft_overlong_punishment`. `ioi_code` is refused by name: IOI's C++ graders
-(CMS's compile and run scripts) are not built. `benchmarks` and open-r1's `callbacks: [push_to_hub_revision]` are
-accepted and skipped with one line at the start. Of open-r1's 5 GRPO recipes, 4 train a step with their keys and a
-local model and data (tests/test_open_r1.py: both config_demo recipes, config_demo_code, config_codeforces; vLLM,
-the hub, wandb, flash-attention and Liger off, as this machine has none); config_demo_code_ioi stops on `ioi_code`.
+All 13 names of open-r1's `get_reward_funcs` run here: `accuracy`, `format`, `reasoning_steps`, `cosine`,
+`repetition_penalty`, `length` (Kimi 1.5's, grpo's math_accuracy judging), `code` and `binary_code` (the `code`
+reward on open-r1's `verification_info`, in grpo's sandbox), `cf_code` (open-r1's Codeforces layout: official tests,
+a checker, time and memory limits, file input; Python and C++ submissions, compiled and run in grpo's sandbox, judged
+as open-r1's Piston package judges them), `ioi_code` (below), `code_format`, `tag_count`, `soft_overlong_punishment`.
+`benchmarks` and open-r1's `callbacks: [push_to_hub_revision]` are accepted and skipped with one line at the start.
+All 5 of open-r1's GRPO recipes train a step with their keys and a local model and data (tests/test_open_r1.py:
+both config_demo recipes, config_demo_code, config_codeforces, config_demo_code_ioi; vLLM, the hub, wandb,
+flash-attention and Liger off, as this machine has none).
+
+`ioi_code` (grpo/rewards/ioi.py) judges open-r1/ioi's rows (one subtask each: `id`, `test_names`, `grader_files`,
+`time_limit`, `memory_limit`, `task_type`, `score_precision`, `year`) in grpo's sandbox, as open-r1's Piston
+package (cms_ioi) does: the last ```cpp block with open-r1's includes, compiled with the graders (and a checker or
+manager) by g++; Batch and Communication tasks (the manager and the user processes over FIFOs). The reward is
+open-r1's: the subtask's minimum test score (1 per passing test, 0 per failing one, a checker's fraction), rounded
+to score_precision and not scaled by the subtask's points; 0 without a ```cpp block or when it does not compile.
+Unlike open-r1, a row without tests, an OutputOnly task and a sandbox failure score None (open-r1: 0).
+open-r1 downloads the tests (`open-r1/ioi-test-cases`) at run time; with no network here they come from the row's
+`test_cases` column (`{test_name: [input, output]}`, or a list in test_names' order; `{"input", "output"}` works
+too), or from a local copy of that dataset named by the reward's `tests_dir`:
+`huggingface-cli download open-r1/ioi-test-cases --repo-type dataset --local-dir DIR` once, then
+`reward_funcs: [{name: ioi_code, tests_dir: DIR}, code_format, format]`. `ioi_provider` (piston or morph) is
+accepted; both mean grpo's local sandbox here.
 """

@@ -118,7 +118,19 @@ def normalize(output: str) -> str:
     return " ".join(text.split())
 
 
-def _rows(kwargs: dict, n: int) -> list[dict]:
+def run_harness(harness: str, stdin: str, timeout_s: float, memory_mb: int, allow_unsandboxed: bool,
+                **limits) -> SandboxResult:
+    """A judging harness run in the sandbox (fail closed: `SandboxUnavailable` without one, unless allowed)."""
+    layers = probe_sandbox()
+    if not (layers.isolated or allow_unsandboxed):
+        raise SandboxUnavailable(unavailable_message(layers))
+    limits = {"max_output_bytes": 1 << 24, **limits}
+    return run_sandboxed(harness, stdin, timeout_s=timeout_s, memory_mb=memory_mb, layers=layers,
+                         allow_unsandboxed=allow_unsandboxed, **limits)
+
+
+def rows_of(kwargs: dict, n: int) -> list[dict]:
+    """The dataset's columns as one mapping per completion (the columns that hold one value per completion)."""
     return [{key: values[i] for key, values in kwargs.items() if isinstance(values, list) and len(values) == n}
             for i in range(n)]
 
@@ -137,7 +149,7 @@ class Codeforces(ConfigurableReward):
         if self.scoring_mode not in ("weighted_sum", "partial", "pass_fail"):
             raise ValueError(f"cf_code: scoring_mode {self.scoring_mode!r} is not weighted_sum, partial or pass_fail")
         texts = completion_texts(completions)
-        problems = _rows(kwargs, len(texts))
+        problems = rows_of(kwargs, len(texts))
         with concurrent.futures.ThreadPoolExecutor(max_workers=self.max_workers) as pool:
             return list(pool.map(self._score, texts, problems))
 
@@ -170,11 +182,7 @@ class Codeforces(ConfigurableReward):
         return {"pass_fail": full, "partial": rate, "weighted_sum": full + 0.1 * rate}[self.scoring_mode]
 
     def _sandbox(self, program: str, stdin: str, timeout_s: float, memory_mb: int, **limits) -> SandboxResult:
-        layers = probe_sandbox()
-        if not (layers.isolated or self.allow_unsandboxed):
-            raise SandboxUnavailable(unavailable_message(layers))
-        return run_sandboxed(program, stdin, timeout_s=timeout_s, memory_mb=memory_mb, max_output_bytes=1 << 24,
-                             layers=layers, allow_unsandboxed=self.allow_unsandboxed, **limits)
+        return run_harness(program, stdin, timeout_s, memory_mb, self.allow_unsandboxed, **limits)
 
     def _run(self, files: dict[str, str], main: str, argv: list[str], stdin: str | None, timeout_s: float,
              memory_mb: int, output_file: str | None = None) -> SandboxResult:

@@ -21,6 +21,7 @@ from .coding import code, code_syntax
 from .competitive import cf_code
 from .countdown import countdown
 from .format import code_format, r1_format, reasoning_steps, tag_count, think_format
+from .ioi import ioi_code
 from .math_accuracy import math_accuracy
 from .reward_model import RewardModel
 from .shaping import cosine_length, kimi_length, repetition_penalty, soft_overlong
@@ -31,6 +32,7 @@ BUILTINS: dict[str, Callable] = {
     "binary_code": code.configure(binary=True),  # open-r1's: 1 when every test passes (its pass rate > 0.99)
     "code_syntax": code_syntax,
     "cf_code": cf_code,
+    "ioi_code": ioi_code,
     "think_format": think_format,
     "r1_format": r1_format,
     "countdown": countdown,
@@ -61,7 +63,6 @@ OPEN_R1_NAMES: dict[str, tuple[str, dict[str, Any]]] = {
     "code_format": ("code_format", {"language": "code_language"}),
     "cf_code": ("cf_code", {"scoring_mode": "code_eval_scoring_mode"}),
 }
-OPEN_R1_ONLY = {"ioi_code": "ioi_code_reward"}
 
 
 def open_r1_spec(spec: str, settings: dict[str, Any]) -> Any:
@@ -69,10 +70,6 @@ def open_r1_spec(spec: str, settings: dict[str, Any]) -> Any:
     if spec in OPEN_R1_NAMES:
         name, keys = OPEN_R1_NAMES[spec]
         return {"name": name, **{arg: settings[key] if isinstance(key, str) else key for arg, key in keys.items()}}
-    if spec in OPEN_R1_ONLY:
-        raise ValueError(f"{spec!r} is one of open-r1's rewards that grpo does not have; with open-r1 installed, give "
-                         f"it as 'open_r1.rewards:{OPEN_R1_ONLY[spec]}' (code rewards also need open-r1's sandbox "
-                         "servers), or use grpo's code / math_accuracy / cosine_length")
     return spec
 
 

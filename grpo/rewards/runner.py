@@ -160,9 +160,9 @@ class RewardRunner:
             for accepted in column_requirements(func):
                 if not available.intersection(accepted):
                     wanted = " or ".join(f"'{column}'" for column in accepted)
-                    problems.append(
-                        f"reward function '{name}' needs column {wanted}, which the dataset lacks (columns: {listing})"
-                    )
+                    hint = getattr(func, "column_hint", "")  # (what else the reward can read, if anything)
+                    problems.append(f"reward function '{name}' needs column {wanted}, which the dataset lacks "
+                                    f"(columns: {listing})" + (f"; {hint}" if hint else ""))
         if problems:
             raise RewardError("\n".join(problems))
 
