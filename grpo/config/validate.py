@@ -199,8 +199,9 @@ def _validate_staleness(cfg) -> None:
     check(not cfg.dynamic_sampling, "max_staleness", "dynamic_sampling draws more prompts by the rewards of the "
           "rollout in flight, so the prompt order would depend on the pipeline; not built with a lag yet: set "
           "max_staleness: 0 or dynamic_sampling: false.")
-    check(not cfg.use_vllm, "max_staleness", "rollouts from vLLM with a lag are not built yet (the worker would "
-          "have to push each version's weights to the server before its rollout); set max_staleness: 0.")
+    check(not cfg.use_vllm or cfg.vllm_mode == "server", "max_staleness", "a colocated vLLM engine shares the "
+          "trainer's process and device, so it cannot generate while the update runs; use vllm_mode: server (a "
+          "`grpo vllm-serve` on other devices), or set max_staleness: 0.")
     check(not (cfg.tools or cfg.environment_factory or cfg.rollout_func), "max_staleness",
           "multi-turn rollouts (tools, environment_factory, rollout_func) run tools and environments made in the "
           "trainer's process; running them in the rollout worker is not built yet: set max_staleness: 0.")

@@ -77,14 +77,18 @@ def make_source(cfg, rollouts: Rollouts, policy, device, rollout_steps: int, tot
     if rollouts.agent is not None:
         raise ConfigError("max_staleness: multi-turn rollouts run tools and environments made in the trainer's "
                           "process; running them in the rollout worker is not built yet: set max_staleness: 0.")
+    total_rollouts = -(-total_steps // rollout_steps)
+    if cfg.use_vllm:  # (server mode: validated) the server generates; a thread of this process talks to it
+        from grpo.training.pipeline_server import ServerRollouts
+
+        return ServerRollouts(rollouts, policy, cfg.max_staleness, rollout_steps, total_rollouts)
     if device.type != "cpu":
         raise ConfigError(f"max_staleness: the rollout worker is a forked process with its own copy of the model, "
                           f"which cannot use {device.type} after the trainer has; with GPUs a lag needs generation "
-                          f"on other devices (vLLM server), not built yet: set max_staleness: 0.")
+                          f"on other devices: use_vllm with vllm_mode: server, or set max_staleness: 0.")
     if distributed in ("FSDP", "DEEPSPEED"):
         raise ConfigError(f"max_staleness: under {distributed} each process holds a shard of the weights and the "
                           "worker needs them whole; not built yet: set max_staleness: 0.")
-    total_rollouts = -(-total_steps // rollout_steps)
     alone = rollouts.procs.world == 1 or cfg.max_tokens_per_micro_batch is None
     reference = reference if cfg.beta > 0 and not cfg.sync_ref_model and alone else None
     return LaggedRollouts(rollouts, policy, cfg.max_staleness, rollout_steps, total_rollouts, reference)
@@ -116,11 +120,14 @@ class LaggedRollouts:
         """Fork the worker; after a resume, send again the requests the checkpoint kept as recipes (their weights
         are the checkpoint's, which the worker starts from)."""
         if self.worker is None:
-            self.worker = _Worker(self.rollouts, self.policy, self.reference)
+            self.worker = self._make_worker()
             self.pushed = None
             for index, (version, request) in sorted(self.in_flight.items()):
                 self._send_weights(version)
                 self.worker.send(("rollout", index, version, request))
+
+    def _make_worker(self):
+        return _Worker(self.rollouts, self.policy, self.reference)
 
     def close(self) -> None:
         """Stop the worker. A run that ends normally has nothing in flight (nothing is asked for past the last
