@@ -10,10 +10,7 @@ tests/test_vllm_async.py`.
 from __future__ import annotations
 
 import math
-import os
 import signal
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -24,9 +21,10 @@ from conftest import build_tiny_model
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.config import ConfigError
 from rewards_for_tests import count_a
+from test_async import recording, version_gaps
 from test_resume import read_rows, run_driver
 from test_vllm import needs_vllm
-from test_vllm_server import free_port
+from test_vllm_server import free_port, serving
 
 
 @pytest.fixture(scope="module")
@@ -34,17 +32,8 @@ def server(tmp_path_factory):
     """One server for the module (each trainer pushes its own weights first, so runs do not see each other's)."""
     tmp = tmp_path_factory.mktemp("vllm-async")
     model = build_tiny_model(tmp / "model", hidden=128)  # head size 32: vLLM's CPU attention needs >= 32
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "grpo.cli", "vllm-serve", "--model", str(model), "--host",
-                             "127.0.0.1", "--port", str(port), "--dtype", "float32", "--gpu-memory-utilization", "0.1",
-                             "--set", "enforce_eager=true", "--set", "kv_cache_memory_bytes=33554432"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=open(tmp / "server.log", "w"))
-    try:
+    with serving(model, tmp / "server.log") as port:
         yield str(model), port
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
 
 
 def settings(server, out, **extra) -> dict:
@@ -95,14 +84,7 @@ def test_each_rollout_is_sampled_by_the_server_with_the_weights_lag_rollouts_bef
                                                                              max_staleness=lag)), train_dataset=data)
     assert type(trainer.source).__name__ == "ServerRollouts"
     first = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
-    snapshots, batches, real_next = {}, {}, trainer.source.next
-
-    def recording_next(index):
-        snapshots[index] = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
-        batches[index] = real_next(index)
-        return batches[index]
-
-    trainer.source.next = recording_next
+    snapshots, batches = recording(trainer)
     trainer.train()
     rows = read_rows(tmp_path / "run")
     assert [r["pipeline/weight_version"] for r in rows] == [max(0, t - lag) for t in range(5)]
@@ -112,14 +94,8 @@ def test_each_rollout_is_sampled_by_the_server_with_the_weights_lag_rollouts_bef
     trainer.backend.prepare()  # (the passes as the run took them: train() released the engine's changes)
     told_apart = 0
     for t, batch in batches.items():
-        want = max(0, t - lag)
-        gaps = {}
-        for version in {want - 1, want, want + 1} & set(snapshots):
-            trainer.policy.load_state_dict(snapshots[version])
-            logp = trainer.updates.score(trainer.policy, batch).cpu()
-            gaps[version] = float(((logp - batch.sampling_logp) * batch.completion_mask).abs().max())
-        assert gaps[want] < 2e-3, (t, gaps)
-        moved = {v for v in gaps if any(not torch.equal(snapshots[v][k], w) for k, w in snapshots[want].items())}
+        gaps, moved = version_gaps(trainer, snapshots, batch, max(0, t - lag))
+        assert gaps[max(0, t - lag)] < 2e-3, (t, gaps)
         assert all(gaps[v] > 1e-2 for v in moved), (t, gaps)
         told_apart += len(moved)
     assert told_apart >= len(batches) // 2
@@ -144,3 +120,47 @@ def test_kill_mid_pipeline_and_resume_matches_uninterrupted(server, tmp_path):
     assert [r["step"] for r in ours] == [r["step"] for r in theirs] == [1, 2, 3, 4, 5]
     assert [[r.get(k) for k in keys] for r in ours] == [[r.get(k) for k in keys] for r in theirs]
     assert max((got[k] - want[k]).abs().max().item() for k in want) == 0.0
+
+
+@needs_vllm
+def test_two_processes_with_a_lag_against_one_server_match_one(server, tmp_path):
+    """DDP (2 processes, gloo) with lag 1: each process's client thread asks the server for its own rows, the main
+    process pushes each version after every process's older requests are answered (a barrier before and after);
+    per-row seeds make the completions those of one process, so the run reaches the one-process lagged run's
+    weights (to test_vllm_server's float-order bound) with the same rewards and versions."""
+    from test_distributed import job, run
+
+    model, port = server
+    env = job(tmp_path, model)  # test_distributed's recipe and data (16 prompts, 4 x 8 completions a step)
+    # (an evaluation after every step: it waits for the client thread's requests and pushes the weights of now)
+    overrides = ["max_staleness=1", f"eval_dataset_name={tmp_path / 'data.jsonl'}", "eval_steps=1", "beta=0",
+                 "learning_rate=2e-2", "use_vllm=true",
+                 "vllm_mode=server", "vllm_server_host=127.0.0.1", f"vllm_server_port={port}",
+                 "vllm_server_timeout=120", "vllm_weight_transfer=http"]
+    run(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "grpo.cli"],
+        tmp_path / "two", env, overrides=overrides)
+    run(["-m", "grpo.cli"], tmp_path / "one", env, overrides=overrides)
+    rows = {d: [r for r in read_rows(tmp_path / d) if "reward/total" in r] for d in ("one", "two")}
+    assert [r["pipeline/weight_version"] for r in rows["two"]] == [0, 0, 1]
+    assert all("eval/reward/total" in r or "eval/accuracy" in r for r in rows["two"])
+    assert [r["reward/total"] for r in rows["one"]] == [r["reward/total"] for r in rows["two"]]
+    one, two = (load_file(str(tmp_path / d / "final" / "model.safetensors")) for d in ("one", "two"))
+    assert max((one[k] - two[k]).abs().max().item() for k in one) < 1e-3
+
+
+@needs_vllm
+def test_dynamic_sampling_with_a_lag_on_the_server(server, tmp_path):
+    """dynamic_sampling with lag 1 on the server path: the client thread draws each rollout's prompts, refills
+    included, from its own copy of the prompt stream, every round from the weights of step t - 1; the trainer's
+    stream ends where the thread's did: B x (all rounds) prompts drawn (8 prompts an epoch)."""
+    data = Dataset.from_dict({"prompt": [f"q{i}\n" for i in range(8)]})
+    cfg = GRPOConfig(**settings(server, tmp_path / "run", max_staleness=1, dynamic_sampling=True, max_steps=4,
+                                vllm_weight_transfer="http"))
+    trainer = GRPOTrainer(reward_funcs=[count_a], args=cfg, train_dataset=data)
+    trainer.train()
+    rows = read_rows(tmp_path / "run")
+    assert [r["pipeline/weight_version"] for r in rows] == [0, 0, 1, 2]
+    rounds = [r["sampling/generation_rounds"] for r in rows]
+    assert max(rounds) > 1, rounds
+    state = trainer.sampler.state_dict()
+    assert state["epoch"] * 8 + state["position"] == 2 * sum(rounds)

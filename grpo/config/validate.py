@@ -196,9 +196,6 @@ def _validate_staleness(cfg) -> None:
     check(cfg.max_staleness >= 0, "max_staleness", "must be >= 0 (0: synchronous rollouts).")
     if cfg.max_staleness == 0:
         return
-    check(not cfg.dynamic_sampling, "max_staleness", "dynamic_sampling draws more prompts by the rewards of the "
-          "rollout in flight, so the prompt order would depend on the pipeline; not built with a lag yet: set "
-          "max_staleness: 0 or dynamic_sampling: false.")
     check(not cfg.use_vllm or cfg.vllm_mode == "server", "max_staleness", "a colocated vLLM engine shares the "
           "trainer's process and device, so it cannot generate while the update runs; use vllm_mode: server (a "
           "`grpo vllm-serve` on other devices), or set max_staleness: 0.")

@@ -105,6 +105,7 @@ class LaggedRollouts:
                  reference=None):
         self.rollouts, self.policy, self.lag, self.reference = rollouts, policy, lag, reference
         self.rollout_steps, self.total_rollouts = rollout_steps, total_rollouts
+        self.dynamic = rollouts.cfg.dynamic_sampling  # (one process, one optimizer step per rollout: validated)
         self.layout = (f"a rollout worker process {lag} rollout(s) ahead (max_staleness {lag}): rollout t from the "
                        f"weights of optimizer step (t - {lag}) x {rollout_steps}, generated, scored"
                        f"{' and its reference log-probs taken' if reference else ''} while the update runs")
@@ -152,7 +153,9 @@ class LaggedRollouts:
             return
         self._send_weights(index * self.rollout_steps)
         while self.requested <= last:
-            request = self.rollouts.request(self.rollouts.prompts.next(self.rollouts.B), self.requested)
+            # (dynamic sampling: the refills depend on the rollout's rewards, so the worker draws its prompts)
+            request = self.requested if self.dynamic else self.rollouts.request(
+                self.rollouts.prompts.next(self.rollouts.B), self.requested)
             self.in_flight[self.requested] = (self.pushed, request)
             self.worker.send(("rollout", self.requested, self.pushed, request))
             self.requested += 1
@@ -163,8 +166,14 @@ class LaggedRollouts:
             self.pushed = version
 
     def _take(self, index: int) -> tuple:
+        """Rollout `index`'s answer (rollouts are taken in index order). With dynamic sampling this process's prompt
+        stream moves to where the worker's was after drawing it: what a checkpoint keeps, from which a resumed
+        worker draws the rollouts kept as recipes again."""
         self.in_flight.pop(index, None)
-        return self.worker.result(index)
+        answer = self.worker.result(index)
+        if "prompts" in answer[1]:
+            self.rollouts.prompts.load_state_dict(answer[1]["prompts"])
+        return answer
 
     def next(self, index: int) -> RolloutBatch:
         """Rollout `index` (its request, and those up to index + lag, sent now unless `stepped` sent them)."""
@@ -176,7 +185,7 @@ class LaggedRollouts:
         fields, logs, info = self.ready.pop(index) if index in self.ready else self._take(index)
         waited = time.perf_counter() - t0
         self.rollouts.take_logs(logs)
-        batch = self.rollouts.finish(Sampled(**fields), {}, index)
+        batch = self.rollouts.finish(Sampled(**fields), logs.get("sampling", {}), index)
         batch.ref_logp = info.get("ref_logp")  # (None: the trainer's process takes them)
         version = index * self.rollout_steps  # optimizer steps taken when rollout `index` starts feeding the update
         batch.metrics.update({"pipeline/staleness": float(version - info["version"]),
@@ -187,7 +196,8 @@ class LaggedRollouts:
     def state_dict(self) -> dict:
         """The rollouts asked for and not yet trained on: generated (the checkpoint waits for those of older
         weights, which it does not hold) or, for those of the weights it holds, their requests (a recipe)."""
-        recipes = {i: (v, vars(r)) for i, (v, r) in self.in_flight.items() if v == self.step}
+        recipes = {i: (v, r if isinstance(r, int) else vars(r)) for i, (v, r) in self.in_flight.items()
+                   if v == self.step}
         for index in sorted(set(self.in_flight) - set(recipes)):
             self.ready[index] = self._take(index)
         return {"lag": self.lag, "requested": self.requested, "ready": dict(self.ready), "recipes": recipes}
@@ -200,7 +210,8 @@ class LaggedRollouts:
                               f"{state['lag']} and holds the rollouts it had asked for ahead; resume with "
                               f"max_staleness: {state['lag']}.")
         self.requested, self.ready = state["requested"], dict(state["ready"])
-        self.in_flight = {i: (v, SampleRequest(**r)) for i, (v, r) in state.get("recipes", {}).items()}
+        self.in_flight = {i: (v, r if isinstance(r, int) else SampleRequest(**r))
+                          for i, (v, r) in state.get("recipes", {}).items()}
 
 
 def _trainable(model) -> dict[str, torch.Tensor]:
@@ -209,7 +220,27 @@ def _trainable(model) -> dict[str, torch.Tensor]:
 
 
 # ---- the worker process ------------------------------------------------------------------------------------------
-class _Worker:
+class Answers:
+    """The rollouts a worker answered, by index, or the failure that stopped it (`who` names it in the error); the
+    trainer's thread waits on `lock` for them."""
+
+    who = "rollout worker"
+
+    def __init__(self):
+        self.results: dict[int, tuple] = {}
+        self.failure: str | None = None
+        self.lock = threading.Condition()
+
+    def result(self, index: int) -> tuple:
+        with self.lock:
+            while index not in self.results and self.failure is None:
+                self.lock.wait()
+            if index not in self.results:
+                raise RuntimeError(f"{self.who}: rollout {index} failed:\n{self.failure}")
+            return self.results.pop(index)
+
+
+class _Worker(Answers):
     """The forked worker and the trainer's side of its pipe. Messages are pickled whole (tensors by value): the
     trainer's sends never wait on the worker (a thread there reads them into a queue), and a thread here reads the
     results, so neither side blocks the other on a full pipe."""
@@ -231,10 +262,8 @@ class _Worker:
             finally:
                 os._exit(code)
         theirs.close()
+        super().__init__()
         self.pid, self.conn = pid, ours
-        self.results: dict[int, tuple] = {}
-        self.failure: str | None = None
-        self.lock = threading.Condition()
         self.reader = threading.Thread(target=self._read, daemon=True, name="grpo-rollout-results")
         self.reader.start()
 
@@ -255,14 +284,6 @@ class _Worker:
                 self.lock.notify_all()
             if message[0] == "error":
                 return
-
-    def result(self, index: int) -> tuple:
-        with self.lock:
-            while index not in self.results and self.failure is None:
-                self.lock.wait()
-            if index not in self.results:
-                raise RuntimeError(f"rollout worker: rollout {index} failed:\n{self.failure}")
-            return self.results.pop(index)
 
     def stop(self) -> None:
         try:
