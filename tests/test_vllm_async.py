@@ -52,6 +52,20 @@ def test_colocated_vllm_with_a_lag_is_refused_by_name():
     assert GRPOConfig(max_staleness=1, use_vllm=True, vllm_mode="server").max_staleness == 1
 
 
+def test_dynamic_sampling_over_a_stream_on_the_server_path_is_refused():
+    """(No vLLM needed.) The client thread draws from a copy of the prompt stream; a streamed dataset's stream is
+    the dataset itself, which cannot be copied."""
+    from types import SimpleNamespace
+
+    from grpo.training.pipeline_server import ServerRollouts
+
+    stream = object()
+    rollouts = SimpleNamespace(cfg=GRPOConfig(max_staleness=1, dynamic_sampling=True), prompts=stream,
+                               train_set=stream)
+    with pytest.raises(ConfigError, match="dynamic_sampling: with max_staleness on the vLLM server path"):
+        ServerRollouts(rollouts, None, 1, 1, 4)
+
+
 @needs_vllm
 def test_the_server_refuses_a_request_for_weights_it_does_not_hold(server):
     """A push tagged with step 3, then: a request naming step 3 is served (and the server says so), one naming step
@@ -90,6 +104,8 @@ def test_each_rollout_is_sampled_by_the_server_with_the_weights_lag_rollouts_bef
     assert [r["pipeline/weight_version"] for r in rows] == [max(0, t - lag) for t in range(5)]
     assert [r["pipeline/staleness"] for r in rows] == [min(t, lag) for t in range(5)]
     assert all(math.isfinite(r["policy/loss"]) and r["pipeline/weight_push"] >= 0 for r in rows)
+    # vLLM's sampling log-probs are the behaviour policy: stale rows carry an importance weight pi_old / pi_vllm
+    assert all(r["sampling/importance_ratio_mean"] != 1.0 for r in rows if r["pipeline/staleness"] > 0)
     assert any(not torch.equal(first[k], v) for k, v in trainer.policy.state_dict().items())
     trainer.backend.prepare()  # (the passes as the run took them: train() released the engine's changes)
     told_apart = 0
@@ -102,11 +118,13 @@ def test_each_rollout_is_sampled_by_the_server_with_the_weights_lag_rollouts_bef
 
 
 @needs_vllm
-def test_kill_mid_pipeline_and_resume_matches_uninterrupted(server, tmp_path):
-    """Lag 1, a checkpoint every step: a kill -9 inside step 3's update, then a resume against the same server,
-    reaches the uninterrupted run's weights bit for bit with the same logged rows (vLLM's CPU build with per-row
-    seeds samples the same tokens from the same weights; every push resets its prefix cache)."""
-    cfg = settings(server, tmp_path / "straight", max_staleness=1, save_steps=1, save_total_limit=None,
+@pytest.mark.parametrize("lag", [1, 2])
+def test_kill_mid_pipeline_and_resume_matches_uninterrupted(server, tmp_path, lag):
+    """A checkpoint every step: a kill -9 inside step 3's update, then a resume against the same server, reaches
+    the uninterrupted run's weights bit for bit with the same logged rows (vLLM's CPU build with per-row seeds
+    samples the same tokens from the same weights; every push resets its prefix cache). At lag 2 the checkpoint
+    waits for the rollout of older weights still at the server and keeps it generated."""
+    cfg = settings(server, tmp_path / "straight", max_staleness=lag, save_steps=1, save_total_limit=None,
                    vllm_weight_transfer="http")
     assert run_driver(cfg, tmp_path, "none", 0) == 0
     want = load_file(str(tmp_path / "straight" / "final" / "model.safetensors"))

@@ -6,9 +6,12 @@
                      generates and scores rollout t with exactly the weights the trainer had when it began rollout
                      t - k (optimizer step (t - k) x steps per rollout; the first k rollouts with the initial
                      weights), while the trainer updates on rollout t - 1 ... t - k.
+    ServerRollouts   the same schedule with a `grpo vllm-serve` server generating (use_vllm, vllm_mode: server):
+                     grpo.training.pipeline_server.
 
 The lag is fixed, not "as fresh as timing allows", so the run is a function of the seed and k: the prompts are drawn
-in the trainer's process in rollout order (the same prompts as a synchronous run's rollout t), each row keeps its
+in the trainer's process in rollout order (the same prompts as a synchronous run's rollout t; with dynamic sampling,
+whose refills depend on the rollout's rewards, by the worker, in the same order), each row keeps its
 seed (grpo.engines.base.row_seed), and every request goes to the worker right after the weights it names, over one
 ordered pipe, as soon as a rollout's last optimizer step is taken. The trainer's process keeps what needs every
 process or the current weights (advantages over all groups, the proximal pass, the update); the worker generates,
@@ -88,7 +91,8 @@ def make_source(cfg, rollouts: Rollouts, policy, device, rollout_steps: int, tot
                           f"on other devices: use_vllm with vllm_mode: server, or set max_staleness: 0.")
     if distributed in ("FSDP", "DEEPSPEED"):
         raise ConfigError(f"max_staleness: under {distributed} each process holds a shard of the weights and the "
-                          "worker needs them whole; not built yet: set max_staleness: 0.")
+                          "forked worker needs them whole: use use_vllm with vllm_mode: server (the push gathers "
+                          "them), or set max_staleness: 0.")
     alone = rollouts.procs.world == 1 or cfg.max_tokens_per_micro_batch is None
     reference = reference if cfg.beta > 0 and not cfg.sync_ref_model and alone else None
     return LaggedRollouts(rollouts, policy, cfg.max_staleness, rollout_steps, total_rollouts, reference)
