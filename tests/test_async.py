@@ -85,8 +85,11 @@ def test_aliases_and_refusals_are_named():
     with pytest.raises(ConfigError, match="max_staleness: must be >= 0"):
         GRPOConfig(max_staleness=-1)
     assert GRPOConfig(max_staleness=1, dynamic_sampling=True).dynamic_sampling  # (the worker draws the prompts)
-    with pytest.raises(ConfigError, match="max_staleness: multi-turn rollouts"):
+    with pytest.raises(ConfigError, match="max_staleness: multi-turn rollouts .* run on the vLLM server path"):
         GRPOConfig(max_staleness=1, tools=["calculator"])
+    with pytest.raises(ConfigError, match="max_staleness: a rollout_func is handed the trainer itself"):
+        GRPOConfig(max_staleness=1, rollout_func="rewards_for_tests:count_a", use_vllm=True, vllm_mode="server")
+    assert GRPOConfig(max_staleness=1, tools=["calculator"], use_vllm=True, vllm_mode="server").tools
 
 
 # ---- the pipeline on the tiny model -------------------------------------------------------------------------------

@@ -182,3 +182,34 @@ def test_dynamic_sampling_with_a_lag_on_the_server(server, tmp_path):
     assert max(rounds) > 1, rounds
     state = trainer.sampler.state_dict()
     assert state["epoch"] * 8 + state["position"] == 2 * sum(rounds)
+
+
+@pytest.fixture(scope="module")
+def tools_server(tmp_path_factory):
+    from test_tiny_tools_model import ASSET
+
+    with serving(ASSET, tmp_path_factory.mktemp("vllm-tools") / "server.log") as port:
+        yield str(ASSET), port
+
+
+@needs_vllm
+def test_tool_calls_with_a_lag_on_the_server(tools_server, tmp_path):
+    """The calculator task on the shipped tool-calling model with lag 1: the client thread runs the multi-turn loop
+    in the trainer's process (the calculator's processes and the rewards there), every turn's request pinned to the
+    weights of step t - 1. Rows call the calculator, and each model token's vLLM log-prob is the one the trainer's
+    weights of rollout t - 1 give it after the whole conversation so far (tool answers included)."""
+    cfg = GRPOConfig(**{**settings(tools_server, tmp_path / "run", max_staleness=1, max_steps=3,
+                                   vllm_weight_transfer="http"),
+                        "task": "calculator", "task_train_size": 20, "task_eval_size": 0, "num_generations": 4,
+                        "max_completion_length": 128, "learning_rate": 1e-2, "beta": 0.0, "seed": 3})
+    trainer = GRPOTrainer(args=cfg)
+    snapshots, batches = recording(trainer)
+    trainer.train()
+    rows = read_rows(tmp_path / "run")
+    assert [r["pipeline/weight_version"] for r in rows] == [0, 0, 1]
+    assert max(r["tools/call_rate"] for r in rows) > 0, [r["tools/call_rate"] for r in rows]
+    trainer.backend.prepare()
+    for t, batch in batches.items():
+        gaps, moved = version_gaps(trainer, snapshots, batch, max(0, t - 1))
+        assert gaps[max(0, t - 1)] < 2e-3, (t, gaps)
+        assert all(gaps[v] > 1e-2 for v in moved), (t, gaps)

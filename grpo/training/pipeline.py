@@ -77,9 +77,16 @@ def make_source(cfg, rollouts: Rollouts, policy, device, rollout_steps: int, tot
     changes (no sync_ref_model) and planning the passes needs no other process (no token budget over several)."""
     if cfg.max_staleness == 0:
         return SyncRollouts(rollouts)
-    if rollouts.agent is not None:
-        raise ConfigError("max_staleness: multi-turn rollouts run tools and environments made in the trainer's "
-                          "process; running them in the rollout worker is not built yet: set max_staleness: 0.")
+    from grpo.agents import AgentRollout
+
+    if rollouts.agent is not None and not isinstance(rollouts.agent, AgentRollout):
+        raise ConfigError("max_staleness: a rollout_func is handed the trainer itself, whose weights a rollout made "
+                          "ahead would see mid-update; set max_staleness: 0.")
+    if rollouts.agent is not None and not cfg.use_vllm:
+        raise ConfigError("max_staleness: multi-turn rollouts with a lag run on the vLLM server path (use_vllm, "
+                          "vllm_mode: server), where tools and environments stay in the trainer's process; a forked "
+                          "rollout worker would share the trainer's tool processes and environment instances. Use "
+                          "the server, or set max_staleness: 0.")
     total_rollouts = -(-total_steps // rollout_steps)
     if cfg.use_vllm:  # (server mode: validated) the server generates; a thread of this process talks to it
         from grpo.training.pipeline_server import ServerRollouts

@@ -121,6 +121,9 @@ class _ClientThread(Answers):
         self.engine = self.rollouts.generator = _Pinned(client)
         if rollouts.cfg.dynamic_sampling:  # (it draws the prompts; the trainer's stream follows as it takes them)
             self.rollouts.prompts = copy.deepcopy(rollouts.prompts)
+        if rollouts.agent is not None:  # (multi-turn: every turn's request pinned too; tools stay in this process)
+            self.rollouts.agent = copy.copy(rollouts.agent)
+            self.rollouts.agent.generator = self.engine
         if rollouts.trainer_state is not None:  # (reward functions see the weights' step as global_step)
             self.rollouts.trainer_state = copy.copy(rollouts.trainer_state)
         super().__init__()
