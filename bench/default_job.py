@@ -8,7 +8,9 @@
 Each side is one command in a fresh process, timed from start to exit as a user would (imports, data, model,
 training, saving): `grpo train [overrides]` with the default recipe, and `python -m bench.trl_default_job` (TRL's
 `GRPOTrainer` with every setting copied from the same resolved recipe, the same prompts in the same order, grpo's
-reward functions; see its docstring). One torch thread on each side (the recipe's `num_threads`; OMP and MKL too).
+reward functions; see its docstring). One torch thread on each side (the recipe's `num_threads`; OMP and MKL too),
+or with `--threads N` each side the same N threads of the machine: N torch threads for grpo and TRL, N - 1 for a
+grpo-lagK trainer beside its one-thread worker (`--threads 2` on a 2-core machine: the issue's comparison).
 Then each final model is scored by the same command, `grpo eval --model DIR --task arithmetic --n N --k K` (not
 timed), whose accuracy averages K samples of each of N held-out problems; `*_accuracy_se` is its standard error
 over problems. The JSON line: each side's wall and CPU seconds, its accuracy, and `speedup` = TRL's wall seconds /
@@ -36,7 +38,17 @@ SIDES = ("grpo", "trl")
 LAG_SIDE = re.compile(r"grpo-lag([1-9][0-9]*)$")  # grpo with max_staleness K
 
 
-def command(side: str, out: Path, overrides: list[str]) -> list[str]:
+def side_threads(side: str, threads: int | None) -> int | None:
+    """The torch threads of the side's training process under `--threads N` (None: the recipe's, today's one): N for
+    grpo at lag 0 and for TRL; N - 1 (at least 1) for grpo-lagK, whose rollout worker takes one thread of its own."""
+    if threads is None:
+        return None
+    return max(1, threads - 1) if LAG_SIDE.match(side) else threads
+
+
+def command(side: str, out: Path, overrides: list[str], threads: int | None = None) -> list[str]:
+    own = side_threads(side, threads)
+    overrides = [*overrides, *([f"num_threads={own}"] if own is not None else [])]
     if side == "grpo" or LAG_SIDE.match(side):
         lag = LAG_SIDE.match(side)
         return [sys.executable, "-m", "grpo.cli", "train", f"output_dir={out}", *overrides,
@@ -44,19 +56,22 @@ def command(side: str, out: Path, overrides: list[str]) -> list[str]:
     return [sys.executable, "-m", "bench.trl_default_job", "--out", str(out), *overrides]
 
 
-def environment() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+def environment(threads: int | None = None) -> dict[str, str]:
+    n = str(threads or 1)
+    return {**os.environ, "OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "TOKENIZERS_PARALLELISM": "false",
             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
-def run_side(side: str, work: Path, index: int, overrides: list[str]) -> tuple[float, float]:
+def run_side(side: str, work: Path, index: int, overrides: list[str], threads: int | None = None
+             ) -> tuple[float, float]:
     """Run one side's whole command; returns its wall seconds and CPU seconds (user + system, all threads; on a
     machine others share, the CPU seconds of a one-thread run stay near what its wall time would be on a quiet one).
     The log goes to WORK/<side>-<index>.log."""
     out, log = work / f"{side}-{index}", work / f"{side}-{index}.log"
     t0, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     with open(log, "w") as log_file:
-        done = subprocess.run(command(side, out, overrides), cwd=ROOT, env=environment(), stdout=log_file,
+        done = subprocess.run(command(side, out, overrides, threads), cwd=ROOT,
+                              env=environment(side_threads(side, threads)), stdout=log_file,
                               stderr=subprocess.STDOUT, check=False)
     seconds, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -114,6 +129,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=1, help="runs of each side, alternating (default 1)")
     parser.add_argument("--sides", default="grpo,trl", help="comma-separated: grpo, trl, grpo-lagK (grpo with "
                         "max_staleness=K) (default: grpo,trl)")
+    parser.add_argument("--threads", type=int, default=None, help="give each side N threads of the machine: "
+                        "torch threads N for grpo and TRL, N - 1 for grpo-lagK's trainer beside its one-thread "
+                        "worker (default: the recipe's num_threads, 1)")
     parser.add_argument("--eval-n", type=int, default=500, help="held-out problems to score (default 500)")
     parser.add_argument("--eval-k", type=int, default=4, help="samples per problem (default 4)")
     parser.add_argument("--work-dir", type=Path, default=None, help="keep runs, logs and evals here")
@@ -121,16 +139,18 @@ def main(argv: list[str] | None = None) -> dict:
     sides = [s for s in args.sides.split(",") if s]
     if any(s not in SIDES and not LAG_SIDE.match(s) for s in sides) or not sides:
         parser.error(f"--sides: choose from {', '.join(SIDES)}, grpo-lagK (K >= 1)")
+    if args.threads is not None and args.threads < 1:
+        parser.error("--threads: must be >= 1")
     with tempfile.TemporaryDirectory(prefix="grpo-default-job-") as tmp:
         work = (args.work_dir or Path(tmp)).resolve()
         work.mkdir(parents=True, exist_ok=True)
         runs: dict[str, list[tuple[float, float]]] = {s: [] for s in sides}
         for r in range(args.rounds):
             for side in sides if r % 2 == 0 else sides[::-1]:
-                runs[side].append(run_side(side, work, r, args.overrides))
+                runs[side].append(run_side(side, work, r, args.overrides, args.threads))
         accuracy = {side: evaluate(work / f"{side}-0" / "final", args.eval_n, args.eval_k, work) for side in sides}
-    out = {**summarize(runs, accuracy), "overrides": args.overrides, "rounds": args.rounds, "eval_n": args.eval_n,
-           "eval_k": args.eval_k, "load_average": os.getloadavg()[0]}
+    out = {**summarize(runs, accuracy), "overrides": args.overrides, "rounds": args.rounds, "threads": args.threads,
+           "eval_n": args.eval_n, "eval_k": args.eval_k, "load_average": os.getloadavg()[0]}
     print(json.dumps(out), flush=True)
     return out
 

@@ -9,7 +9,7 @@ What "the same work" means here (bench/default_job.py runs this beside `grpo tra
   order grpo's sampler draws them, B per step (`ordered_prompts`); TRL takes them in dataset order
   (`shuffle_dataset=False`) and repeats each G times, as grpo does;
 * **the rewards**: grpo's own reward functions of the task (TRL's signature), with the task's weights;
-* one torch thread, as the recipe's `num_threads`.
+* the recipe's `num_threads` torch threads (one; bench.default_job's `--threads N` sets it to N), printed at the end.
 
 TRL keeps its own defaults elsewhere; it runs no evaluation during training (grpo's default job does, every 50
 steps: that time counts against grpo). The final model and tokenizer go to DIR/final for `grpo eval`.
@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     trainer.train()
     trainer.save_model(str(args.out / "final"))
     trainer.processing_class.save_pretrained(str(args.out / "final"))
-    print(f"[bench.trl_default_job] {cfg.max_steps} steps in {time.perf_counter() - started:.0f} s", flush=True)
+    print(f"[bench.trl_default_job] {cfg.max_steps} steps in {time.perf_counter() - started:.0f} s with "
+          f"{torch.get_num_threads()} torch thread(s)", flush=True)
 
 
 if __name__ == "__main__":

@@ -84,10 +84,12 @@ def test_aliases_and_refusals_are_named():
     assert GRPOConfig(max_trajectory_age_steps=1).max_staleness == 1  # NeMo-RL's
     with pytest.raises(ConfigError, match="max_staleness: must be >= 0"):
         GRPOConfig(max_staleness=-1)
-    with pytest.raises(ConfigError, match="max_staleness: dynamic_sampling draws more prompts"):
-        GRPOConfig(max_staleness=1, dynamic_sampling=True)
-    with pytest.raises(ConfigError, match="max_staleness: multi-turn rollouts"):
+    assert GRPOConfig(max_staleness=1, dynamic_sampling=True).dynamic_sampling  # (the worker draws the prompts)
+    with pytest.raises(ConfigError, match="max_staleness: multi-turn rollouts .* run on the vLLM server path"):
         GRPOConfig(max_staleness=1, tools=["calculator"])
+    with pytest.raises(ConfigError, match="max_staleness: a rollout_func is handed the trainer itself"):
+        GRPOConfig(max_staleness=1, rollout_func="rewards_for_tests:count_a", use_vllm=True, vllm_mode="server")
+    assert GRPOConfig(max_staleness=1, tools=["calculator"], use_vllm=True, vllm_mode="server").tools
 
 
 # ---- the pipeline on the tiny model -------------------------------------------------------------------------------
@@ -116,14 +118,7 @@ def test_each_rollout_is_sampled_with_the_weights_lag_rollouts_before(tiny_model
     # (one torch thread, as the worker has: the two processes' reference passes then sum in the same order)
     trainer = trainer_for(tiny_model_dir, tmp_path / "run", max_staleness=lag, num_iterations=mu, engine=engine,
                           num_threads=1, **extra)
-    snapshots, batches, real_next = {}, {}, trainer.source.next
-
-    def recording_next(index):
-        snapshots[index] = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
-        batches[index] = real_next(index)
-        return batches[index]
-
-    trainer.source.next = recording_next
+    snapshots, batches = recording(trainer)
     trainer.train()
     steps = trainer.layout.rollout_steps
     assert steps == mu * (2 if extra else 1)
@@ -134,18 +129,39 @@ def test_each_rollout_is_sampled_with_the_weights_lag_rollouts_before(tiny_model
         want = max(0, t - lag)
         assert batch.metrics["pipeline/weight_version"] == want * steps
         assert rows[t * steps]["pipeline/staleness"] == (t - want) * steps
-        gaps = {}
-        for version in {want - 1, want, want + 1} & set(snapshots):
-            trainer.policy.load_state_dict(snapshots[version])
-            logp = trainer.updates.score(trainer.policy, batch).cpu()
-            gaps[version] = float(((logp - batch.sampling_logp) * batch.completion_mask).abs().max())
+        gaps, moved = version_gaps(trainer, snapshots, batch, want)
         assert gaps[want] < 1e-4, (t, gaps)
         # the worker took the reference's log-probs too (beta 0.04): the numbers the trainer's process would take
         assert torch.equal(batch.ref_logp, trainer._reference_logprobs(batch).cpu())
-        moved = {v for v in gaps if any(not torch.equal(snapshots[v][k], w) for k, w in snapshots[want].items())}
         assert all(gaps[v] > 1e-3 for v in moved), (t, gaps)  # (a step with no gradient leaves the weights)
         told_apart += len(moved)
     assert told_apart >= len(batches) // 2
+
+
+def recording(trainer) -> tuple[dict, dict]:
+    """(weights, batch) by rollout index, filled as the run takes each rollout: the policy's weights at that moment
+    and the batch."""
+    snapshots, batches, real_next = {}, {}, trainer.source.next
+
+    def recording_next(index):
+        snapshots[index] = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
+        batches[index] = real_next(index)
+        return batches[index]
+
+    trainer.source.next = recording_next
+    return snapshots, batches
+
+
+def version_gaps(trainer, snapshots: dict, batch, want: int) -> tuple[dict[int, float], set[int]]:
+    """Per version v in want - 1 .. want + 1: the largest gap between the batch's sampling log-probs and its tokens'
+    log-probs under the weights taken at rollout v; and the versions whose weights differ from want's."""
+    gaps = {}
+    for version in {want - 1, want, want + 1} & set(snapshots):
+        trainer.policy.load_state_dict(snapshots[version])
+        logp = trainer.updates.score(trainer.policy, batch).cpu()
+        gaps[version] = float(((logp - batch.sampling_logp) * batch.completion_mask).abs().max())
+    moved = {v for v in gaps if any(not torch.equal(snapshots[v][k], w) for k, w in snapshots[want].items())}
+    return gaps, moved
 
 
 @pytest.mark.parametrize("lag, point, kill_step, mu", [
@@ -174,6 +190,30 @@ def test_kill_mid_pipeline_and_resume_matches_uninterrupted(tiny_model_dir, tmp_
     ours, theirs = read_rows(tmp_path / "run"), read_rows(tmp_path / "straight")
     assert [r["step"] for r in ours] == [r["step"] for r in theirs]
     assert [[r.get(k) for k in keys] for r in ours] == [[r.get(k) for k in keys] for r in theirs]
+
+
+def test_dynamic_sampling_with_a_lag_draws_in_the_worker_and_resumes_exactly(tiny_model_dir, tmp_path):
+    """dynamic_sampling with lag 1: the worker draws each rollout's prompts, refills included, in rollout order
+    (some rollout takes more than one round here: count_a's groups are often all 0), with the weights of step
+    t - 1; a kill -9 mid-pipeline and a resume reach the uninterrupted run's weights bit for bit, with the same rows
+    (the checkpoint holds the prompt stream where the worker's was after the last rollout it generated; the resumed
+    worker draws the rollout kept as a recipe again from there)."""
+    cfg = settings(tiny_model_dir, tmp_path / "straight", max_staleness=1, save_steps=1, save_total_limit=None,
+                   dynamic_sampling=True, max_generation_rounds=3)
+    assert run_driver(cfg, tmp_path, "none", 0) == 0
+    want_rows = read_rows(tmp_path / "straight")
+    assert [r["pipeline/weight_version"] for r in want_rows] == [0, 0, 1, 2, 3, 4]
+    assert max(r["sampling/generation_rounds"] for r in want_rows) > 1
+    want = load_file(str(tmp_path / "straight" / "final" / "model.safetensors"))
+    cfg = {**cfg, "output_dir": str(tmp_path / "run")}
+    assert run_driver(cfg, tmp_path, "micro_step", 3) == -signal.SIGKILL
+    assert run_driver({**cfg, "resume": True}, tmp_path, "none", 0) == 0
+    got = load_file(str(tmp_path / "run" / "final" / "model.safetensors"))
+    assert max((got[k] - want[k]).abs().max().item() for k in want) == 0.0
+    keys = ("reward/total", "policy/loss", "sampling/generation_rounds", "sampling/kept_groups",
+            "pipeline/weight_version")
+    assert [[r.get(k) for k in keys] for r in read_rows(tmp_path / "run")] == [[r.get(k) for k in keys]
+                                                                                for r in want_rows]
 
 
 def test_resume_with_another_lag_is_refused(tiny_model_dir, tmp_path):

@@ -201,6 +201,38 @@ def test_default_job_lag_side_runs_grpo_with_max_staleness_and_is_compared():
     assert out["grpo-lag1_wall_s"] == 100.0 and out["lag1_speedup"] == 1.5 and out["lag1_vs_trl"] == 3.3
 
 
+def test_default_job_threads_give_each_side_the_same_cores():
+    """--threads 2 (the issue's 2-core comparison): grpo at lag 0 and TRL train with 2 torch threads (OMP too); a
+    lagged trainer with 1 beside its one-thread worker; without --threads nothing changes (the recipe's 1)."""
+    from bench.default_job import command, environment, side_threads
+
+    assert command("grpo", Path("o"), ["max_steps=3"], threads=2)[-2:] == ["max_steps=3", "num_threads=2"]
+    assert command("trl", Path("o"), [], threads=2)[-1] == "num_threads=2"
+    assert command("grpo-lag1", Path("o"), [], threads=2)[-2:] == ["num_threads=1", "max_staleness=1"]
+    assert command("grpo-lag2", Path("o"), [], threads=4)[-2:] == ["num_threads=3", "max_staleness=2"]
+    assert [side_threads(s, 2) for s in ("grpo", "trl", "grpo-lag1")] == [2, 2, 1]
+    assert environment(side_threads("grpo", 2))["OMP_NUM_THREADS"] == "2"
+    assert command("grpo", Path("o"), [])[-1] == "output_dir=o" and environment()["OMP_NUM_THREADS"] == "1"
+
+
+def test_lag_plot_draws_reward_against_wall_time(tmp_path):
+    """A run with wall stamps is drawn against them; one without, against the running sum of time/step
+    (steps of 2 s and 3 s: 2 then 5)."""
+    from bench.lag_plot import STAMPS, draw, reward_by_time
+
+    for lag, stamped in ((0, True), (1, False)):
+        run = tmp_path / f"lag{lag}"
+        run.mkdir()
+        rows = [{"step": 1, "reward/total": 0.25, "time/step": 2.0}, {"step": 2, "reward/total": 0.5, "time/step": 3.0}]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        if stamped:
+            (run / STAMPS).write_text(json.dumps([[1, 10.5], [2, 12.0]]))
+    assert reward_by_time(tmp_path / "lag0") == ([10.5, 12.0], [0.25, 0.5], True)
+    assert reward_by_time(tmp_path / "lag1") == ([2.0, 5.0], [0.25, 0.5], False)
+    out = draw({0: tmp_path / "lag0", 1: tmp_path / "lag1"}, tmp_path / "plot.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_trl_gets_the_default_jobs_settings_and_prompts_in_grpos_order(tmp_path):
     """Every loss, optimizer and sampling setting of the resolved recipe reaches TRL's config, and TRL's dataset is
     the prompts grpo's sampler draws, step by step, rendered with the task's prefill."""

@@ -8,6 +8,7 @@ tests/test_vllm_server.py`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -27,20 +28,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def server(tmp_path):
-    model = build_tiny_model(tmp_path / "model", hidden=128)  # head size 32: vLLM's CPU attention needs >= 32
+@contextlib.contextmanager
+def serving(model, log):
+    """`grpo vllm-serve` of `model` on a free local port (yielded; its log to `log`), stopped after."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "grpo.cli", "vllm-serve", "--model", str(model), "--host",
                              "127.0.0.1", "--port", str(port), "--dtype", "float32", "--gpu-memory-utilization", "0.1",
                              "--set", "enforce_eager=true", "--set", "kv_cache_memory_bytes=33554432"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "server.log", "w"))
+                            env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
     try:
-        yield model, port
+        yield port
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+@pytest.fixture
+def server(tmp_path):
+    model = build_tiny_model(tmp_path / "model", hidden=128)  # head size 32: vLLM's CPU attention needs >= 32
+    with serving(model, tmp_path / "server.log") as port:
+        yield model, port
 
 
 @needs_vllm

@@ -191,7 +191,8 @@ class GRPOConfig:
                                          "true on the CPU, false on GPUs.")
     max_staleness: int = _f(0, "Asynchronous rollouts (TRL 1.18 AsyncGRPOTrainer's key): rollout t is generated "
                             "with exactly the weights of k = max_staleness rollouts before (optimizer step "
-                            "t - k), in a worker process, while the update runs; 0: synchronous. Stale rows are "
+                            "t - k), in a worker process (with vllm_mode: server, by the server), while the update "
+                            "runs; 0: synchronous. Stale rows are "
                             "weighted by pi_old / pi_sampling as vllm_importance_sampling_* say (docs/async.md).")
     vllm_importance_sampling_correction: bool = _f(True, "Weight each token's surrogate by pi_old / pi_vllm, "
                                                    "bounded as vllm_importance_sampling_mode says (TRL 1.16's); "

@@ -196,14 +196,15 @@ def _validate_staleness(cfg) -> None:
     check(cfg.max_staleness >= 0, "max_staleness", "must be >= 0 (0: synchronous rollouts).")
     if cfg.max_staleness == 0:
         return
-    check(not cfg.dynamic_sampling, "max_staleness", "dynamic_sampling draws more prompts by the rewards of the "
-          "rollout in flight, so the prompt order would depend on the pipeline; not built with a lag yet: set "
-          "max_staleness: 0 or dynamic_sampling: false.")
-    check(not cfg.use_vllm, "max_staleness", "rollouts from vLLM with a lag are not built yet (the worker would "
-          "have to push each version's weights to the server before its rollout); set max_staleness: 0.")
-    check(not (cfg.tools or cfg.environment_factory or cfg.rollout_func), "max_staleness",
-          "multi-turn rollouts (tools, environment_factory, rollout_func) run tools and environments made in the "
-          "trainer's process; running them in the rollout worker is not built yet: set max_staleness: 0.")
+    check(not cfg.use_vllm or cfg.vllm_mode == "server", "max_staleness", "a colocated vLLM engine shares the "
+          "trainer's process and device, so it cannot generate while the update runs; use vllm_mode: server (a "
+          "`grpo vllm-serve` on other devices), or set max_staleness: 0.")
+    check(not cfg.rollout_func, "max_staleness", "a rollout_func is handed the trainer itself, whose weights a "
+          "rollout made ahead would see mid-update; set max_staleness: 0.")
+    check(cfg.use_vllm or not (cfg.tools or cfg.environment_factory), "max_staleness", "multi-turn rollouts "
+          "(tools, environment_factory) with a lag run on the vLLM server path (use_vllm, vllm_mode: server), "
+          "where they stay in the trainer's process; a forked rollout worker would share the trainer's tool "
+          "processes and environment instances. Use the server, or set max_staleness: 0.")
 
 
 def _validate_optimization(cfg) -> None:

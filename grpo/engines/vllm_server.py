@@ -5,13 +5,19 @@ optimizer step.
 The protocol is HTTP endpoints with JSON bodies, served by the standard library, so a trainer needs neither vLLM nor
 a web framework to talk to it:
 
-    GET  /health              {"model", "weights_version", "device", "dtype"}
-    POST /generate            {"prompt_ids", "params" (SamplingParams' fields), "seeds" (or null), "eos_ids"}
-                              -> {"ids", "truncated", "logprobs"}
+    GET  /health              {"model", "weights_version", "policy_step", "device", "dtype"}
+    POST /generate            {"prompt_ids", "params" (SamplingParams' fields), "seeds" (or null), "eos_ids",
+                              "step" (optional)} -> {"ids", "truncated", "logprobs", "policy_step"}
     POST /init_communicator   {"host", "port", "backend"}: join the trainer in a two-rank process group
                               (grpo.engines.vllm_weights)
     POST /update_weights      ?transport=collective: receive the weights over that group, bucket by bucket;
                               ?transport=http: a chunked body of the same buckets -> {"weights_version": n}
+                              &step=s: the trainer's optimizer steps behind these weights (policy_step)
+
+`weights_version` counts the pushes; `policy_step` is the step the trainer named with the last push (null when it
+named none). A generate request that names a `step` is refused unless the server holds exactly those weights: with
+max_staleness the trainer asks for rollout t with the weights of step t - k, and this check makes a push that
+overtook its requests an error instead of a silently different run (grpo.training.pipeline_server).
 
 Requests run one at a time on the engine (vLLM's `LLM` is not thread-safe). In training the main process sends one
 generate request a step with every process's rows and hands each process its own completions back
@@ -59,7 +65,8 @@ def serve(model: str, host: str = "0.0.0.0", port: int = 8000, **engine_kwargs) 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     dtype = str(engine.llm.llm_engine.model_config.dtype).removeprefix("torch.")
     server = ThreadingHTTPServer((host, port), Handler)
-    server.served = Served(model, engine, device, state={"weights_version": 0, "device": device.type, "dtype": dtype})
+    server.served = Served(model, engine, device, state={"weights_version": 0, "policy_step": None,
+                                                         "device": device.type, "dtype": dtype})
     print(f"grpo vllm-serve: {model} on http://{host}:{port}", flush=True)
     try:
         server.serve_forever()
@@ -91,15 +98,22 @@ class Handler(BaseHTTPRequestHandler):
         served, (path, _, query) = self.server.served, self.path.partition("?")
         try:
             if path == "/update_weights":
-                return self._reply(self._update_weights(urllib.parse.parse_qs(query).get("transport", [""])[0]))
+                options = urllib.parse.parse_qs(query)
+                step = options.get("step", [None])[0]
+                return self._reply(self._update_weights(options.get("transport", [""])[0],
+                                                        None if step is None else int(step)))
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
             if path == "/generate":
                 with served.lock:
+                    held = served.state["policy_step"]
+                    if body.get("step") is not None and body["step"] != held:
+                        return self._reply({"error": f"the request names the weights of step {body['step']}, the "
+                                                     f"server holds those of step {held}"}, 409)
                     served.engine.eos_ids = list(body["eos_ids"])
                     served.engine.per_row_seeds = body["seeds"] is not None
                     out = served.engine.generate(body["prompt_ids"], SamplingParams(**body["params"]),
                                                  body["seeds"] or [0] * len(body["prompt_ids"]))
-                return self._reply(dataclasses.asdict(out))
+                return self._reply({**dataclasses.asdict(out), "policy_step": held})
             if path == "/init_communicator":
                 # (blocks until the trainer joins: the trainer sends this from a thread of its own). An earlier
                 # trainer's group, if any, is dropped.
@@ -111,7 +125,7 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             self._reply({"error": f"{type(err).__name__}: {err}"}, 500)
 
-    def _update_weights(self, transport: str) -> dict:
+    def _update_weights(self, transport: str, step: int | None) -> dict:
         served = self.server.served
         if transport == "collective":
             if served.group is None:
@@ -125,6 +139,7 @@ class Handler(BaseHTTPRequestHandler):
         with served.lock:
             served.engine.load_weights(weights)  # (one reload_weights, reading the stream as it goes)
             served.state["weights_version"] += 1
+            served.state["policy_step"] = step
         if transport == "http":
             reader.finish()
         return {"weights_version": served.state["weights_version"]}
@@ -196,9 +211,18 @@ class VLLMServerClient:
             raise RuntimeError(f"vLLM server {self.url}{path}: {reason}") from None
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seeds: list[int]) -> Completions:
+        return self.generate_at(prompt_ids, params, seeds)[0]
+
+    def generate_at(self, prompt_ids: list[list[int]], params: SamplingParams, seeds: list[int],
+                    step: int | None = None) -> tuple[Completions, int | None]:
+        """The rows' completions, and the step of the weights the server sampled them with (as it reports it);
+        with `step`, only from the weights pushed with that step (the server refuses the request otherwise)."""
         body = {"prompt_ids": prompt_ids, "params": dataclasses.asdict(params),
-                "seeds": list(seeds) if self.per_row_seeds else None, "eos_ids": self.eos_ids}
-        return Completions(**self._call("/generate", json.dumps(body).encode()))
+                "seeds": list(seeds) if self.per_row_seeds else None, "eos_ids": self.eos_ids,
+                **({"step": step} if step is not None else {})}
+        reply = self._call("/generate", json.dumps(body).encode())
+        served = reply.pop("policy_step", None)
+        return Completions(**reply), served
 
     def generate_together(self, prompt_ids: list[list[int]], params: SamplingParams, seeds: list[int]
                           ) -> Completions:
@@ -218,28 +242,30 @@ class VLLMServerClient:
                 start = stop
         return self.share(parts)[self.rank]
 
-    def update_weights(self, model) -> None:
+    def update_weights(self, model, step: int | None = None) -> None:
+        """Push the policy's weights (`step`: the optimizer steps behind them, which the server then reports)."""
         from grpo.engines.sharding import hf_weights, sharding
 
         if not self.push and sharding(model) is not None:
             for _ in hf_weights(model):  # gathering a sharded model is collective: every process takes part
                 pass
         if self.push:
-            self.push_weights(hf_weights(model))
+            self.push_weights(hf_weights(model), step)
         if self.barrier is not None:
             self.barrier()
 
-    def push_weights(self, weights) -> dict:
+    def push_weights(self, weights, step: int | None = None) -> dict:
         """Send (name, tensor) pairs to the server, one bucket at a time; returns the server's reply."""
+        tag = "" if step is None else f"&step={int(step)}"
         if self.transport == "collective":
             with ThreadPoolExecutor(1) as pool:  # (the server's reply waits for the whole stream)
-                reply = pool.submit(self._call, "/update_weights?transport=collective", b"")
+                reply = pool.submit(self._call, f"/update_weights?transport=collective{tag}", b"")
                 vllm_weights.send_weights(self.group, weights, self.device, self.dtype)
                 return reply.result()
         host = urllib.parse.urlsplit(self.url)
         connection = http.client.HTTPConnection(host.hostname, host.port or 80)
         try:
-            connection.request("POST", "/update_weights?transport=http", body=vllm_weights.http_body(weights,
+            connection.request("POST", f"/update_weights?transport=http{tag}", body=vllm_weights.http_body(weights,
                                self.dtype), headers={"Content-Type": "application/octet-stream"}, encode_chunked=True)
             response = connection.getresponse()
             reply = json.loads(response.read() or b"{}")

@@ -6,9 +6,12 @@
                      generates and scores rollout t with exactly the weights the trainer had when it began rollout
                      t - k (optimizer step (t - k) x steps per rollout; the first k rollouts with the initial
                      weights), while the trainer updates on rollout t - 1 ... t - k.
+    ServerRollouts   the same schedule with a `grpo vllm-serve` server generating (use_vllm, vllm_mode: server):
+                     grpo.training.pipeline_server.
 
 The lag is fixed, not "as fresh as timing allows", so the run is a function of the seed and k: the prompts are drawn
-in the trainer's process in rollout order (the same prompts as a synchronous run's rollout t), each row keeps its
+in the trainer's process in rollout order (the same prompts as a synchronous run's rollout t; with dynamic sampling,
+whose refills depend on the rollout's rewards, by the worker, in the same order), each row keeps its
 seed (grpo.engines.base.row_seed), and every request goes to the worker right after the weights it names, over one
 ordered pipe, as soon as a rollout's last optimizer step is taken. The trainer's process keeps what needs every
 process or the current weights (advantages over all groups, the proximal pass, the update); the worker generates,
@@ -74,17 +77,29 @@ def make_source(cfg, rollouts: Rollouts, policy, device, rollout_steps: int, tot
     changes (no sync_ref_model) and planning the passes needs no other process (no token budget over several)."""
     if cfg.max_staleness == 0:
         return SyncRollouts(rollouts)
-    if rollouts.agent is not None:
-        raise ConfigError("max_staleness: multi-turn rollouts run tools and environments made in the trainer's "
-                          "process; running them in the rollout worker is not built yet: set max_staleness: 0.")
+    from grpo.agents import AgentRollout
+
+    if rollouts.agent is not None and not isinstance(rollouts.agent, AgentRollout):
+        raise ConfigError("max_staleness: a rollout_func is handed the trainer itself, whose weights a rollout made "
+                          "ahead would see mid-update; set max_staleness: 0.")
+    if rollouts.agent is not None and not cfg.use_vllm:
+        raise ConfigError("max_staleness: multi-turn rollouts with a lag run on the vLLM server path (use_vllm, "
+                          "vllm_mode: server), where tools and environments stay in the trainer's process; a forked "
+                          "rollout worker would share the trainer's tool processes and environment instances. Use "
+                          "the server, or set max_staleness: 0.")
+    total_rollouts = -(-total_steps // rollout_steps)
+    if cfg.use_vllm:  # (server mode: validated) the server generates; a thread of this process talks to it
+        from grpo.training.pipeline_server import ServerRollouts
+
+        return ServerRollouts(rollouts, policy, cfg.max_staleness, rollout_steps, total_rollouts)
     if device.type != "cpu":
         raise ConfigError(f"max_staleness: the rollout worker is a forked process with its own copy of the model, "
                           f"which cannot use {device.type} after the trainer has; with GPUs a lag needs generation "
-                          f"on other devices (vLLM server), not built yet: set max_staleness: 0.")
+                          f"on other devices: use_vllm with vllm_mode: server, or set max_staleness: 0.")
     if distributed in ("FSDP", "DEEPSPEED"):
         raise ConfigError(f"max_staleness: under {distributed} each process holds a shard of the weights and the "
-                          "worker needs them whole; not built yet: set max_staleness: 0.")
-    total_rollouts = -(-total_steps // rollout_steps)
+                          "forked worker needs them whole: use use_vllm with vllm_mode: server (the push gathers "
+                          "them), or set max_staleness: 0.")
     alone = rollouts.procs.world == 1 or cfg.max_tokens_per_micro_batch is None
     reference = reference if cfg.beta > 0 and not cfg.sync_ref_model and alone else None
     return LaggedRollouts(rollouts, policy, cfg.max_staleness, rollout_steps, total_rollouts, reference)
@@ -101,6 +116,7 @@ class LaggedRollouts:
                  reference=None):
         self.rollouts, self.policy, self.lag, self.reference = rollouts, policy, lag, reference
         self.rollout_steps, self.total_rollouts = rollout_steps, total_rollouts
+        self.dynamic = rollouts.cfg.dynamic_sampling  # (one process, one optimizer step per rollout: validated)
         self.layout = (f"a rollout worker process {lag} rollout(s) ahead (max_staleness {lag}): rollout t from the "
                        f"weights of optimizer step (t - {lag}) x {rollout_steps}, generated, scored"
                        f"{' and its reference log-probs taken' if reference else ''} while the update runs")
@@ -116,11 +132,14 @@ class LaggedRollouts:
         """Fork the worker; after a resume, send again the requests the checkpoint kept as recipes (their weights
         are the checkpoint's, which the worker starts from)."""
         if self.worker is None:
-            self.worker = _Worker(self.rollouts, self.policy, self.reference)
+            self.worker = self._make_worker()
             self.pushed = None
             for index, (version, request) in sorted(self.in_flight.items()):
                 self._send_weights(version)
                 self.worker.send(("rollout", index, version, request))
+
+    def _make_worker(self):
+        return _Worker(self.rollouts, self.policy, self.reference)
 
     def close(self) -> None:
         """Stop the worker. A run that ends normally has nothing in flight (nothing is asked for past the last
@@ -145,7 +164,9 @@ class LaggedRollouts:
             return
         self._send_weights(index * self.rollout_steps)
         while self.requested <= last:
-            request = self.rollouts.request(self.rollouts.prompts.next(self.rollouts.B), self.requested)
+            # (dynamic sampling: the refills depend on the rollout's rewards, so the worker draws its prompts)
+            request = self.requested if self.dynamic else self.rollouts.request(
+                self.rollouts.prompts.next(self.rollouts.B), self.requested)
             self.in_flight[self.requested] = (self.pushed, request)
             self.worker.send(("rollout", self.requested, self.pushed, request))
             self.requested += 1
@@ -156,8 +177,14 @@ class LaggedRollouts:
             self.pushed = version
 
     def _take(self, index: int) -> tuple:
+        """Rollout `index`'s answer (rollouts are taken in index order). With dynamic sampling this process's prompt
+        stream moves to where the worker's was after drawing it: what a checkpoint keeps, from which a resumed
+        worker draws the rollouts kept as recipes again."""
         self.in_flight.pop(index, None)
-        return self.worker.result(index)
+        answer = self.worker.result(index)
+        if "prompts" in answer[1]:
+            self.rollouts.prompts.load_state_dict(answer[1]["prompts"])
+        return answer
 
     def next(self, index: int) -> RolloutBatch:
         """Rollout `index` (its request, and those up to index + lag, sent now unless `stepped` sent them)."""
@@ -169,7 +196,7 @@ class LaggedRollouts:
         fields, logs, info = self.ready.pop(index) if index in self.ready else self._take(index)
         waited = time.perf_counter() - t0
         self.rollouts.take_logs(logs)
-        batch = self.rollouts.finish(Sampled(**fields), {}, index)
+        batch = self.rollouts.finish(Sampled(**fields), logs.get("sampling", {}), index)
         batch.ref_logp = info.get("ref_logp")  # (None: the trainer's process takes them)
         version = index * self.rollout_steps  # optimizer steps taken when rollout `index` starts feeding the update
         batch.metrics.update({"pipeline/staleness": float(version - info["version"]),
@@ -180,7 +207,8 @@ class LaggedRollouts:
     def state_dict(self) -> dict:
         """The rollouts asked for and not yet trained on: generated (the checkpoint waits for those of older
         weights, which it does not hold) or, for those of the weights it holds, their requests (a recipe)."""
-        recipes = {i: (v, vars(r)) for i, (v, r) in self.in_flight.items() if v == self.step}
+        recipes = {i: (v, r if isinstance(r, int) else vars(r)) for i, (v, r) in self.in_flight.items()
+                   if v == self.step}
         for index in sorted(set(self.in_flight) - set(recipes)):
             self.ready[index] = self._take(index)
         return {"lag": self.lag, "requested": self.requested, "ready": dict(self.ready), "recipes": recipes}
@@ -193,7 +221,8 @@ class LaggedRollouts:
                               f"{state['lag']} and holds the rollouts it had asked for ahead; resume with "
                               f"max_staleness: {state['lag']}.")
         self.requested, self.ready = state["requested"], dict(state["ready"])
-        self.in_flight = {i: (v, SampleRequest(**r)) for i, (v, r) in state.get("recipes", {}).items()}
+        self.in_flight = {i: (v, r if isinstance(r, int) else SampleRequest(**r))
+                          for i, (v, r) in state.get("recipes", {}).items()}
 
 
 def _trainable(model) -> dict[str, torch.Tensor]:
@@ -202,7 +231,27 @@ def _trainable(model) -> dict[str, torch.Tensor]:
 
 
 # ---- the worker process ------------------------------------------------------------------------------------------
-class _Worker:
+class Answers:
+    """The rollouts a worker answered, by index, or the failure that stopped it (`who` names it in the error); the
+    trainer's thread waits on `lock` for them."""
+
+    who = "rollout worker"
+
+    def __init__(self):
+        self.results: dict[int, tuple] = {}
+        self.failure: str | None = None
+        self.lock = threading.Condition()
+
+    def result(self, index: int) -> tuple:
+        with self.lock:
+            while index not in self.results and self.failure is None:
+                self.lock.wait()
+            if index not in self.results:
+                raise RuntimeError(f"{self.who}: rollout {index} failed:\n{self.failure}")
+            return self.results.pop(index)
+
+
+class _Worker(Answers):
     """The forked worker and the trainer's side of its pipe. Messages are pickled whole (tensors by value): the
     trainer's sends never wait on the worker (a thread there reads them into a queue), and a thread here reads the
     results, so neither side blocks the other on a full pipe."""
@@ -224,10 +273,8 @@ class _Worker:
             finally:
                 os._exit(code)
         theirs.close()
+        super().__init__()
         self.pid, self.conn = pid, ours
-        self.results: dict[int, tuple] = {}
-        self.failure: str | None = None
-        self.lock = threading.Condition()
         self.reader = threading.Thread(target=self._read, daemon=True, name="grpo-rollout-results")
         self.reader.start()
 
@@ -248,14 +295,6 @@ class _Worker:
                 self.lock.notify_all()
             if message[0] == "error":
                 return
-
-    def result(self, index: int) -> tuple:
-        with self.lock:
-            while index not in self.results and self.failure is None:
-                self.lock.wait()
-            if index not in self.results:
-                raise RuntimeError(f"rollout worker: rollout {index} failed:\n{self.failure}")
-            return self.results.pop(index)
 
     def stop(self) -> None:
         try:

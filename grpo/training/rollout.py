@@ -292,14 +292,21 @@ class Rollouts:
         batch.index = index
         return batch
 
-    def sample_request(self, request: SampleRequest) -> tuple[Sampled, dict]:
+    def sample_request(self, request: SampleRequest | int) -> tuple[Sampled, dict]:
         """A rollout worker's part (grpo.training.pipeline): one request generated and scored, with what reward
-        functions logged and the times, which `take_logs` hands to the trainer's `finish`."""
+        functions logged and the times, which `take_logs` hands to the trainer's `finish`. With dynamic sampling
+        the request is the rollout's index: its prompts, refills included, are drawn here from this copy's prompt
+        stream, and the logs carry the sampling metrics and the stream's state after the draw."""
         self._begin()
         self.ready_engine()
-        sampled = self._generate(request)
+        if isinstance(request, int):
+            sampled, sampling = self._sample_dynamic(request)
+            extra = {"sampling": sampling, "prompts": self.prompts.state_dict()}
+        else:
+            sampled, extra = self._generate(request), {}
         sleep(self.generator)
-        return sampled, {"metrics": self._logged_metrics, "columns": self._logged_columns, "times": self.times}
+        return sampled, {"metrics": self._logged_metrics, "columns": self._logged_columns, "times": self.times,
+                         **extra}
 
     def take_logs(self, logs: dict) -> None:
         """What `sample_request` logged in a worker, as if this process had scored the rollout."""
