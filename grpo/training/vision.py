@@ -154,6 +154,9 @@ class ProcessorImages:
         it gives per token (the shape of its input_ids) are named, to be made again on padded rows."""
         out = []
         for row in rows:
+            if not row:  # (a row without images: nothing to carry)
+                out.append(RowImages({}))
+                continue
             got = self.processor(images=[row], return_tensors="pt")
             ids = got.get("input_ids")
             per_token = tuple(k for k, v in got.items() if ids is not None and k not in TEXT_KEYS
@@ -252,7 +255,8 @@ def image_processing_for(cfg, processing_class, tokenizer,
     if not is_vision_config(config):
         return None
     if cfg.use_vllm:
-        raise ConfigError("use_vllm: vLLM's multimodal inputs are not wired yet; a vision-language model trains on "
-                          "the transformers engine (use_vllm: false; docs/vision.md).")
+        raise ConfigError("use_vllm: vLLM's multimodal inputs are not wired yet (vLLM's CPU build cannot load "
+                          "Qwen2-VL, LLaVA or Gemma 3 without torchvision: tests/test_vllm_vision.py); a "
+                          "vision-language model trains on the transformers engine (use_vllm: false; docs/vision.md).")
     path = getattr(model, "name_or_path", None) or cfg.model_name_or_path
     return ImageProcessing.of(processing_class, tokenizer, path)
