@@ -12,18 +12,13 @@ import torch
 from grpo.config import GRPOConfig
 from grpo.engines.base import SamplingParams
 from grpo.engines.images import model_inputs, vision_token_ids
-from grpo.engines.policy import TransformersBackend
+from grpo.engines.policy import completion_logprobs
 from grpo.engines.sampling import TransformersSampler
 from grpo.tasks import get_task
 from grpo.training.data import render_prompt
-from grpo.training.micro_batches import MicroBatches
-from grpo.training.rollout import RolloutBatch, pack
+from grpo.training.rollout import pack
 from grpo.training.vision import ImageProcessing, ProcessorImages, vision_prompts
-from vision_families import FAMILIES, build
-
-
-class OneProcess:
-    world = 1
+from vision_families import FAMILIES, build, microbatched_logprobs
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -74,22 +69,15 @@ def test_micro_batched_update_logprobs_equal_a_plain_forward_of_each_row(family)
     texts[1] = None  # (its ids no longer come from its text: a plain forward of it uses model_inputs)
     gen = torch.Generator().manual_seed(0)
     completions = [torch.randint(3, 250, (k,), generator=gen).tolist() for k in (3, 5, 2, 4)]
-    input_ids, attention, mask = pack(ids, completions, tok.pad_token_id, [True] * 4)
-    batch = RolloutBatch(input_ids, attention, mask, torch.zeros(4), images=images)
-    backend = TransformersBackend(model, None)
-    got = torch.zeros(mask.shape)
+    got, input_ids, attention, mask = microbatched_logprobs(model, tok.pad_token_id, ids, completions, images)
     with torch.no_grad():
-        for plan in MicroBatches(2, None, None, OneProcess()).plan(batch, torch.tensor([2, 0, 3, 1])):
-            x = plan.inputs(batch, "cpu")
-            got[plan.rows, :plan.width] = backend.logprobs(model, x.input_ids, x.attention_mask, plan.width, 1.0,
-                                                           images=x.images)
         for r in range(4):
             k = len(completions[r])
             inputs = plain_inputs(processing, texts[r], pil[r], ids[r], completions[r], images[r], model.config)
             logits = model(**inputs).logits[0, :-1]
             plain = logits.log_softmax(-1)[-k:].gather(1, inputs["input_ids"][0, -k:, None])[:, 0]
             torch.testing.assert_close(got[r, :k], plain, atol=1e-5, rtol=1e-5)
-        swapped = backend.logprobs(model, input_ids, attention, mask.shape[1], 1.0, images=images[::-1])
+        swapped = completion_logprobs(model, input_ids, attention, mask.shape[1], 1.0, images=images[::-1])
     assert ((swapped - got) * mask).abs().max() > 1e-4
 
 

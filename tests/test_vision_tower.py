@@ -6,28 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo.config import ConfigError, GRPOConfig
+from grpo.config import ConfigError
 from grpo.tasks import get_task
 from grpo.training.vision import vision_modules
-
-
-def settings(tmp_path, **overrides) -> GRPOConfig:
-    values = dict(model_name_or_path="tiny-vision", task="shapes", output_dir=str(tmp_path / "run"), max_steps=2,
-                  num_generations=4, per_device_train_batch_size=4, max_completion_length=4, learning_rate=1e-2,
-                  beta=0.04, report_to=[], save_strategy="no", disable_tqdm=True, eval_strategy="no")
-    return GRPOConfig(**{**values, **overrides})
-
-
-def first_digit(completions, **kwargs):
-    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
-    return [float(next((ch for ch in t if ch.isdigit()), "0")) for t in texts]
+from test_vision import larger_answer, vision_config
 
 
 def trained(tmp_path, **overrides):
     """(parameter names that require a gradient, names whose values moved in 2 steps) of a run."""
     from grpo.training.trainer import GRPOTrainer
 
-    trainer = GRPOTrainer(args=settings(tmp_path, **overrides), reward_funcs=first_digit,
+    trainer = GRPOTrainer(args=vision_config(tmp_path, max_completion_length=4, learning_rate=1e-2, **overrides),
+                          reward_funcs=larger_answer,
                           train_dataset=get_task("shapes").dataset("train", n=8))
     before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
     trainer.train()
@@ -69,5 +59,5 @@ def test_freezing_a_language_models_tower_is_an_error(tmp_path):
     from grpo.training.trainer import GRPOTrainer
 
     with pytest.raises(ConfigError, match="freeze_vision_tower: the model is not a vision-language model"):
-        GRPOTrainer(args=settings(tmp_path, model_name_or_path="tiny-arith", task="arithmetic",
-                                  freeze_vision_tower=True)).train()
+        GRPOTrainer(args=vision_config(tmp_path, model_name_or_path="tiny-arith", task="arithmetic",
+                                       freeze_vision_tower=True))

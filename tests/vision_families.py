@@ -1,6 +1,6 @@
 """Tiny random-weight vision-language models of several families, built from config objects (no download), each
 saved with its processor in a directory `GRPOTrainer` loads as it loads a hub model (used by
-test_vision_families.py).
+test_vision_families.py; `microbatched_logprobs`, the update pass over micro-batched rows, by test_vision.py too).
 
 The tokenizer is tiny-vision's byte tokenizer with each family's image tokens added and a chat template that writes
 the family's image placeholder for each image part. Sizes: text models of 2 layers, 64 wide; vision towers of 1-2
@@ -142,3 +142,25 @@ def smolvlm(path: Path) -> Path:
     SmolVLMImageProcessorPil().save_pretrained(path)
     (path / "processor_config.json").write_text('{"processor_class": "SmolVLMProcessor", "image_seq_len": 4}')
     return path
+
+
+def microbatched_logprobs(model, pad_id: int, ids: list[list[int]], completions: list[list[int]], images: list):
+    """(log-probs (N, T), the rows' input_ids, attention, completion mask) of prompt + completion rows cut into
+    micro-batches of 2 in a shuffled order and scored by the update's backend, each with its own images."""
+    from grpo.engines.policy import TransformersBackend
+    from grpo.training.micro_batches import MicroBatches
+    from grpo.training.rollout import RolloutBatch, pack
+
+    class OneProcess:
+        world = 1
+
+    input_ids, attention, mask = pack(ids, completions, pad_id, [True] * len(ids))
+    batch = RolloutBatch(input_ids, attention, mask, torch.zeros(len(ids)), images=images)
+    backend, got = TransformersBackend(model, None), torch.zeros(mask.shape)
+    order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for plan in MicroBatches(2, None, None, OneProcess()).plan(batch, order):
+            x = plan.inputs(batch, "cpu")
+            got[plan.rows, :plan.width] = backend.logprobs(model, x.input_ids, x.attention_mask, plan.width, 1.0,
+                                                           images=x.images)
+    return got, input_ids, attention, mask
