@@ -12,21 +12,17 @@ import torch
 from grpo.config import ConfigError, GRPOConfig
 from grpo.engines.base import SamplingParams
 from grpo.engines.images import model_inputs, split_rows, vision_token_ids
-from grpo.engines.policy import TransformersBackend, completion_logprobs
+from grpo.engines.policy import completion_logprobs
 from grpo.engines.sampling import TransformersSampler
 from grpo.tasks import get_task
 from grpo.tasks.shapes import COLOURS, Scene, draw
 from grpo.training.data import render_prompt
-from grpo.training.micro_batches import MicroBatches
-from grpo.training.rollout import RolloutBatch, pack
+from grpo.training.rollout import pack
 from grpo.training.vision import (ImageProcessing, check_image_tokens_masked, load_image, vision_prompts,
                                   with_image_parts)
+from vision_families import microbatched_logprobs
 
 ASSET = "grpo/assets/tiny-vision"
-
-
-class OneProcess:
-    world = 1
 
 
 @pytest.fixture(scope="module")
@@ -127,16 +123,8 @@ def test_micro_batched_rows_take_their_own_pixels(vlm):
     ids, images = prompt_rows(processing, 4, seed=1)
     gen = torch.Generator().manual_seed(0)
     completions = [torch.randint(0, 260, (k,), generator=gen).tolist() for k in (3, 5, 2, 4)]
-    input_ids, attention, mask = pack(ids, completions, tok.pad_token_id, [True] * 4)
-    batch = RolloutBatch(input_ids, attention, mask, torch.zeros(4), images=images)
-    backend = TransformersBackend(model, None)
-    got = torch.zeros(mask.shape)
-    order = torch.tensor([2, 0, 3, 1])
+    got, input_ids, attention, mask = microbatched_logprobs(model, tok.pad_token_id, ids, completions, images)
     with torch.no_grad():
-        for plan in MicroBatches(2, None, None, OneProcess()).plan(batch, order):
-            x = plan.inputs(batch, "cpu")
-            got[plan.rows, :plan.width] = backend.logprobs(model, x.input_ids, x.attention_mask, plan.width, 1.0,
-                                                           images=x.images)
         for r in range(4):
             row = torch.tensor([ids[r] + completions[r]])
             logits = model(input_ids=row, **model_inputs([images[r]], row, model.config)).logits[0, :-1]

@@ -52,6 +52,10 @@ class GRPOConfig:
     lora_dropout: float = _f(0.05, "LoRA dropout.")
     lora_target_modules: Any = _f("all-linear", "Modules that get adapters: a list of names or 'all-linear'.")
     lora_modules_to_save: list | None = _f(None, "Modules trained in full beside the adapters (e.g. [lm_head]).")
+    freeze_vision_tower: bool = _f(False, "A vision-language model's vision side (its tower and the projector into "
+                                   "the language model) is not trained (verl's key): its weights get no gradient, "
+                                   "and with LoRA no adapters. False: trained as the rest (full fine-tuning), or "
+                                   "through adapters where lora_target_modules reach it ('all-linear' does).")
     use_rslora: bool = _f(False, "Rank-stabilized LoRA scaling (alpha / sqrt(r)).")
     use_dora: bool = _f(False, "Weight-decomposed LoRA (DoRA).")
     merge_lora_on_save: bool = _f(True, "Merge adapters into the base weights in final/ (adapters are also "

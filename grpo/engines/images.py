@@ -1,9 +1,15 @@
-"""Image features on the engine side: each row's pixel features (`RowImages`), cut from a processor's batch output
-(`split_rows`) and put together for the rows of one forward (`model_inputs`), for a Qwen2-VL-shaped model.
+"""Image features on the engine side: each row's image features (`RowImages`), cut from a processor's batch output
+(`split_rows`) and put together for the rows of one forward (`model_inputs`).
 
-The image processor returns the patches of all its images concatenated, (patches, D), with one (t, h, w) patch grid
-per image; image k has t*h*w patches. Rows keep their own patches, so any cut of rows into micro-batches gives
-each forward exactly its rows' images, in its rows' order, as the model expects them.
+A row keeps what the processor returned for its images, by the processor's own key names (`pixel_values`, and
+`image_grid_thw` for Qwen2-VL, `pixel_attention_mask` for Idefics3, ...), each tensor with the row's images (or, for
+processors that batch by row, the row itself) along dim 0. The rows of a forward get each key concatenated along
+dim 0 in their order, as the model expects them, whatever cut of rows into micro-batches made them. The keys the
+processor gives per token (`mm_token_type_ids`, Gemma 3's `token_type_ids`: 1 on image tokens) are made again on
+the padded rows from the image token id.
+
+Qwen2-VL's image processor returns the patches of all its images concatenated, (patches, D), with one (t, h, w)
+patch grid per image; image k has t*h*w patches (`split_rows`).
 """
 
 from __future__ import annotations
@@ -15,37 +21,65 @@ import torch
 
 @dataclass
 class RowImages:
-    """One row's image features: its images' patches (patches, D) and their (t, h, w) patch grids (images, 3)."""
+    """One row's image features: the processor's outputs for its images by key, images (or the row) along dim 0,
+    and the names of the processor's per-token keys (made from the ids: `model_inputs`)."""
 
-    pixel_values: torch.Tensor
-    image_grid_thw: torch.Tensor
+    features: dict[str, torch.Tensor]
+    token_types: tuple[str, ...] = ()
+
+    @property
+    def pixel_values(self) -> torch.Tensor:
+        return self.features["pixel_values"]
+
+    @property
+    def image_grid_thw(self) -> torch.Tensor:  # (images, 3): Qwen2-VL's (t, h, w) patch grid of each image
+        return self.features["image_grid_thw"]
+
+
+QWEN_TOKEN_TYPES = ("mm_token_type_ids",)  # (what Qwen2VLProcessor returns per token: M-RoPE reads it)
 
 
 def split_rows(pixel_values: torch.Tensor, image_grid_thw: torch.Tensor, images_per_row: list[int]) -> list[RowImages]:
-    """The processor's batch features cut into rows: image k has image_grid_thw[k].prod() patches, in order."""
+    """Qwen2-VL's batch features cut into rows: image k has image_grid_thw[k].prod() patches, in order."""
     patches = image_grid_thw.prod(-1).tolist()  # (images,)
     if sum(patches) != pixel_values.shape[0]:
         raise ValueError(f"split_rows: the grids name {sum(patches)} patches, pixel_values has {pixel_values.shape[0]}")
     out, image, patch = [], 0, 0
     for n in images_per_row:
         count = sum(patches[image:image + n])
-        out.append(RowImages(pixel_values[patch:patch + count], image_grid_thw[image:image + n]))
+        out.append(RowImages({"pixel_values": pixel_values[patch:patch + count],
+                              "image_grid_thw": image_grid_thw[image:image + n]}, QWEN_TOKEN_TYPES))
         image, patch = image + n, patch + count
     return out
 
 
 def model_inputs(images: list[RowImages], input_ids: torch.Tensor, config, device=None) -> dict[str, torch.Tensor]:
-    """The model's image arguments for rows (in the order of input_ids's rows): their patches and grids
-    concatenated, and the token types M-RoPE reads (1 on image tokens)."""
+    """The model's image arguments for rows (in the order of input_ids's rows): each feature concatenated over the
+    rows that have it, and the per-token keys (1 on image tokens)."""
     device = device or input_ids.device
-    return {"pixel_values": torch.cat([r.pixel_values for r in images]).to(device),
-            "image_grid_thw": torch.cat([r.image_grid_thw for r in images]).to(device),
-            "mm_token_type_ids": (input_ids == config.image_token_id).int().to(device)}
+    out = {}
+    for key in dict.fromkeys(k for r in images for k in r.features):
+        parts = [r.features[key] for r in images if key in r.features]
+        if len({tuple(p.shape[1:]) for p in parts}) > 1:
+            raise ValueError(f"model_inputs: the rows' {key!r} have shapes {sorted({tuple(p.shape) for p in parts})}; "
+                             "rows whose images the processor cuts into different numbers of crops or sizes cannot "
+                             "share a forward (give images of one size, or per_device_train_batch_size: 1)")
+        out[key] = torch.cat(parts).to(device)
+    types = (input_ids == config.image_token_id).int().to(device)
+    return {**out, **{key: types for r in images[:1] for key in r.token_types}}
+
+
+_VISION_TOKENS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id", "boi_token_id",
+                  "eoi_token_id")
 
 
 def vision_token_ids(config) -> list[int]:
-    """Tokens a completion must never hold: a sampled image token would have no features (TRL suppresses it)."""
-    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-    return [int(getattr(config, n)) for n in names if getattr(config, n, None) is not None]
+    """Tokens a completion must never hold: a sampled image token would have no features (TRL suppresses it), and
+    the tokens that open or close an image (Qwen2-VL's vision start/end, Gemma 3's begin/end of image)."""
+    return [int(getattr(config, n)) for n in _VISION_TOKENS if getattr(config, n, None) is not None]
 
 
+def own_positions(model) -> bool:
+    """Whether the model computes its positions from the images itself (M-RoPE: Qwen2-VL, Qwen2.5-VL and the
+    families with a `get_rope_index`); the others take the text positions of the padded rows, as any LM."""
+    return any(callable(getattr(m, "get_rope_index", None)) for m in model.modules())

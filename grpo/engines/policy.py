@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from grpo.core import LossOutput, hidden_logprobs, token_entropy, token_logprobs
+from grpo.engines.images import own_positions
 from grpo.engines.kv_cache import cache_args, distinct_rows, expand_cache, positions as position_ids, preallocated_cache
 from grpo.engines.packing import PackedRows, Packing, choose_packing
 from grpo.engines.sharding import is_peft, sharding
@@ -282,7 +283,9 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
                                         kernels=tile_kernels and tile_kernels(hidden.dtype, hidden.device),
                                         float32_head=getattr(head, "grpo_float32_head", False))
         return (logp, entropy if entropy_grad else entropy.detach()) if with_entropy else logp
-    extra = {"position_ids": position_ids(attention_mask)} if images is None else _image_inputs(model, images, input_ids)
+    extra = {} if images is None else _image_inputs(model, images, input_ids)
+    if images is None or not own_positions(model):  # (M-RoPE models compute theirs from the images)
+        extra["position_ids"] = position_ids(attention_mask)
     out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=completion_len + 1, use_cache=False,
                 **extra)
     logits = out.logits[:, :-1, :]  # (N, T, V)

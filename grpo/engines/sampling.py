@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from grpo.engines.base import Completions, SamplingParams
+from grpo.engines.images import own_positions
 from grpo.engines.kv_cache import (cache_args, distinct_rows, expand_cache, keep_cache_rows, positions,
                                    preallocated_cache, returned_cache)
 
@@ -203,14 +204,15 @@ class TransformersSampler:
         first, copies = distinct_rows(prompt_ids)
         vision, banned = _vision_inputs(self.model, images, ids)
         if vision is not None:
-            # A vision-language model computes its prompt's (M-RoPE) positions from the image grids and keeps each
-            # row's offset for the decode steps: every row stays in the batch, each prompt encoded with its pixels.
+            # Every row stays in the batch, each prompt encoded with its pixels. An M-RoPE model computes its
+            # prompt's positions from the image grids and keeps each row's offset for the decode steps; the others
+            # take the text positions.
+            mrope = own_positions(self.model)
             out = self.model(input_ids=ids, attention_mask=mask, use_cache=True, past_key_values=cache,
-                             logits_to_keep=1, **vision)
+                             logits_to_keep=1, **vision, **({} if mrope else {"position_ids": pos}))
             logits = out.logits[:, -1, :]
-            # M-RoPE: a text token after the images sits at its text position plus the row's offset (N, 1), which the
-            # prefill left in the model (transformers' generate reads it the same way)
-            pos = pos + _rope_deltas(self.model)
+            if mrope:  # a text token after the images sits at its text position plus the row's offset (N, 1), which
+                pos = pos + _rope_deltas(self.model)  # the prefill left in the model (as transformers' generate)
         elif cache is not None and len(first) < n:  # a group's G rows share a prompt: encode each prompt once
             pick = torch.tensor(first, device=device)
             out = self.model(input_ids=ids[pick], attention_mask=mask[pick], position_ids=pos[pick],

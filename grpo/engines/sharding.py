@@ -123,9 +123,9 @@ class WholeWeightsSampler:
     def __init__(self, sampler, model):
         self.sampler, self.model = sampler, model
 
-    def generate(self, prompt_ids, params, seeds):
+    def generate(self, prompt_ids, params, seeds, **rows):  # (rows: each row's images, for a VLM)
         with whole_weights(self.model):
-            return self.sampler.generate(prompt_ids, params, seeds)
+            return self.sampler.generate(prompt_ids, params, seeds, **rows)
 
 
 def all_processes_stopped(done: torch.Tensor) -> bool:

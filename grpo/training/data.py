@@ -23,7 +23,6 @@ from typing import Any, Callable
 import torch
 
 from grpo.config import ConfigError, GRPOConfig
-from grpo.engines.images import split_rows
 from grpo.training.vision import has_images, vision_prompts
 
 PROMPT_COLUMN_CANDIDATES = ("prompt", "problem", "question")
@@ -179,9 +178,7 @@ class PromptSet:
         if self.images is None:
             return None
         distinct = list(dict.fromkeys(index))
-        flat = [img for i in distinct for img in self.images[i]]
-        pixels, grids = self.image_processing.features(flat)
-        rows = dict(zip(distinct, split_rows(pixels, grids, [len(self.images[i]) for i in distinct])))
+        rows = dict(zip(distinct, self.image_processing.row_features([self.images[i] for i in distinct])))
         return [rows[i] for i in index]
 
 

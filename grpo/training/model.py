@@ -9,6 +9,7 @@ disabled, so there is no second copy of the weights. Otherwise it is a frozen co
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ from grpo.config import ConfigError, GRPOConfig
 from grpo.engines.cpu.reference import DiskReference
 from grpo.engines.policy import is_peft
 from grpo.engines.sharding import sharding
+from grpo.training.vision import vision_modules
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
@@ -72,12 +74,27 @@ def load_model(cfg: GRPOConfig, quantization_config=None):
         raise ConfigError(f"model_name_or_path: cannot load {cfg.model_name_or_path!r}: {err}") from None
 
 
-def lora_config(cfg: GRPOConfig):
+def lora_config(cfg: GRPOConfig, model=None):
+    """The LoRA config of the recipe's keys; with freeze_vision_tower, no adapters on `model`'s vision side."""
     from peft import LoraConfig
 
+    frozen = vision_modules(model) if cfg.freeze_vision_tower and model is not None else []
+    exclude = "|".join(rf"{re.escape(name)}\..*" for name in frozen) or None  # (a regex: each module's insides)
     return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=cfg.lora_target_modules, modules_to_save=cfg.lora_modules_to_save,
-                      use_rslora=cfg.use_rslora, use_dora=cfg.use_dora, task_type="CAUSAL_LM")
+                      use_rslora=cfg.use_rslora, use_dora=cfg.use_dora, task_type="CAUSAL_LM",
+                      exclude_modules=exclude)
+
+
+def freeze_vision(model) -> None:
+    """freeze_vision_tower: no parameter of the vision side (adapters included) takes a gradient."""
+    base = model.get_base_model() if is_peft(model) else model
+    names = vision_modules(base)
+    if not names:
+        raise ConfigError("freeze_vision_tower: the model is not a vision-language model (no vision_config), so it "
+                          "has no vision tower to freeze; remove the key.")
+    for name in names:
+        base.get_submodule(name).requires_grad_(False)
 
 
 def prepare_model(model, cfg: GRPOConfig, peft_config=None, reference_dir: Path | None = None,
@@ -85,7 +102,7 @@ def prepare_model(model, cfg: GRPOConfig, peft_config=None, reference_dir: Path 
     """Apply LoRA and gradient checkpointing; returns (policy, reference or None). With `reference_dir` the
     reference is a `DiskReference` whose weights wait in a file of that directory between passes."""
     if cfg.use_peft and peft_config is None:
-        peft_config = lora_config(cfg)
+        peft_config = lora_config(cfg, model)
     if cfg.use_liger_kernel:
         apply_liger_kernels(model)
     if peft_config is not None:
@@ -94,6 +111,8 @@ def prepare_model(model, cfg: GRPOConfig, peft_config=None, reference_dir: Path 
         if cfg.load_in_4bit:
             model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
         model = get_peft_model(model, peft_config)
+    if cfg.freeze_vision_tower:
+        freeze_vision(model)
     if cfg.disable_dropout:  # (after LoRA: its dropout too, as TRL disables it)
         disable_dropout(model)
     if cfg.gradient_checkpointing:

@@ -42,8 +42,9 @@ class RolloutBatch:
     images: list | None = None  # (N,) each row's image features (grpo.training.vision.RowImages), with image data
 
     def __post_init__(self):
-        if self.images is not None:  # (a checkpoint keeps each row's features as a [pixels, grids] pair)
-            self.images = [r if isinstance(r, RowImages) else RowImages(*r) for r in self.images]
+        if self.images is not None:  # (a checkpoint keeps each row's features as a dict)
+            self.images = [r if isinstance(r, RowImages) else RowImages(r["features"], tuple(r["token_types"]))
+                           for r in self.images]
 
     @property
     def completion_width(self) -> int:
@@ -55,7 +56,8 @@ class RolloutBatch:
                  "ref_logp")
         return {**{n: None if getattr(self, n) is None else getattr(self, n).cpu() for n in names},
                 "metrics": self.metrics, "samples": self.samples, "index": self.index,
-                **({"images": [[r.pixel_values, r.image_grid_thw] for r in self.images]} if self.images else {})}
+                **({"images": [{"features": r.features, "token_types": list(r.token_types)} for r in self.images]}
+                   if self.images else {})}
 
 
 @dataclass

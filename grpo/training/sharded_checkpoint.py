@@ -21,6 +21,7 @@ on a filesystem every machine of the run sees. Every function here is collective
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 
 from grpo.config import ConfigError
-from grpo.engines.sharding import hf_weights, is_peft, whole_tensors
+from grpo.engines.sharding import hf_weights, is_peft, sharding, whole_tensors
 from grpo.training import checkpoint as ckpt
 
 def _backend(accelerator) -> str:
@@ -63,9 +64,28 @@ def write_hf(accelerator, policy, tokenizer, path: Path, merged: bool = False) -
     else:
         weights, model = _on_main(accelerator, whole_tensors(policy)), policy
     if accelerator.is_main_process:
-        model.save_pretrained(path, state_dict=weights)
+        with _hub_names(model):
+            model.save_pretrained(path, state_dict=weights)
         if tokenizer is not None:
             tokenizer.save_pretrained(path)
+
+
+@contextlib.contextmanager
+def _hub_names(model):
+    """Under ZeRO-3, save_pretrained undoing only the renamings a model made from scratch has (a vision-language
+    model's `model.language_model.*` -> `model.*`, `model.visual.*` -> `visual.*`): transformers' ZeRO-3 load
+    records its legacy renamings too, and undoing those names the language model's weights `model.model.*`, which
+    no load maps back. (FSDP2's model keeps the renamings its load recorded: its class is FSDP's, which
+    transformers' table of renamings does not know.)"""
+    vision = getattr(getattr(model, "config", None), "vision_config", None) is not None and sharding(model) == "zero3"
+    recorded = getattr(model, "_weight_conversions", None)
+    if vision and recorded is not None:
+        model._weight_conversions = None
+    try:
+        yield
+    finally:
+        if vision and recorded is not None:
+            model._weight_conversions = recorded
 
 
 def save_final(accelerator, policy, tokenizer, path, merge: bool) -> None:
@@ -78,7 +98,7 @@ def save_final(accelerator, policy, tokenizer, path, merge: bool) -> None:
         if merge or not is_peft(policy):
             write_hf(accelerator, policy, None, path, merged=is_peft(policy))
         if accelerator.is_main_process:
-            tokenizer.save_pretrained(path)
+            tokenizer.save_pretrained(path)  # (a vision-language model's processor too: grpo.training.vision)
     accelerator.wait_for_everyone()
 
 

@@ -348,6 +348,7 @@ class GRPOTrainer(TRLSurface):
     def save_model(self, path: str | Path) -> None:
         self.accel.wait_for_everyone()
         if self.sharded:  # gathered on the main process
-            sharded_ckpt.save_final(self.accel, self.policy, self.tokenizer, path, self.cfg.merge_lora_on_save)
+            sharded_ckpt.save_final(self.accel, self.policy, self.images or self.tokenizer, path,
+                                    self.cfg.merge_lora_on_save)
         elif self.accel.is_main_process:
             save_final(self.policy, self.images or self.tokenizer, path, merge=self.cfg.merge_lora_on_save)

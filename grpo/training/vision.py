@@ -1,17 +1,18 @@
-"""Images in the prompt: TRL's vision-language data rendered for a Qwen2-VL-shaped model, and the pixel features of
+"""Images in the prompt: TRL's vision-language data rendered for the model's processor, and the image features of
 each row carried to every pass (generation, old/reference log-probs, the update).
 
 Data as TRL 1.16 takes it: an `image` column (one image per row) or an `images` column (a list), each a PIL image, a
 path or a `datasets.Image` value; the prompt (text or messages) gets one `{"type": "image"}` part per image before
 the first user message's text (TRL's `prepare_multimodal_messages`); prompts whose messages already hold image parts
-with their `image` payload keep them. The chat template renders each image part as Qwen2-VL's
-`<|vision_start|><|image_pad|><|vision_end|>`, and the one pad becomes as many as the image has tokens
-(`grid_t * grid_h * grid_w / merge_size**2`), as `Qwen2VLProcessor` does.
+with their `image` payload keep them. The chat template renders each image part as the family's placeholder, which
+becomes as many image tokens as the image has:
+- with the model's processor (`ProcessorImages`: Gemma 3, LLaVA, Idefics3, ...), as the processor expands it;
+- for Qwen2-VL / Qwen2.5-VL without one (`ImageProcessing`: their processor needs torchvision), each
+  `<|image_pad|>` repeated `grid_t * grid_h * grid_w / merge_size**2` times, as `Qwen2VLProcessor` does.
 
-Per-row features: `RowImages(pixel_values (patches, D), image_grid_thw (images, 3))`. The image processor returns
-the patches of a whole batch concatenated; `split_rows` cuts them back into rows from the per-image patch counts
-(`image_grid_thw.prod(-1)`), so a micro-batch's rows take exactly their own patches (`model_inputs`). Image tokens
-sit in the prompt, which never enters the loss; the sampler never draws them (`vision_token_ids`).
+Per-row features: `RowImages`, the processor's image outputs of the row by key (grpo.engines.images), made again
+from the row's PIL images each time a rollout samples it (`row_features`). Image tokens sit in the prompt, which
+never enters the loss; the sampler never draws them (`vision_token_ids`).
 """
 
 from __future__ import annotations
@@ -23,11 +24,10 @@ from typing import Any
 import torch
 
 from grpo.config import ConfigError
-from grpo.engines.images import RowImages, split_rows  # noqa: F401 (one import place for both)
+from grpo.engines.images import RowImages, split_rows
 
 IMAGE_COLUMNS = ("image", "images")
 IMAGE_PAD = "<|image_pad|>"
-VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 
 
 def is_vision_config(config) -> bool:
@@ -35,17 +35,24 @@ def is_vision_config(config) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
-def check_vision_model(config) -> None:
-    """Only the Qwen2-VL family is wired today; other vision-language models are refused by name."""
-    kind = getattr(config, "model_type", None)
-    if kind not in VISION_MODEL_TYPES:
-        raise ConfigError(f"model_name_or_path: vision-language model type {kind!r} is not supported yet (grpo "
-                          f"trains {', '.join(VISION_MODEL_TYPES)}; docs/vision.md).")
+def vision_modules(model) -> list[str]:
+    """The vision side of a vision-language model by module name: the children of its inner model other than the
+    language model (Qwen2-VL's `model.visual`; Gemma 3's and LLaVA's `model.vision_tower` and
+    `model.multi_modal_projector`; Idefics3's `model.vision_model` and `model.connector`); [] for a language model."""
+    if not is_vision_config(getattr(model, "config", None)):
+        return []
+    decoder = model.get_decoder()
+    for outer, inner in model.named_children():
+        if any(child is decoder for child in inner.children()):
+            return [f"{outer}.{name}" for name, child in inner.named_children()
+                    if child is not decoder and next(child.parameters(), None) is not None]
+    return []
 
 
 class ImageProcessing:
-    """A tokenizer with a chat template and Qwen2-VL's image processor, saved side by side in a model directory (a
-    `Qwen2VLProcessor` works too: its `tokenizer` and `image_processor` are used)."""
+    """Qwen2-VL's way without its processor: a tokenizer with a chat template and Qwen2-VL's image processor, saved
+    side by side in a model directory (transformers 5.24 cannot build `Qwen2VLProcessor` without torchvision, for its
+    video processor). Each image pad becomes as many pads as the image has merged patches."""
 
     def __init__(self, tokenizer, image_processor):
         self.tokenizer, self.image_processor = tokenizer, image_processor
@@ -53,20 +60,33 @@ class ImageProcessing:
         self.pad_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
         if self.pad_id is None or self.pad_id == tokenizer.unk_token_id:
             raise ConfigError(f"processing_class: the tokenizer has no {IMAGE_PAD} token; a Qwen2-VL tokenizer is "
-                              "needed for image prompts.")
+                              "needed for image prompts without a processor.")
 
     @classmethod
-    def of(cls, processing_class, tokenizer, path: str | None) -> "ImageProcessing":
-        """From a processor (TRL's processing_class), else from the model directory's image processor files."""
+    def of(cls, processing_class, tokenizer, path: str | None):
+        """From a processor (TRL's processing_class), else the model directory's processor (`AutoProcessor`), else
+        (Qwen2-VL without torchvision) the directory's tokenizer and image processor."""
         if processing_class is not None and hasattr(processing_class, "image_processor"):
-            return cls(tokenizer, processing_class.image_processor)
-        from transformers import AutoImageProcessor
+            return ProcessorImages(processing_class)
+        from transformers import AutoImageProcessor, AutoProcessor
 
         try:
-            return cls(tokenizer, AutoImageProcessor.from_pretrained(path))
-        except (OSError, ValueError) as err:
-            raise ConfigError(f"model_name_or_path: {path!r} is a vision-language model but its image processor "
-                              f"does not load ({err}); save it beside the model (preprocessor_config.json).") from None
+            processor = AutoProcessor.from_pretrained(path)
+            if hasattr(processor, "image_processor") and hasattr(processor, "tokenizer"):
+                return ProcessorImages(processor)
+            why = f"AutoProcessor gives a {type(processor).__name__}"
+        except (ImportError, OSError, ValueError, TypeError, AttributeError) as err:
+            why = " ".join(str(err).split()).split(". ")[0] or type(err).__name__  # (its first sentence)
+        try:  # (Qwen2-VL's image processor, merge_size and all, beside a tokenizer with its image pad)
+            image = AutoImageProcessor.from_pretrained(path)
+        except (OSError, ValueError):
+            image = None
+        if image is None or not hasattr(image, "merge_size") or tokenizer.convert_tokens_to_ids(IMAGE_PAD) in (
+                None, tokenizer.unk_token_id):
+            raise ConfigError(f"model_name_or_path: {path!r} is a vision-language model whose processor does not "
+                              f"load ({why}); pass processing_class=AutoProcessor.from_pretrained(...) or install "
+                              "what it needs (docs/vision.md).") from None
+        return cls(tokenizer, image)
 
     def save_pretrained(self, path) -> None:
         self.tokenizer.save_pretrained(path)
@@ -76,6 +96,26 @@ class ImageProcessing:
         """(pixel_values (patches, D), image_grid_thw (images, 3)) of a list of PIL images."""
         out = self.image_processor(images=images, return_tensors="pt")
         return out["pixel_values"], out["image_grid_thw"]
+
+    def row_features(self, rows: list[list]) -> list[RowImages]:
+        """Each row's features (its list of PIL images), from one call of the image processor."""
+        flat = [img for row in rows for img in row]
+        return split_rows(*self.features(flat), [len(row) for row in rows])
+
+    def encode(self, texts: list[str], images: list[list], chunk: int = 256) -> list[list[int]]:
+        """Token ids of rendered prompts, each image pad expanded to its image's token count (the grids come from
+        the image processor, a chunk of rows at a time)."""
+        ids = []
+        for start in range(0, len(texts), chunk):
+            part = range(start, min(start + chunk, len(texts)))
+            flat = [img for i in part for img in images[i]]
+            grids = self.features(flat)[1] if flat else torch.zeros((0, 3), dtype=torch.long)
+            first = 0
+            for i in part:
+                row = self.tokenizer(texts[i], add_special_tokens=False)["input_ids"]
+                ids.append(self.expand(row, grids[first:first + len(images[i])]))
+                first += len(images[i])
+        return ids
 
     def expand(self, ids: list[int], grids: torch.Tensor) -> list[int]:
         """`ids` with the k-th image pad repeated as many times as image k has tokens."""
@@ -91,6 +131,42 @@ class ImageProcessing:
             else:
                 out.append(t)
         return out
+
+
+class ProcessorImages:
+    """A transformers processor (`Gemma3Processor`, `LlavaProcessor`, `Idefics3Processor`, `Qwen2VLProcessor`
+    where torchvision is installed, ...): it expands each image placeholder itself, and every key of its output
+    but the text's is carried per row (`RowImages`), whatever the family calls it."""
+
+    def __init__(self, processor):
+        self.processor, self.tokenizer, self.image_processor = processor, processor.tokenizer, processor.image_processor
+
+    def save_pretrained(self, path) -> None:
+        self.processor.save_pretrained(path)
+
+    def encode(self, texts: list[str], images: list[list]) -> list[list[int]]:
+        """Token ids of rendered prompts, the processor's expansion of each image placeholder included."""
+        return [self.processor(text=[t], images=[row] if row else None, add_special_tokens=False)["input_ids"][0]
+                for t, row in zip(texts, images)]
+
+    def row_features(self, rows: list[list]) -> list[RowImages]:
+        """Each row's image outputs of the processor (one call per row: each keeps its own batch layout); the keys
+        it gives per token (the shape of its input_ids) are named, to be made again on padded rows."""
+        out = []
+        for row in rows:
+            if not row:  # (a row without images: nothing to carry)
+                out.append(RowImages({}))
+                continue
+            got = self.processor(images=[row], return_tensors="pt")
+            ids = got.get("input_ids")
+            per_token = tuple(k for k, v in got.items() if ids is not None and k not in TEXT_KEYS
+                              and getattr(v, "shape", None) == ids.shape)
+            out.append(RowImages({k: v for k, v in got.items() if k not in TEXT_KEYS and k not in per_token},
+                                 per_token))
+        return out
+
+
+TEXT_KEYS = ("input_ids", "attention_mask")
 
 
 def image_column(columns: list[str]) -> str | None:
@@ -142,24 +218,14 @@ def check_image_tokens_masked(input_ids: torch.Tensor, completion_mask: torch.Te
                            "suppressed in sampling)")
 
 
-def vision_prompts(prompts: list, table: dict[str, list], processing: ImageProcessing, render,
-                   limit: int | None, chunk: int = 256) -> tuple[list[list[int]], list[list]]:
+def vision_prompts(prompts: list, table: dict[str, list], processing, render,
+                   limit: int | None) -> tuple[list[list[int]], list[list]]:
     """(token ids, images) per row: each prompt with its image parts, rendered to text by `render(messages)` (the
-    chat template: grpo.training.data.render_prompt), each image pad expanded to the image's token count (the grids
-    come from the image processor, a chunk of rows at a time). A prompt over `limit` tokens is an error."""
+    chat template: grpo.training.data.render_prompt), each image placeholder expanded to the image's tokens by
+    `processing` (ImageProcessing or ProcessorImages). A prompt over `limit` tokens is an error."""
     column = image_column(list(table))
     images = [row_images(p, table[column][i] if column else None, i) for i, p in enumerate(prompts)]
-    ids = []
-    for start in range(0, len(prompts), chunk):
-        part = range(start, min(start + chunk, len(prompts)))
-        flat = [img for i in part for img in images[i]]
-        grids = processing.features(flat)[1] if flat else torch.zeros((0, 3), dtype=torch.long)
-        first = 0
-        for i in part:
-            text = render(with_image_parts(prompts[i], len(images[i])))
-            row = processing.tokenizer(text, add_special_tokens=False)["input_ids"]
-            ids.append(processing.expand(row, grids[first:first + len(images[i])]))
-            first += len(images[i])
+    ids = processing.encode([render(with_image_parts(p, len(images[i]))) for i, p in enumerate(prompts)], images)
     long = [i for i, x in enumerate(ids) if limit is not None and len(x) > limit]
     if long:  # (cutting a prompt would cut its image tokens from their features)
         raise ConfigError(f"max_prompt_length: row {long[0]}'s prompt is {len(ids[long[0]])} tokens with its image "
@@ -176,8 +242,9 @@ def has_images(columns: list[str], prompts: list) -> bool:
     return image_column(columns) is not None or parts
 
 
-def image_processing_for(cfg, processing_class, tokenizer, model=None) -> ImageProcessing | None:
-    """The run's ImageProcessing when the model (loaded, or at model_name_or_path) is a vision-language one, else
+def image_processing_for(cfg, processing_class, tokenizer,
+                         model=None) -> ImageProcessing | ProcessorImages | None:
+    """The run's ImageProcessing or ProcessorImages when the model (loaded, or at model_name_or_path) is a vision-language one, else
     None; the engines that cannot take images yet are refused by name."""
     config = getattr(model, "config", None)
     if config is None:
@@ -187,9 +254,9 @@ def image_processing_for(cfg, processing_class, tokenizer, model=None) -> ImageP
                                             trust_remote_code=cfg.trust_remote_code)
     if not is_vision_config(config):
         return None
-    check_vision_model(config)
     if cfg.use_vllm:
-        raise ConfigError("use_vllm: vLLM's multimodal inputs are not wired yet; a vision-language model trains on "
-                          "the transformers engine (use_vllm: false; docs/vision.md).")
+        raise ConfigError("use_vllm: vLLM's multimodal inputs are not wired yet (vLLM's CPU build cannot load "
+                          "Qwen2-VL, LLaVA or Gemma 3 without torchvision: tests/test_vllm_vision.py); a "
+                          "vision-language model trains on the transformers engine (use_vllm: false; docs/vision.md).")
     path = getattr(model, "name_or_path", None) or cfg.model_name_or_path
     return ImageProcessing.of(processing_class, tokenizer, path)
