@@ -20,7 +20,8 @@ from grpo.config import ConfigError
 from grpo.training.checkpoint import load_trainer_state
 from grpo.core import engine_importance_weights, policy_loss
 from grpo.training.objective import MicroInputs, Objective
-from grpo.training.pipeline import LaggedRollouts, SyncRollouts
+from grpo.training.pipeline import LaggedRollouts
+from grpo.training.sources import SyncRollouts
 from rewards_for_tests import count_a
 from test_resume import read_rows, run_driver
 

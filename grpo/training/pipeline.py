@@ -1,7 +1,5 @@
-"""Where the trainer's rollouts come from: one source object the loop calls the same way in every mode.
+"""Rollouts generated ahead of the update by a fixed lag (grpo.training.sources picks the run's source).
 
-    SyncRollouts     max_staleness 0: generation, scoring and the update take turns in the trainer's process
-                     (the run as it always was: `Rollouts.make`).
     LaggedRollouts   max_staleness k > 0: a rollout worker, a forked process with its own copy of the model,
                      generates and scores rollout t with exactly the weights the trainer had when it began rollout
                      t - k (optimizer step (t - k) x steps per rollout; the first k rollouts with the initial
@@ -39,70 +37,6 @@ import torch
 
 from grpo.config import ConfigError
 from grpo.training.rollout import RolloutBatch, Rollouts, SampleRequest, Sampled
-
-
-class SyncRollouts:
-    """Rollout t made when the trainer asks for it, with the weights of that moment (max_staleness 0)."""
-
-    layout = "synchronous (generation, scoring and the update take turns in this process)"
-
-    def __init__(self, rollouts: Rollouts):
-        self.rollouts = rollouts
-
-    def start(self) -> None:
-        pass
-
-    def stepped(self, step: int) -> None:
-        pass
-
-    def next(self, index: int) -> RolloutBatch:
-        return self.rollouts.make(index)
-
-    def close(self) -> None:
-        pass
-
-    def state_dict(self) -> dict | None:
-        return None
-
-    def load_state_dict(self, state: dict | None) -> None:
-        if state is not None and state.get("ready"):
-            raise ConfigError(f"resume_from_checkpoint: the checkpoint holds {len(state['ready'])} rollout(s) "
-                              f"generated ahead with max_staleness: {state['lag']}; resume with that max_staleness.")
-
-
-def make_source(cfg, rollouts: Rollouts, policy, device, rollout_steps: int, total_steps: int, distributed: str,
-                reference=None):
-    """The run's rollout source; a lag where the worker cannot run is a ConfigError saying why. `reference(batch)`:
-    the reference's log-probs of a batch's rows, which the worker takes too where it can: the reference never
-    changes (no sync_ref_model) and planning the passes needs no other process (no token budget over several)."""
-    if cfg.max_staleness == 0:
-        return SyncRollouts(rollouts)
-    from grpo.agents import AgentRollout
-
-    if rollouts.agent is not None and not isinstance(rollouts.agent, AgentRollout):
-        raise ConfigError("max_staleness: a rollout_func is handed the trainer itself, whose weights a rollout made "
-                          "ahead would see mid-update; set max_staleness: 0.")
-    if rollouts.agent is not None and not cfg.use_vllm:
-        raise ConfigError("max_staleness: multi-turn rollouts with a lag run on the vLLM server path (use_vllm, "
-                          "vllm_mode: server), where tools and environments stay in the trainer's process; a forked "
-                          "rollout worker would share the trainer's tool processes and environment instances. Use "
-                          "the server, or set max_staleness: 0.")
-    total_rollouts = -(-total_steps // rollout_steps)
-    if cfg.use_vllm:  # (server mode: validated) the server generates; a thread of this process talks to it
-        from grpo.training.pipeline_server import ServerRollouts
-
-        return ServerRollouts(rollouts, policy, cfg.max_staleness, rollout_steps, total_rollouts)
-    if device.type != "cpu":
-        raise ConfigError(f"max_staleness: the rollout worker is a forked process with its own copy of the model, "
-                          f"which cannot use {device.type} after the trainer has; with GPUs a lag needs generation "
-                          f"on other devices: use_vllm with vllm_mode: server, or set max_staleness: 0.")
-    if distributed in ("FSDP", "DEEPSPEED"):
-        raise ConfigError(f"max_staleness: under {distributed} each process holds a shard of the weights and the "
-                          "forked worker needs them whole: use use_vllm with vllm_mode: server (the push gathers "
-                          "them), or set max_staleness: 0.")
-    alone = rollouts.procs.world == 1 or cfg.max_tokens_per_micro_batch is None
-    reference = reference if cfg.beta > 0 and not cfg.sync_ref_model and alone else None
-    return LaggedRollouts(rollouts, policy, cfg.max_staleness, rollout_steps, total_rollouts, reference)
 
 
 class LaggedRollouts:
