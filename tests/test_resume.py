@@ -27,6 +27,8 @@ def run_driver(cfg: dict, path: Path, point: str, kill_step: int) -> int:
     cfg_file.write_text(json.dumps(cfg))
     proc = subprocess.run([sys.executable, str(DRIVER), str(cfg_file), point, str(kill_step)],
                           capture_output=True, text=True, timeout=300)
+    if proc.returncode not in (0, -9):  # a failed run shows why (a kill -9 is what some tests ask for)
+        print(proc.stderr[-4000:])
     return proc.returncode
 
 
