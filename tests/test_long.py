@@ -270,3 +270,26 @@ def test_in_place_head_gradient_survives_saved_tensor_hooks():
         logp, _ = hidden_logprobs(hidden, head, tokens, chunk_size=7, weight_grad_in_place=True)
     logp.sum().backward()
     assert head.grad is not None and torch.equal(head.grad, plain)
+
+
+def test_a_run_with_activation_offloading_trains_as_without(tiny_model_dir, tmp_path):
+    """`grpo train activation_offloading=true` on the transformers engine: its update passes run under the hooks
+    (which see the saved tensors and, on the CPU, move nothing) and 2 steps reach the weights of the run without."""
+    from datasets import Dataset
+
+    from grpo import GRPOTrainer
+    from rewards_for_tests import count_a
+
+    finals, backends = [], []
+    for on in (False, True):
+        cfg = GRPOConfig(output_dir=str(tmp_path / str(on)), task=None, num_generations=4, prompts_per_step=2,
+                         max_completion_length=8, learning_rate=1e-2, beta=0.0, max_steps=2, save_steps=0,
+                         report_to=[], log_completions_steps=0, seed=0, task_eval_size=0, engine="transformers",
+                         enable_activation_offload=on)
+        trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=[count_a], args=cfg,
+                              train_dataset=Dataset.from_dict({"prompt": [f"q{i}\n" for i in range(8)]}))
+        trainer.train()
+        finals.append({k: v.clone() for k, v in trainer.policy.state_dict().items()})
+        backends.append(trainer.backend)
+    assert backends[0].offloaded is None and backends[1].offloaded.saved > 0  # (8-token rows: none over 64 KiB)
+    assert all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
