@@ -10,6 +10,7 @@ update's loss, each run in a fresh process by `bench.sequence_parallel.run`:
     packed      the padding-free pass grpo runs on one process (one sequence: causal sdpa, no mask)
     checkpoint  the same with gradient checkpointing (every decoder layer, non-reentrant)
     offload     the same under activation offload (grpo.engines.offload); on a CPU nothing moves
+    checkpoint_offload  both: the layers' inputs offloaded
     sp2         two processes (gloo), Ulysses, each holding half the tokens
 
 Per process: `saved` (bytes of the distinct tensors autograd keeps, weights left out), `left` (of those, what offload
@@ -33,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.sequence_parallel import run  # noqa: E402
 
-MODES = ("packed", "checkpoint", "offload", "sp2")
+MODES = ("packed", "checkpoint", "offload", "checkpoint_offload", "sp2")
 
 
 def main() -> None:

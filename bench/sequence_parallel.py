@@ -37,8 +37,9 @@ def rss_bytes() -> int:
 
 def measure(mode: str, tokens: int, rows: int = 4) -> dict:
     """One forward and backward of the micro-batch of `rows` rows in this process (a process of the group for sp2).
-    Modes `checkpoint` and `offload` are the `packed` pass with gradient checkpointing or activation offload on
-    (bench/long_memory.py); `left_mb` counts the saved bytes offload leaves on an accelerator (all for other modes)."""
+    Modes `checkpoint`, `offload` and `checkpoint_offload` are the `packed` pass with gradient checkpointing,
+    activation offload or both on (bench/long_memory.py); `left_mb` counts the saved bytes offload leaves on an
+    accelerator (all of them for the other modes)."""
     import torch
     import torch.distributed as dist
 
@@ -51,7 +52,7 @@ def measure(mode: str, tokens: int, rows: int = 4) -> dict:
     from grpo.engines.ulysses import SequenceGroup, installed, sequence_parallel_logprobs
 
     model = tiny_model(2, layers=4, hidden=256, context=max(16384, 2 * tokens))
-    if mode == "checkpoint":  # (transformers >= 5.23's name; the old one warns)
+    if mode in ("checkpoint", "checkpoint_offload"):  # (transformers >= 5.23's name; the old one warns)
         enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)
         enable({"use_reentrant": False})
     ids, mask, width = micro_batch(tokens, rows)
@@ -65,7 +66,7 @@ def measure(mode: str, tokens: int, rows: int = 4) -> dict:
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}  # storage -> bytes, of the tensors autograd keeps (weights and their views left out)
     left: dict[int, int] = {}  # the same, of those offload would leave on an accelerator
-    offload = ActivationOffload(model) if mode == "offload" else None
+    offload = ActivationOffload(model) if mode in ("offload", "checkpoint_offload") else None
 
     def keep(t):
         storage = t.untyped_storage()
@@ -77,7 +78,7 @@ def measure(mode: str, tokens: int, rows: int = 4) -> dict:
 
     before = rss_bytes()
     with torch.autograd.graph.saved_tensors_hooks(keep, offload.unpack if offload else lambda t: t):
-        if mode in ("packed", "checkpoint", "offload"):
+        if mode in ("packed", "checkpoint", "offload", "checkpoint_offload"):
             logp = completion_logprobs(model, ids, mask, width, 1.0, packed=packed)
             loss_of(logp, torch.zeros_like(logp), real).backward()
         else:
