@@ -37,6 +37,10 @@ class GRPOConfig:
                                          "flash_attention_2). Default: transformers' choice.")
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory (slower).")
     gradient_checkpointing_kwargs: dict | None = _f(None, "Passed to gradient_checkpointing_enable().")
+    activation_offloading: bool = _f(False, "Keep what the update's forward saves for backward in pinned host "
+                                     "memory until backward (TRL's key for SFT/DPO; verl's enable_activation_offload):"
+                                     " device memory for long completions; with gradient_checkpointing, the layers' "
+                                     "inputs move. Moves nothing on a CPU-only run (docs/long.md).")
     disable_dropout: bool = _f(False, "Turn every dropout off, so the update's log-probs match sampling's.")
     cast_lm_head_to_fp32: bool = _f(False, "The LM head in float32 (TRL's key, the ScaleRL recipe): its weight cast "
                                     "to float32 and its product taken in float32 with autocast off, for the policy "

@@ -330,7 +330,11 @@ class _HiddenLogprob(torch.autograd.Function):
         g = torch.zeros_like(lse) if g is None else g.reshape(-1).to(lse.dtype)
         g_entropy = _over_temperature(grad_entropy, ctx.temperature)
         g_entropy = None if g_entropy is None else g_entropy.reshape(-1).to(lse.dtype)
-        grads = _HeadGrads(h_all, weight, bias, ctx.needs_input_grad[:3], ctx.weight is not None)
+        # In place, the gradient goes into the parameter's own .grad: ctx.weight is that parameter, while the saved
+        # `weight` may be another tensor object over its memory (under saved-tensor hooks: activation offload, torch's
+        # save_on_cpu), whose .grad autograd never reads; writing there dropped the head's gradient.
+        grads = _HeadGrads(h_all, weight if ctx.weight is None else ctx.weight, bias, ctx.needs_input_grad[:3],
+                           ctx.weight is not None)
         tile = None if ctx.kernels is None else h_all.new_empty(min(ctx.positions, h_all.shape[0]),
                                                                 min(ctx.block, weight.shape[0]))
         for p0 in range(0, h_all.shape[0], ctx.positions):

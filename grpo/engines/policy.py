@@ -17,6 +17,7 @@ import torch
 from grpo.core import LossOutput, hidden_logprobs, token_entropy, token_logprobs
 from grpo.engines.images import own_positions
 from grpo.engines.kv_cache import cache_args, distinct_rows, expand_cache, positions as position_ids, preallocated_cache
+from grpo.engines.offload import ActivationOffload, OffloadStats
 from grpo.engines.packing import PackedRows, Packing, choose_packing
 from grpo.engines.sharding import is_peft, sharding
 
@@ -48,9 +49,11 @@ class TransformersBackend:
     name = "transformers"
     tile_kernels = None  # (dtype, device) -> compiled kernels for the head's tiles, or None: the CPU engine's
 
-    def __init__(self, model, accelerator, sp=None):
+    def __init__(self, model, accelerator, sp=None, offload: bool = False):
         self.model, self.accel = model, accelerator
         self.sp = sp  # this process's sequence-parallel group (grpo.engines.ulysses), or None
+        self.offload = offload  # the update's saved activations in host memory (grpo.engines.offload)
+        self.offloaded: OffloadStats | None = None  # what the last update pass's offload saw, when on
 
     def packing(self, model, enabled: bool) -> tuple[Packing | None, str]:
         """How this backend's passes pack micro-batches for `model` (None: padded, and why). Sequence-parallel:
@@ -87,7 +90,7 @@ class TransformersBackend:
         The forward and the loss run under the run's autocast (mixed precision), the backward outside it, as torch
         advises (autograd replays the forward's casts)."""
         with self._sequence_parallel(self.model):  # (the backward too: checkpointing recomputes the forward in it)
-            with self.accel.autocast():
+            with self.accel.autocast(), self._offload():
                 out = self._passes(self.model, micro.input_ids, micro.attention_mask, micro.width, temperature,
                                    micro.packed, micro.images, with_entropy or entropy_in_loss, entropy_in_loss)
                 logp, entropy = out if with_entropy or entropy_in_loss else (out, None)
@@ -95,6 +98,15 @@ class TransformersBackend:
             # (a micro-batch that cannot be packed runs whole on every process of its group: its share, once)
             self.backward(result.loss / self.sp.size if self.sp is not None and micro.packed is None else result.loss)
         return logp.detach(), result
+
+    def _offload(self):
+        """Saved-tensor hooks moving the update forward's activations to host memory (`activation_offloading`);
+        backward unpacks them after the block has closed."""
+        if not self.offload:
+            return contextlib.nullcontext()
+        hooks = ActivationOffload(self.model)
+        self.offloaded = hooks.stats
+        return hooks
 
     def _sequence_parallel(self, model):
         return self.sp.installed(model) if self.sp is not None else contextlib.nullcontext()

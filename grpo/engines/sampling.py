@@ -240,6 +240,9 @@ class TransformersSampler:
         # completion does not keep the short ones computing.
         row, done = slice(None), torch.zeros(n, dtype=torch.bool, device=device)
         pos = pos[:, -1:]
+        # The stock forward's attention mask at step t is the first P + t + 1 columns of this one, a view: growing
+        # it by torch.cat copied the whole mask at every token (O(length) per token, O(length^2) per completion).
+        width, mask = mask.shape[1], torch.cat([mask, mask.new_ones((n, p.max_new_tokens))], dim=1)
         # The uniforms come from CPU generators, so the random streams do not depend on the device.
         uniforms = uniform_streams(rngs, p.max_new_tokens).to(device)
         check_every = 1 if device.type == "cpu" else _DONE_CHECK
@@ -272,8 +275,7 @@ class TransformersSampler:
             if step is not None:
                 logits = step(token[:, None], pos, t)
             else:
-                mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype, device=device)], dim=1)
-                out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=pos,
+                out = self.model(input_ids=token[:, None], attention_mask=mask[:, :width + t + 1], position_ids=pos,
                                  **cache_args(self.model, returned_cache(out)), use_cache=True)
                 logits = out.logits[:, -1, :]
         ended[torch.arange(n, device=device)[row][done]] = True

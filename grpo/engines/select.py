@@ -70,16 +70,17 @@ def choose_engine(requested: str, model, device: torch.device, processes: int, d
 
 
 def make_engine(choice: EngineChoice, model, policy, accelerator, tokenizer, params, reference=None,
-                generator=None, gather_for_generation: bool = True, sp=None):
+                generator=None, gather_for_generation: bool = True, sp=None, offload: bool = False):
     """(rollout engine, update backend) for the choice. `model` is the policy as accelerate prepared it, `policy`
     the unwrapped module; `generator` a rollout engine of the caller's that replaces the built one; `sp`: this
-    process's sequence-parallel group (grpo.engines.ulysses.SequenceGroup), or None."""
+    process's sequence-parallel group (grpo.engines.ulysses.SequenceGroup), or None; `offload`: the update's saved
+    activations in host memory (grpo.engines.offload; the CPU engine's are there already)."""
     generator = generator or make_sampler(choice, policy, tokenizer, model, gather_for_generation)
     if choice.name == "cpu":
         from grpo.engines.cpu import CPUBackend
 
         return generator, CPUBackend(policy, accelerator, generator, params, reference)
-    return generator, TransformersBackend(model, accelerator, sp)
+    return generator, TransformersBackend(model, accelerator, sp, offload)
 
 
 LOCAL_HOSTS = ("0.0.0.0", "127.0.0.1", "localhost", "::", "::1")

@@ -146,7 +146,7 @@ class GRPOTrainer(TRLSurface):
         self.generator, self.backend = make_engine(self.engine, self.model, self.policy, self.accel, self.tokenizer,
                                                    self.params, self.reference, generator,
                                                    gather_for_generation=cfg.ds3_gather_for_generation,
-                                                   sp=self.procs.sp)
+                                                   sp=self.procs.sp, offload=cfg.activation_offloading)
         packing, why = self.backend.packing(self.policy, cfg.use_remove_padding)
         self.rollouts = Rollouts(cfg, self.generator, self.policy, self.tokenizer, self.train_set, self.sampler,
                                  self.rewards, self.step_rewards, self.procs, self.B, self.G, self.params,
