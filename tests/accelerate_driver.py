@@ -98,7 +98,7 @@ def _hooks() -> None:
         def step_and_measure(self):  # the most held at the end of any step
             out = counted_step(self)
             sizes = local_bytes(self.model, self.optimizer)
-            path = Path(memory) / f"rank{self.rank}.json"
+            path = Path(memory) / f"rank{self.accel.process_index}.json"  # (not self.rank: an SP group's is shared)
             most = json.loads(path.read_text()) if path.exists() else sizes
             path.write_text(json.dumps({k: max(v, most[k]) for k, v in sizes.items()}))
             return out

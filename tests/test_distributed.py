@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +43,12 @@ def job(tmp_path, model_dir) -> dict:
     # The tests' helpers, then this checkout (not whichever one an editable install points at).
     here = Path(__file__).parent
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent)]), "OMP_NUM_THREADS": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run(args, out, env, succeed=True, overrides=()) -> subprocess.CompletedProcess:

@@ -62,6 +62,20 @@ def test_token_budget_cuts_by_hand():
     assert cuts(MicroBatches(64, 13, None, OneProcess()), batch) == [(0, 2, 12), (2, 3, 7), (3, 4, 3)]
 
 
+def test_under_sequence_parallel_the_budget_is_per_process():
+    """Whole sequences in one row (the layout SP splits): rows 0..3 cost 6, 4, 6, 2. A budget of 5 tokens on one
+    process: rows 0 and 2 exceed it and go alone (over the budget), and no two rows fit together. With SP=2 each
+    process holds half of a micro-batch's tokens (ceil(C / 2) <= 5 exactly when C <= 10): rows 0 and 1 go together
+    (10 tokens, 5 on each process), then rows 2 and 3 (8, 4 on each)."""
+    batch, whole = batch_of(*BATCH), Packing(False, None, None)
+    assert cuts(MicroBatches(64, 5, whole, OneProcess()), batch) == [(0, 1, 6), (1, 2, 4), (2, 3, 6), (3, 4, 2)]
+    split = MicroBatches(64, 5, whole, OneProcess(), split=2)
+    assert cuts(split, batch) == [(0, 2, 10), (2, 4, 8)]
+    assert split.describe().endswith("micro-batches of up to 5 tokens per process (10 over the 2 that share one)")
+    # Without a budget SP changes nothing: per_device_train_batch_size rows.
+    assert cuts(MicroBatches(3, None, whole, OneProcess(), split=2), batch) == [(0, 3, 16), (3, 4, 2)]
+
+
 def test_every_process_runs_as_many_micro_batches_as_the_one_that_needs_most():
     """Another process needs 4 micro-batches, this one 2 by its budget: it cuts its rows into 4, the largest as small
     as contiguous cuts allow."""

@@ -1,6 +1,8 @@
 """Ulysses sequence parallelism (grpo.engines.ulysses): two gloo processes, each holding half of a ~4k-token packed
 micro-batch, give the one-process packed pass's log-probs, entropies, loss and every parameter's gradient (summed
-over the group) to relative 1e-5; and the settings that choose it."""
+over the group) to relative 1e-5, also under gradient checkpointing and LoRA; `grpo train` under SP reaching the
+one-process run (with DP, checkpointing, a per-process token budget, LoRA, resume); and the settings that choose
+it. SP over FSDP2 and ZeRO-3: test_sharded.py."""
 
 from __future__ import annotations
 
@@ -18,25 +20,36 @@ from grpo.config import ConfigError, GRPOConfig
 HERE = Path(__file__).parent
 
 
-@pytest.mark.parametrize("kv_heads", [2, 1], ids=["kv-split", "kv-repeated"])
-def test_two_processes_match_one(tmp_path, kv_heads):
+# Trained tensors per mode (tests/ulysses_driver.py): plain and checkpointing: the embeddings, 2 layers x 12 tensors,
+# the final norm (the head is tied); lora: A and B of 7 linear layers x 2 layers; lora-head: A and B of q, k, v, o
+# x 2 layers and of the head.
+GRADS = {"plain": 26, "checkpointing": 26, "lora": 28, "lora-head": 18}
+
+
+@pytest.mark.parametrize("kv_heads,modes", [(2, ["plain", "checkpointing", "lora", "lora-head"]), (1, ["plain"])],
+                         ids=["kv-split", "kv-repeated"])
+def test_two_processes_match_one(tmp_path, kv_heads, modes):
     """4 attention heads over SP=2: 2 key/value heads split one per process; 1 key/value head is repeated first.
+    With 2 key/value heads also under gradient checkpointing (backward recomputes the all_to_alls), with LoRA on
+    every linear layer but the head, and with LoRA on the head (the model's own forward and logits: FSDP2's and
+    ZeRO-3's path), in the same two processes.
     Measured: log-probs ~1.5e-7, gradients <= 6.1e-7 relative (float32 summation order only); with each slice's
     position ids starting at 0 instead (the rotary error this guards against): log-probs 3.5e-4, gradients 0.14."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)])}
     port = str(29640 + kv_heads)
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                             port, str(HERE / "ulysses_driver.py"), str(tmp_path), str(kv_heads), "4000"],
+                             port, str(HERE / "ulysses_driver.py"), str(tmp_path), str(kv_heads), "4000", *modes],
                             env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    for rank in (0, 1):
-        out = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert out["tokens"] >= 3800 and out["scored"] >= 3600  # a few thousand tokens, as the issue asks
-        for key in ("logp", "entropy", "loss"):
-            assert out[key] < 1e-5, (rank, key, out[key])
-        assert len(out["grads"]) == 26  # embeddings, 2 layers x 12 tensors, the final norm (the head is tied)
-        worst = max(out["grads"].items(), key=lambda kv: kv[1])
-        assert worst[1] < 1e-5, (rank, worst)
+    for mode in modes:
+        for rank in (0, 1):
+            out = json.loads((tmp_path / mode / f"rank{rank}.json").read_text())
+            assert out["tokens"] >= 3800 and out["scored"] >= 3600  # a few thousand tokens, as the issue asks
+            for key in ("logp", "entropy", "loss"):
+                assert out[key] < 1e-5, (mode, rank, key, out[key])
+            assert len(out["grads"]) == GRADS[mode], (mode, sorted(out["grads"]))
+            worst = max(out["grads"].items(), key=lambda kv: kv[1])
+            assert worst[1] < 1e-5, (mode, rank, worst)
 
 
 def test_settings_and_aliases():
@@ -73,24 +86,73 @@ def test_run_time_checks():
         check_heads(Qwen2Config(num_attention_heads=12, num_key_value_heads=6, hidden_size=48), 4)
 
 
+LONG = ["max_completion_length=64"]  # (test_distributed's recipe: 4 prompts x 8 rows of up to 4 + 64 tokens a step)
+LORA = ["use_peft=true", "lora_dropout=0"]  # (dropout draws from each process's own random stream)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model_dir):
+    """`grpo train` runs of test_distributed's recipe with 64-token completions, each made once: (processes,
+    overrides) -> (its output directory, its stdout and stderr); 1 process runs `grpo.cli` itself, more run under
+    torch.distributed.run (gloo)."""
+    from test_distributed import free_port, job, run
+
+    base = tmp_path_factory.mktemp("sp")
+    env = job(base, tiny_model_dir)
+    made: dict = {}
+
+    def get(processes: int, *overrides: str):
+        if (processes, overrides) not in made:
+            out = base / f"run{len(made)}"
+            launch = ["-m", "grpo.cli"] if processes == 1 else [
+                "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port", str(free_port()),
+                "-m", "grpo.cli"]
+            result = run(launch, out, env, overrides=[*LONG, *overrides])
+            made[processes, overrides] = out, result.stdout + result.stderr
+        return made[processes, overrides]
+
+    return get
+
+
+def assert_matches_one_process(sp_run, one_run):
+    """The SP run's rewards, gradient norms (relative 1e-5), loss metrics and weights are the one-process run's
+    (test_distributed.assert_same_run)."""
+    from test_distributed import assert_same_run
+
+    (sp, said), (one, _) = sp_run, one_run
+    assert "Ulysses over 2 processes" in said
+    assert_same_run(one, sp, load_file(str(one / "final" / "model.safetensors")),
+                    load_file(str(sp / "final" / "model.safetensors")))
+    return said
+
+
 @pytest.mark.parametrize("processes", [2, pytest.param(4, marks=pytest.mark.slow)], ids=["sp2", "dp2-sp2"])
-def test_training_with_sequence_parallel_matches_one_process(tmp_path, tiny_model_dir, processes):
+def test_training_with_sequence_parallel_matches_one_process(runs, processes):
     """grpo train, 3 steps, with sequence_parallel_size=2: on 2 processes (one group, each holding half of every
     packed micro-batch) and on 4 (DP=2 x SP=2: two groups, each one data-parallel rank with its own rows), reaches
     the one-process run's rewards, gradient norms, loss metrics and weights (test_distributed.py's checks; 64-token
     completions). Measured to fail when each rank's gradient of the gathered log-probs is doubled."""
-    from test_distributed import assert_same_run, job, run
+    assert_matches_one_process(runs(processes, "sequence_parallel_size=2"), runs(1))
 
-    env = job(tmp_path, tiny_model_dir)
-    over = ["max_completion_length=64"]
-    sp = run(["-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
-              str(29660 + processes), "-m", "grpo.cli"], tmp_path / "sp", env,
-             overrides=[*over, "sequence_parallel_size=2"])
-    assert "Ulysses over 2 processes" in sp.stdout + sp.stderr
-    run(["-m", "grpo.cli"], tmp_path / "one", env, overrides=over)
-    one = load_file(str(tmp_path / "one" / "final" / "model.safetensors"))
-    split = load_file(str(tmp_path / "sp" / "final" / "model.safetensors"))
-    assert_same_run(tmp_path / "one", tmp_path / "sp", one, split)
+
+def test_sequence_parallel_composes_with_checkpointing_and_a_per_process_token_budget(runs):
+    """SP=2 with gradient checkpointing (each layer's forward, its all_to_alls included, recomputed in backward) and
+    a token budget of 44 per process, which the rows of 64-token completions exceed by 1.5x: under SP=2 a
+    micro-batch holds up to 88 tokens, half on each process, so such a row is split over the group (~33 tokens on
+    each process; a long row per micro-batch) instead of going alone over the budget. Reaches the one-process run's
+    weights (no checkpointing, no budget: 8 rows per micro-batch)."""
+    said = assert_matches_one_process(runs(2, "sequence_parallel_size=2", "gradient_checkpointing=true",
+                                           "max_tokens_per_micro_batch=44"), runs(1))
+    assert "micro-batches of up to 44 tokens per process (88 over the 2 that share one)" in said
+    # Every step has rows of 64 completion tokens: with their prompt of 3 or 4, 66-67 tokens, 1.5x the budget.
+    rows = [json.loads(r) for r in (runs(1)[0] / "metrics.jsonl").read_text().splitlines()]
+    assert [r["completions/max_length"] for r in rows] == [64] * 3
+
+
+def test_sequence_parallel_composes_with_lora(runs):
+    """SP=2 with LoRA (adapters on every linear layer but the head; the reference is the policy with its adapters
+    off) reaches the one-process LoRA run's rewards, gradient norms and merged weights."""
+    assert_matches_one_process(runs(2, "sequence_parallel_size=2", *LORA), runs(1, *LORA))
 
 
 def test_resume_under_sequence_parallel(tmp_path, tiny_model_dir):

@@ -8,13 +8,13 @@ with LoRA too; each process holds about half the weights and optimizer state. Ki
 resumes to the uninterrupted run's weights exactly. Two "machines" (two launches, machine ranks 0 and 1 on
 127.0.0.1) train exactly as one launch of 2 processes. Inside the processes (tests/sharded_checks.py): sampling is
 collective-safe whether the weights are gathered or not, and an engine that keeps its own copy (vLLM) is handed
-the weights one tensor at a time.
+the weights one tensor at a time. With sequence_parallel_size=2 the 2 sharded processes (one SP group) reach the
+one-process run too.
 """
 
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +24,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from test_distributed import job, run
+from test_distributed import free_port, job, run
 
 try:
     import deepspeed  # noqa: F401
@@ -58,12 +58,6 @@ def cpu_config(kind: str, base: Path) -> Path:
     path = base / f"{kind}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(base: Path, kind: str, *extra: str, script: Path = HERE / "accelerate_driver.py") -> list[str]:
@@ -100,18 +94,19 @@ def runs(tmp_path_factory, tiny_model_dir):
     env = job(base, tiny_model_dir)
     made: dict = {}
 
-    def get(kind: str, lora: bool = False) -> Path:
-        if (kind, lora) not in made:
-            out = base / f"{kind}{'-lora' if lora else ''}"
+    def get(kind: str, lora: bool = False, sp: int = 1) -> Path:
+        if (kind, lora, sp) not in made:
+            out = base / f"{kind}{'-lora' if lora else ''}{f'-sp{sp}' if sp > 1 else ''}"
             (out / "memory").mkdir(parents=True)
             args = [str(HERE / "accelerate_driver.py")] if kind == "one" else launch(
                 base, kind, "--main_process_port", str(free_port()))
-            overrides = [*JOB, *(LORA if lora else [])]
+            overrides = [*JOB, *(LORA if lora else []), f"sequence_parallel_size={sp}"]
             if lora and kind != "one":  # sampling through the sharded model; the full runs sample from gathered weights
                 overrides.append("ds3_gather_for_generation=false")
-            run(args, out, {**env, "GRPO_TEST_MEMORY": str(out / "memory")}, overrides=overrides)
-            made[kind, lora] = out
-        return made[kind, lora]
+            said = run(args, out, {**env, "GRPO_TEST_MEMORY": str(out / "memory")}, overrides=overrides)
+            (out / "memory" / "said.txt").write_text(said.stdout + said.stderr)  # (what the run printed)
+            made[kind, lora, sp] = out
+        return made[kind, lora, sp]
 
     get.base, get.env = base, env
     return get
@@ -135,6 +130,21 @@ def test_sharded_run_matches_one_process(runs, kind, lora):
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(sharded / "final").config.architectures == ["Qwen2ForCausalLM"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sequence_parallel_over_sharded_weights_matches_one_process(runs, kind):
+    """sequence_parallel_size=2 on the 2 sharded processes: one SP group, each process holding half of every packed
+    micro-batch's tokens and half of the weights. The passes take the model's own forward through the wrapper (its
+    gathers and gradient reduce-scatters as in any pass) with logits at this process's scored positions only, and
+    reach the one-process run's rewards, gradient norms and weights (the bound of the sharded runs above)."""
+    one, split = runs("one"), runs(kind, sp=2)
+    assert "Ulysses over 2 processes" in (split / "memory" / "said.txt").read_text()
+    rows_one, rows = metrics(one), metrics(split)
+    assert len(rewards(rows_one)) == 3 and rewards(rows) == rewards(rows_one)
+    for a, b in zip(rows_one, rows):
+        assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-5)
+    assert max_diff(final_weights(one), final_weights(split)) < 2e-4
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -137,7 +137,10 @@ class GRPOConfig:
                                                 "update and the reference pass with completions up to this many "
                                                 "tokens on one process, instead of per_device_train_batch_size "
                                                 "completions (null), so long and short completions cost what they "
-                                                "are. A completion longer than the budget goes alone.")
+                                                "are. A completion longer than the budget goes alone. With "
+                                                "sequence_parallel_size N the budget is still per process: a "
+                                                "micro-batch's tokens are split over N, so it takes up to N times "
+                                                "this and a row fits when its length / N does.")
     use_remove_padding: bool = _f(True, "Padding-free passes (verl's key): the update's and the reference pass's "
                                   "sequences packed end to end, a group's prompt once where the attention takes a "
                                   "custom mask (sdpa, eager), so the model computes real tokens only (docs/engines.md). "

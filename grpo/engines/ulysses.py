@@ -244,16 +244,32 @@ def sequence_parallel_logprobs(model, packed: PackedRows, sp: SequenceGroup, tem
                                with_entropy: bool = False, entropy_grad: bool = False, tile_kernels=None):
     """`grpo.engines.policy.completion_logprobs` of a one-row packed micro-batch split over the SP group: (n, width)
     log-probs (and entropies) of every row, the same on every rank of the group, differentiable into this rank's
-    slice. Call inside `installed(model)`, backward included. Needs the tiled head (a plain LM head, one process or
-    DDP)."""
-    from grpo.core import hidden_logprobs
-    from grpo.engines.policy import _in_place, tiled_head, wrapped_hidden
+    slice. Call inside `installed(model)`, backward included.
 
+    A plain LM head under one process or DDP (`tiled_head`) scores this rank's tokens in tiles from the decoder's
+    hidden states; any other model (FSDP2 or ZeRO-3, whose head is whole only inside the wrapper's forward; a
+    LoRA-wrapped head; a logit-scaling model) runs its own forward on the slice and returns logits at this rank's
+    scoring positions only (`logits_to_keep` as indices: (1, n_r, V))."""
+    from grpo.engines.policy import tiled_head
+
+    part = shard(packed, sp)
     head, inner = tiled_head(model)
     if head is None:
-        raise ValueError("sequence_parallel_size > 1 needs a plain LM head under one process or DDP (not FSDP2, "
-                         "ZeRO-3, a LoRA-wrapped head or a logit-scaling model); use sequence_parallel_size: 1.")
-    part = shard(packed, sp)
+        logp, entropy = _logits_logprobs(model, part, temperature, with_entropy, entropy_grad)
+    else:
+        logp, entropy = _tiled_logprobs(model, part, head, inner, temperature, with_entropy, tile_kernels)
+    logp = packed.unpack(gather_tokens(logp, part, sp))
+    if not with_entropy:
+        return logp
+    entropy = entropy if entropy_grad else entropy.detach()
+    return logp, packed.unpack(gather_tokens(entropy, part, sp))
+
+
+def _tiled_logprobs(model, part: Shard, head, inner, temperature: float, with_entropy: bool, tile_kernels):
+    """(n_r,) log-probs (and entropies, or None) of this rank's scored tokens through the tiled head."""
+    from grpo.core import hidden_logprobs
+    from grpo.engines.policy import _in_place, wrapped_hidden
+
     hidden = (model.get_decoder()(**part.inputs).last_hidden_state if inner is None
               else wrapped_hidden(model, inner, part.inputs))  # (1, L/SP, H)
     hidden = hidden[0].index_select(0, part.local)[None]  # (1, n_r, H)
@@ -262,8 +278,18 @@ def sequence_parallel_logprobs(model, packed: PackedRows, sp: SequenceGroup, tem
                                     weight_grad_in_place=_in_place(head, inner),
                                     kernels=tile_kernels and tile_kernels(hidden.dtype, hidden.device),
                                     float32_head=getattr(head, "grpo_float32_head", False))
-    logp = packed.unpack(gather_tokens(logp[0], part, sp))
+    return logp[0], entropy[0] if with_entropy else None
+
+
+def _logits_logprobs(model, part: Shard, temperature: float, with_entropy: bool, entropy_grad: bool):
+    """(n_r,) log-probs (and entropies, or None) of this rank's scored tokens from the model's own forward: the
+    wrapper's hooks (FSDP2's gather and reduce-scatter, ZeRO-3's) run as in any pass."""
+    from grpo.core import token_entropy, token_logprobs
+
+    logits = model(**part.inputs, logits_to_keep=part.local).logits  # (1, n_r, V)
+    logp = token_logprobs(logits, part.targets[None], temperature=temperature)[0]
     if not with_entropy:
-        return logp
-    entropy = entropy[0] if entropy_grad else entropy[0].detach()
-    return logp, packed.unpack(gather_tokens(entropy, part, sp))
+        return logp, None
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = token_entropy(logits if entropy_grad else logits.detach(), temperature=temperature)[0]
+    return logp, entropy

@@ -8,6 +8,9 @@ An optimizer step's rows (a slice of a rollout's rows, in the order `grpo.traini
   within the budget, so a micro-batch of long completions holds few rows and one of short ones many. Tokens are
   what the passes compute: with padding-free passes a micro-batch's prompts (each once per group where prompts are
   shared) and completions; with padded ones its rows x its padded width. A row longer than the budget goes alone.
+  Under sequence parallelism the budget is per process: the SP group's processes each hold 1/SP of a micro-batch's
+  tokens (grpo.engines.ulysses), so a micro-batch takes up to SP x the budget, and a row of L tokens fits when
+  L / SP does: a row longer than one process's budget is split over the group, not sent alone.
 
 Each micro-batch is then packed (`grpo.engines.packing.pack`) when the run's passes are padding-free. The loss of
 each is a share of the step's loss (the trainer's normalizers are over the whole step), so any cut gives the one-
@@ -56,15 +59,21 @@ class Plan:
 
 
 class MicroBatches:
-    """Plans micro-batches of `rows` completions, or of at most `max_tokens` tokens when that is set, packed with
-    `packing` (None: padded, for the reason `why`). `procs`: the run's processes (`grpo.training.rollout.Processes`)."""
+    """Plans micro-batches of `rows` completions, or of at most `max_tokens` tokens per process when that is set,
+    packed with `packing` (None: padded, for the reason `why`). `procs`: the run's processes
+    (`grpo.training.rollout.Processes`); `split`: the sequence-parallel size, the processes that share each
+    micro-batch's tokens."""
 
-    def __init__(self, rows: int, max_tokens: int | None, packing: Packing | None, procs, why: str = ""):
+    def __init__(self, rows: int, max_tokens: int | None, packing: Packing | None, procs, why: str = "",
+                 split: int = 1):
         self.rows, self.max_tokens, self.packing, self.procs, self.why = rows, max_tokens, packing, procs, why
+        self.split = split
 
     def describe(self) -> str:
         """A line for the run's start: how the passes run."""
         size = f"up to {self.max_tokens} tokens" if self.max_tokens else f"{self.rows} completions"
+        if self.max_tokens and self.split > 1:
+            size += f" per process ({self.max_tokens * self.split} over the {self.split} that share one)"
         layout = self.packing.describe() if self.packing is not None else f"padded ({self.why})"
         return f"{layout}; micro-batches of {size}"
 
@@ -76,7 +85,9 @@ class MicroBatches:
         if self.max_tokens is None:
             cuts = [order[s:s + self.rows] for s in range(0, len(order), self.rows)]
         else:
-            cuts = costs.greedy(order, self.max_tokens)
+            # Each of the `split` processes holds ceil(C / split) of a micro-batch's C tokens (its row padded to a
+            # multiple of split): within the budget exactly when C <= budget x split.
+            cuts = costs.greedy(order, self.max_tokens * self.split)
             if self.procs.world > 1:  # the same number on every process: the largest any needs
                 wanted = int(self.procs.gather(torch.tensor([len(cuts)])).max())
                 cuts = costs.exactly(order, wanted) if wanted > len(cuts) else cuts

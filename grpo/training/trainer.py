@@ -156,7 +156,7 @@ class GRPOTrainer(TRLSurface):
                                   self._reference_logprobs)  # (grpo.training.pipeline)
         self.objective = Objective(cfg, self.procs)
         self.micro = MicroBatches(cfg.per_device_train_batch_size, cfg.max_tokens_per_micro_batch, packing, self.procs,
-                                  why)
+                                  why, split=cfg.sequence_parallel_size)
         self.updates = Update(cfg, self.accel, self.model, self.backend, self.objective, self.procs, self.layout,
                               self.micro)
         self.control = RunControl(cfg, callbacks, self.layout, self.accel.is_main_process)
