@@ -87,8 +87,8 @@ def build_model(processor, seed: int) -> Qwen2VLForConditionalGeneration:
     return Qwen2VLForConditionalGeneration(config).float()
 
 
-def pretrain(model, processor, steps: int, batch: int, lr: float, seed: int, tagged: float = 1.0, log=print,
-             after_step=None) -> None:
+def pretrain(model, processor, steps: int, batch: int, lr: float, seed: int, tagged: float = 1.0,
+             log=print) -> None:
     """Supervised steps on the shapes train split: prompt + image -> the count + EOS, written "<answer>N</answer>"
     for a `tagged` share of the rows (drawn per row, seeded) and as the bare digit "N" for the others."""
     from grpo.tasks import get_task
@@ -124,8 +124,6 @@ def pretrain(model, processor, steps: int, batch: int, lr: float, seed: int, tag
         optimizer.zero_grad(set_to_none=True)
         if step % 50 == 0 or step == steps - 1:
             log(f"step {step}: loss {loss.item():.3f}")
-        if after_step is not None:
-            after_step(step + 1)
     model.eval()
 
 
@@ -138,6 +136,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--tagged", type=float, default=0.4)
     args = parser.parse_args()
+    if not 0.0 <= args.tagged <= 1.0:
+        parser.error(f"--tagged is the share of rows whose answer is tagged: 0..1, got {args.tagged}")
     torch.set_num_threads(1)
     started = time.time()
     processor = build_processor()
