@@ -16,10 +16,14 @@ RECIPES = sorted((ROOT / "recipes").glob("*.yaml")) + [DEFAULT_RECIPE]
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
 def test_recipe_loads(recipe):
     cfg = GRPOConfig.load(recipe)
-    assert cfg.task == ("calculator" if recipe.name == "calculator_tools.yaml" else "arithmetic")
+    tasks = {"calculator_tools.yaml": "calculator", "vision_shapes.yaml": "shapes"}
+    assert cfg.task == tasks.get(recipe.name, "arithmetic")
     if cfg.task == "calculator":  # the tool task's model is the shipped tool-calling one, named by its name
         assert cfg.tools == ["calculator"] and cfg.model_name_or_path == str(ROOT / "grpo" / "assets" / "tiny-tools")
         assert (Path(cfg.model_name_or_path) / "config.json").is_file()
+    if cfg.task == "shapes":  # the vision task's model is the shipped tiny Qwen2-VL, with its image processor
+        assert cfg.model_name_or_path == str(ROOT / "grpo" / "assets" / "tiny-vision")
+        assert (Path(cfg.model_name_or_path) / "preprocessor_config.json").is_file()
 
 
 @pytest.mark.parametrize("recipe", sorted((ROOT / "recipes" / "gpu").glob("*.yaml")), ids=lambda p: p.name)

@@ -124,6 +124,27 @@ def test_bad_sample_rows_name_step_and_row(tmp_path):
         logger.log_samples(3, [{"completion": object()}])
 
 
+def test_sample_images_are_written_once_as_png_thumbnails_and_named_in_the_rows(tmp_path, capsys):
+    from PIL import Image
+
+    red = Image.new("RGB", (64, 64), (255, 0, 0))
+    wide = Image.new("RGB", (600, 300), (0, 0, 255))
+    logger = RunLogger(tmp_path)
+    logger.log_samples(1, [{"completion": "a", "images": [red]}, {"completion": "b", "images": [red]},
+                           {"completion": "c", "images": [wide, red]}], print_rows=1)
+    logger.log_samples(2, [{"completion": "d", "images": [Image.new("RGB", (64, 64), (255, 0, 0))]}])
+    rows = lines_of(tmp_path / "samples" / "step_000001.jsonl") + lines_of(tmp_path / "samples" / "step_000002.jsonl")
+    (red_path,), (wide_path, red_again) = rows[0]["images"], rows[2]["images"]
+    assert rows[1]["images"] == [red_path] and red_again == red_path and rows[3]["images"] == [red_path]
+    assert red_path.startswith("samples/images/") and red_path.endswith(".png") and wide_path != red_path
+    assert sorted(p.name for p in (tmp_path / "samples" / "images").iterdir()) == sorted(
+        p.rsplit("/", 1)[1] for p in (red_path, wide_path))  # one file per distinct image, each written once
+    small, thumb = Image.open(tmp_path / red_path), Image.open(tmp_path / wide_path)
+    assert small.size == (64, 64) and small.getpixel((10, 10)) == (255, 0, 0)  # under 256: kept as it is
+    assert thumb.size == (256, 128) and thumb.getpixel((100, 50)) == (0, 0, 255)  # 600x300 shrunk to fit 256
+    assert f"image: {red_path}" in capsys.readouterr().out  # the printed sample names its picture
+
+
 def tensorboard_scalars(log_dir, tag):
     event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
     acc = event_accumulator.EventAccumulator(str(log_dir))

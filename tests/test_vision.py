@@ -193,8 +193,9 @@ def larger_answer(completions, **kwargs):
 def test_a_few_steps_on_the_tiny_vision_model_change_the_language_and_vision_weights(tmp_path):
     from grpo.training.trainer import GRPOTrainer
 
-    trainer = GRPOTrainer(args=vision_config(tmp_path), reward_funcs=larger_answer,
-                          train_dataset=get_task("shapes").dataset("train", n=16))
+    data = get_task("shapes").dataset("train", n=16)
+    trainer = GRPOTrainer(args=vision_config(tmp_path, log_completions_steps=1), reward_funcs=larger_answer,
+                          train_dataset=data)
     assert trainer.engine.name == "transformers" and "vision-language" in trainer.engine.reason
     before = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
     trainer.train()
@@ -206,6 +207,23 @@ def test_a_few_steps_on_the_tiny_vision_model_change_the_language_and_vision_wei
 
     AutoModelForImageTextToText.from_pretrained(tmp_path / "run" / "final")
     assert (tmp_path / "run" / "final" / "preprocessor_config.json").exists()
+    check_samples_show_their_pictures(tmp_path / "run", data)
+
+
+def check_samples_show_their_pictures(run, data) -> None:
+    """Each sample row names its picture, a PNG under samples/images/ holding exactly the pixels of its row's image
+    (the row found by its question among the rows whose picture matches)."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    rows = [json.loads(line) for line in (run / "samples" / "step_000001.jsonl").read_text().splitlines()]
+    assert rows and all(len(r["images"]) == 1 for r in rows)
+    pictures = {(r["prompt"][-1]["content"], np.asarray(r["image"]).tobytes()) for r in data}
+    for r in rows:
+        png = np.asarray(Image.open(run / r["images"][0]).convert("RGB"))
+        assert png.shape == (64, 64, 3) and (r["prompt"], png.tobytes()) in pictures
 
 
 def test_vision_refusals(tmp_path):

@@ -21,6 +21,7 @@ from grpo.engines.images import RowImages
 from grpo.engines.sampling import left_pad
 from grpo.engines.ulysses import sequence_group
 from grpo.training.faults import engine_faults
+from grpo.training.vision import check_image_tokens_masked, sample_images
 
 
 @dataclass
@@ -408,8 +409,6 @@ class Rollouts:
                                                                 cmask)
         batch = RolloutBatch(input_ids, attention, cmask, advantages, images=s.images)
         if s.images is not None:
-            from grpo.training.vision import check_image_tokens_masked
-
             check_image_tokens_masked(input_ids, cmask, self.policy.config.image_token_id)
         if s.logprobs is not None:
             batch.sampling_logp = pad_rows(s.logprobs, cmask.shape[1])
@@ -439,6 +438,7 @@ class Rollouts:
             seen.add(text)
             extra = {k: v[i] for k, v in self._logged_columns.items() if i < len(v)}
             rows.append({"prompt": text, "completion": t, "reward": r, "advantage": float(a),
+                         **(sample_images(s.prompts, s.columns, i) if s.images is not None else {}),
                          **{f"reward/{k}": v[i] for k, v in s.per_func.items()}, **extra,
                          **(sample_stats(s.agent_stats[i]) if s.agent_stats is not None else {})})
         return rows[:16]

@@ -5,6 +5,7 @@ Layout of a run directory written here::
     output_dir/
       metrics.jsonl              one JSON object per `RunLogger.log` call, "step" first
       samples/step_000010.jsonl  one JSON object per sample completion (`RunLogger.log_samples`)
+      samples/images/<hash>.png  each sample's image (vision-language prompts), written once; the rows name it
       tensorboard/               event files, when "tensorboard" is in report_to
       wandb_run_id               the W&B run id, so a resumed run continues the same W&B run
 
@@ -23,6 +24,8 @@ Encoding choices in the JSONL files:
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import math
 import os
@@ -35,6 +38,8 @@ import torch
 REPORT_TO_CHOICES = ("tensorboard", "wandb", "trackio")
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_DIR = "samples"
+IMAGES_DIR = "images"  # under SAMPLES_DIR
+THUMBNAIL = 256  # pixels: a sample's image is shrunk to fit this square (a smaller one is kept as it is)
 TENSORBOARD_DIR = "tensorboard"
 WANDB_ID_FILE = "wandb_run_id"
 
@@ -179,6 +184,39 @@ def check_report_to(report_to: Iterable[str]) -> list[str]:
     return names
 
 
+def save_thumbnail(image: Any, samples_dir: Path) -> str:
+    """Write a PIL image as a PNG thumbnail under samples_dir/images/, named by its content's hash so each image is
+    written once (a group's rows and later steps share it); returns its path relative to the run directory."""
+    thumb = image.convert("RGB")
+    thumb.thumbnail((THUMBNAIL, THUMBNAIL))
+    data = io.BytesIO()
+    thumb.save(data, format="PNG")
+    name = hashlib.sha256(data.getvalue()).hexdigest()[:16] + ".png"
+    path = samples_dir / IMAGES_DIR / name
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(name + ".tmp")
+        tmp.write_bytes(data.getvalue())
+        os.replace(tmp, path)
+    return f"{SAMPLES_DIR}/{IMAGES_DIR}/{name}"
+
+
+def _is_image(value: Any) -> bool:
+    return type(value).__module__.startswith("PIL.") and hasattr(value, "convert")  # (PIL stays unimported here)
+
+
+def with_image_paths(row: dict[str, Any], samples_dir: Path) -> dict[str, Any]:
+    """The row with its PIL images (any value that is one, or a list of them) replaced by their thumbnails' paths."""
+    out = {}
+    for key, value in row.items():
+        if _is_image(value):
+            value = save_thumbnail(value, samples_dir)
+        elif isinstance(value, list) and value and all(_is_image(v) for v in value):
+            value = [save_thumbnail(v, samples_dir) for v in value]
+        out[key] = value
+    return out
+
+
 def samples_markdown(rows: list[dict[str, Any]]) -> str:
     """Sample rows as a markdown text for TensorBoard's text tab: one indented JSON block per row
     (TensorBoard renders markdown, and a 4-space indent keeps newlines inside completions)."""
@@ -311,21 +349,27 @@ class RunLogger:
     def log_samples(self, step: int, rows: list[dict], print_rows: int | None = None) -> None:
         """Write sample completions of `step` to samples/step_{step:06d}.jsonl, one JSON object per row
         (e.g. prompt, completion, reward per function, advantage); also to TensorBoard text and a W&B table.
+        PIL images in a row (a vision-language prompt's `images`) are written once each as PNG thumbnails under
+        samples/images/ and the row holds their paths, relative to the run directory.
         `print_rows`: also print that many of them (TRL's num_completions_to_print)."""
-        for row in rows[:print_rows or 0]:
-            print(f"step {step}  reward {row.get('reward')}  advantage {row.get('advantage')}\n"
-                  f"  prompt: {str(row.get('prompt'))[-200:]!r}\n  completion: {str(row.get('completion'))[:400]!r}")
-        encoded, lines = [], []
+        samples_dir = self.output_dir / SAMPLES_DIR
         for i, row in enumerate(rows):
             if not isinstance(row, dict):
                 raise TypeError(f"RunLogger.log_samples(step={step}): row {i} is {type(row).__name__}, expected a dict")
+        rows = [with_image_paths(row, samples_dir) for row in rows]
+        for row in rows[:print_rows or 0]:
+            paths = row.get("images") if isinstance(row.get("images"), list) else []
+            images = "".join(f"\n  image: {p}" for p in paths if isinstance(p, str))
+            print(f"step {step}  reward {row.get('reward')}  advantage {row.get('advantage')}{images}\n"
+                  f"  prompt: {str(row.get('prompt'))[-200:]!r}\n  completion: {str(row.get('completion'))[:400]!r}")
+        encoded, lines = [], []
+        for i, row in enumerate(rows):
             encoded.append(encode_sample(row))
             try:
                 lines.append(json.dumps(encoded[-1], allow_nan=False, ensure_ascii=False) + "\n")
             except TypeError as err:
                 raise TypeError(f"RunLogger.log_samples(step={step}): row {i} is not JSON-serializable ({err}); "
-                                "pass strings, numbers, lists and dicts") from err
-        samples_dir = self.output_dir / SAMPLES_DIR
+                                "pass strings, numbers, lists and dicts (or PIL images)") from err
         samples_dir.mkdir(exist_ok=True)
         (samples_dir / f"step_{step:06d}.jsonl").write_text("".join(lines), encoding="utf-8")
         if self._tensorboard is not None:

@@ -210,6 +210,12 @@ def row_images(prompt: Any, value: Any, row: int) -> list:
     return [load_image(p.get("image"), row) for p in parts]
 
 
+def sample_images(prompts: list, columns: dict[str, list], row: int) -> dict[str, list]:
+    """{"images": the row's PIL images} for the samples log (it writes them as thumbnails beside the completions)."""
+    column = image_column(list(columns))
+    return {"images": row_images(prompts[row], columns[column][row] if column else None, row)}
+
+
 def check_image_tokens_masked(input_ids: torch.Tensor, completion_mask: torch.Tensor, image_token_id: int) -> None:
     """Image tokens belong to prompts: none may sit under the loss mask (N, T) of the completion columns."""
     completion = input_ids[:, -completion_mask.shape[1]:]
