@@ -31,22 +31,26 @@ def run_timed(lag: int, out: Path, overrides: list[str], threads: int | None, po
     """`grpo train` of the default job at `lag` into `out`, stamping each metrics row with the seconds since the
     command started (out/wall_times.json: [[step, seconds], ...]); returns the whole command's seconds."""
     side = "grpo" if lag == 0 else f"grpo-lag{lag}"
-    metrics, stamps, seen = out / "metrics.jsonl", [], 0
+    metrics, stamps, pending = out / "metrics.jsonl", [], ""
     log = out.parent / f"{out.name}.log"
     t0 = time.perf_counter()
     with open(log, "w") as log_file:
         proc = subprocess.Popen(command(side, out, overrides, threads), cwd=ROOT,
                                 env=environment(side_threads(side, threads)), stdout=log_file, stderr=subprocess.STDOUT)
+        reader = None  # metrics.jsonl, read from where the last poll stopped (the run's only cost to this process)
         while True:
             done = proc.poll() is not None
             now = time.perf_counter() - t0
-            if metrics.is_file():
-                lines = metrics.read_text().split("\n")[:-1]  # (complete lines only)
-                stamps += [[json.loads(line)["step"], now] for line in lines[seen:]]
-                seen = len(lines)
+            if reader is None and metrics.is_file():
+                reader = open(metrics)
+            if reader is not None:
+                *lines, pending = (pending + reader.read()).split("\n")  # (complete lines only)
+                stamps += [[json.loads(line)["step"], now] for line in lines]
             if done:
                 break
             time.sleep(poll)
+    if reader is not None:
+        reader.close()
     seconds = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"bench.lag_plot: lag {lag} failed (exit {proc.returncode}); end of {log}:\n"
