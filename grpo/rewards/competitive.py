@@ -38,7 +38,8 @@ _LANGUAGES = {"python": "python", "python3": "python", "cpp": "cpp", "c++": "cpp
 
 # Run inside the sandbox: the stdin is a JSON object of the files to write into the working directory (a private
 # tmpfs); then the program named by `main` runs as __main__ with `argv`, its stdin the file `stdin` (if any); with
-# `output_file`, that file's content is the run's output.
+# `output_file`, that file's content is the run's output. Its exec of the submission (or checker) happens in the
+# sandboxed interpreter only: the trainer's process never executes this text, it only hands it to `run_sandboxed`.
 _HARNESS = r'''
 import io, json, os, sys
 spec = json.loads(sys.stdin.read())
