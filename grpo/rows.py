@@ -37,9 +37,7 @@ class Rows:
     def __getitem__(self, key):
         if isinstance(key, str):
             return list(self._columns[key])
-        if isinstance(key, slice):
-            return {name: values[key] for name, values in self._columns.items()}
-        return {name: values[key] for name, values in self._columns.items()}
+        return {name: values[key] for name, values in self._columns.items()}  # (a row's dict, or a slice's columns)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return (self[i] for i in range(self._len))

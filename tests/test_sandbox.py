@@ -28,10 +28,10 @@ from grpo.rewards.sandbox import (
     SandboxResult,
     SandboxUnavailable,
     _classify,
-    _mount_points,
     probe_sandbox,
     run_sandboxed,
 )
+from grpo.rewards.sandbox_init import _mount_points
 
 LAYERS = probe_sandbox()
 pytestmark = pytest.mark.skipif(not LAYERS.isolated, reason=f"no sandbox layers here: {LAYERS.describe()}")

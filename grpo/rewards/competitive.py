@@ -28,7 +28,7 @@ import re
 from typing import Any, ClassVar
 
 from .base import ConfigurableReward
-from .sandbox import SandboxResult, SandboxUnavailable, probe_sandbox, run_sandboxed, unavailable_message
+from .sandbox import SandboxResult, run_sandboxed
 from .text import completion_texts
 
 NO_SUBMISSION = -1.0  # open-r1's no_submission_reward
@@ -38,7 +38,8 @@ _LANGUAGES = {"python": "python", "python3": "python", "cpp": "cpp", "c++": "cpp
 
 # Run inside the sandbox: the stdin is a JSON object of the files to write into the working directory (a private
 # tmpfs); then the program named by `main` runs as __main__ with `argv`, its stdin the file `stdin` (if any); with
-# `output_file`, that file's content is the run's output.
+# `output_file`, that file's content is the run's output. Its exec of the submission (or checker) happens in the
+# sandboxed interpreter only: the trainer's process never executes this text, it only hands it to `run_sandboxed`.
 _HARNESS = r'''
 import io, json, os, sys
 spec = json.loads(sys.stdin.read())
@@ -121,11 +122,8 @@ def normalize(output: str) -> str:
 def run_harness(harness: str, stdin: str, timeout_s: float, memory_mb: int, allow_unsandboxed: bool,
                 **limits) -> SandboxResult:
     """A judging harness run in the sandbox (fail closed: `SandboxUnavailable` without one, unless allowed)."""
-    layers = probe_sandbox()
-    if not (layers.isolated or allow_unsandboxed):
-        raise SandboxUnavailable(unavailable_message(layers))
     limits = {"max_output_bytes": 1 << 24, **limits}
-    return run_sandboxed(harness, stdin, timeout_s=timeout_s, memory_mb=memory_mb, layers=layers,
+    return run_sandboxed(harness, stdin, timeout_s=timeout_s, memory_mb=memory_mb,
                          allow_unsandboxed=allow_unsandboxed, **limits)
 
 

@@ -49,8 +49,8 @@ ALIASES = {"accuracy": "math_accuracy", "format": "r1_format", "length": "kimi_l
 STEP_BUILTINS: dict[str, Callable] = {"arithmetic_steps": arithmetic_steps}
 
 
-# open-r1's reward names (src/open_r1/rewards.py, get_reward_funcs) -> (our built-in, {its setting: open-r1 key or
-# a fixed value}): a recipe's open-r1 keys (cosine_max_len, ...) configure them as open-r1's script does.
+# open-r1's reward names (src/open_r1/rewards.py, get_reward_funcs) -> (our built-in, {its setting: open-r1 key}):
+# a recipe's open-r1 keys (cosine_max_len, ...) configure them as open-r1's script does.
 OPEN_R1_NAMES: dict[str, tuple[str, dict[str, Any]]] = {
     "cosine": ("cosine_length", {"min_value_wrong": "cosine_min_value_wrong",
                                  "max_value_wrong": "cosine_max_value_wrong",
@@ -69,7 +69,7 @@ def open_r1_spec(spec: str, settings: dict[str, Any]) -> Any:
     """The spec an open-r1 reward name stands for, with `settings` (open-r1's keys) applied; other specs as given."""
     if spec in OPEN_R1_NAMES:
         name, keys = OPEN_R1_NAMES[spec]
-        return {"name": name, **{arg: settings[key] if isinstance(key, str) else key for arg, key in keys.items()}}
+        return {"name": name, **{arg: settings[key] for arg, key in keys.items()}}
     return spec
 
 
