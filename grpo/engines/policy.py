@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from grpo.core import LossOutput, hidden_logprobs, token_entropy, token_logprobs
-from grpo.engines.images import own_positions
+from grpo.engines.images import is_vision_config, own_positions
 from grpo.engines.kv_cache import cache_args, distinct_rows, expand_cache, positions as position_ids, preallocated_cache
 from grpo.engines.offload import ActivationOffload, OffloadStats
 from grpo.engines.packing import PackedRows, Packing, choose_packing
@@ -58,7 +58,7 @@ class TransformersBackend:
     def packing(self, model, enabled: bool) -> tuple[Packing | None, str]:
         """How this backend's passes pack micro-batches for `model` (None: padded, and why). Sequence-parallel:
         whole sequences in one row, which the group's processes split (grpo.engines.ulysses)."""
-        if enabled and getattr(getattr(model, "config", None), "vision_config", None) is not None:
+        if enabled and is_vision_config(getattr(model, "config", None)):
             packing, why = None, "a vision-language model: packed passes do not carry image features yet"
         else:
             packing, why = choose_packing(model, enabled)

@@ -24,15 +24,10 @@ from typing import Any
 import torch
 
 from grpo.config import ConfigError
-from grpo.engines.images import RowImages, split_rows
+from grpo.engines.images import RowImages, is_vision_config, split_rows
 
 IMAGE_COLUMNS = ("image", "images")
 IMAGE_PAD = "<|image_pad|>"
-
-
-def is_vision_config(config) -> bool:
-    """Whether a model config is a vision-language one (it has a vision tower's config)."""
-    return getattr(config, "vision_config", None) is not None
 
 
 def vision_modules(model) -> list[str]:
