@@ -208,7 +208,7 @@ class TransformersSampler:
             # prompt's positions from the image grids and keeps each row's offset for the decode steps; the others
             # take the text positions.
             mrope = own_positions(self.model)
-            out = self.model(input_ids=ids, attention_mask=mask, use_cache=True, past_key_values=cache,
+            out = self.model(input_ids=ids, attention_mask=mask, use_cache=True, **cache_args(self.model, cache),
                              logits_to_keep=1, **vision, **({} if mrope else {"position_ids": pos}))
             logits = out.logits[:, -1, :]
             if mrope:  # a text token after the images sits at its text position plus the row's offset (N, 1), which
