@@ -231,13 +231,14 @@ def load_model_files(model, path) -> None:
     tied weight, written once, comes back through the tensor it is tied to)."""
     from grpo.training.checkpoint import model_weights
 
-    weights = model_weights(path, adapters=is_peft(model))
     if not is_peft(model) and is_vision_config(model.config):
         # A vision-language model's files name its weights as the hub does (`visual.*`, `model.layers.*`), not as
         # its modules do (`model.visual.*`, `model.language_model.*`): transformers' loader maps them back.
         from transformers import AutoModelForImageTextToText
 
         weights = AutoModelForImageTextToText.from_pretrained(path, dtype=next(model.parameters()).dtype).state_dict()
+    else:
+        weights = model_weights(path, adapters=is_peft(model))
     if is_peft(model):
         from peft import set_peft_model_state_dict
 
