@@ -245,8 +245,8 @@ def has_images(columns: list[str], prompts: list) -> bool:
 
 def image_processing_for(cfg, processing_class, tokenizer,
                          model=None) -> ImageProcessing | ProcessorImages | None:
-    """The run's ImageProcessing or ProcessorImages when the model (loaded, or at model_name_or_path) is a vision-language one, else
-    None; the engines that cannot take images yet are refused by name."""
+    """The run's ImageProcessing or ProcessorImages when the model (loaded, or at model_name_or_path) is a
+    vision-language one, else None; the engines that cannot take images yet are refused by name."""
     config = getattr(model, "config", None)
     if config is None:
         from transformers import AutoConfig
