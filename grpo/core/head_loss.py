@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from grpo.core.logprobs import (_auto_block, _check_args, _check_token_range, _head_forward, _HeadGrads, _logits_into,
-                                _over_temperature, _tile_targets, _upcast)
+from grpo.core.head_tiles import _auto_block, _head_forward, _HeadGrads, _logits_into, _tile_targets, _upcast
+from grpo.core.logprobs import _check_args, _check_token_range, _over_temperature
 
 
 def _loss_and_grad(row_loss, logp: Tensor, rows: slice) -> tuple[Tensor, Tensor]:

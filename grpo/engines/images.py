@@ -69,6 +69,11 @@ def model_inputs(images: list[RowImages], input_ids: torch.Tensor, config, devic
     return {**out, **{key: types for r in images[:1] for key in r.token_types}}
 
 
+def is_vision_config(config) -> bool:
+    """Whether a model config is a vision-language one (it has a vision tower's config)."""
+    return getattr(config, "vision_config", None) is not None
+
+
 _VISION_TOKENS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id", "boi_token_id",
                   "eoi_token_id")
 

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from grpo.core import LossOutput, hidden_logprobs, token_entropy, token_logprobs
-from grpo.engines.images import own_positions
+from grpo.engines.images import is_vision_config, own_positions
 from grpo.engines.kv_cache import cache_args, distinct_rows, expand_cache, positions as position_ids, preallocated_cache
 from grpo.engines.offload import ActivationOffload, OffloadStats
 from grpo.engines.packing import PackedRows, Packing, choose_packing
@@ -58,7 +58,7 @@ class TransformersBackend:
     def packing(self, model, enabled: bool) -> tuple[Packing | None, str]:
         """How this backend's passes pack micro-batches for `model` (None: padded, and why). Sequence-parallel:
         whole sequences in one row, which the group's processes split (grpo.engines.ulysses)."""
-        if enabled and getattr(getattr(model, "config", None), "vision_config", None) is not None:
+        if enabled and is_vision_config(getattr(model, "config", None)):
             packing, why = None, "a vision-language model: packed passes do not carry image features yet"
         else:
             packing, why = choose_packing(model, enabled)
@@ -226,6 +226,28 @@ def _dtype(model, device: torch.device) -> torch.dtype:
     return weight.dtype if weight is not None and weight.is_floating_point() else torch.float32
 
 
+def head_logprobs(hidden: torch.Tensor, head, inner, targets: torch.Tensor, temperature: float, with_entropy: bool,
+                  tile_kernels):
+    """`grpo.core.hidden_logprobs` of hidden (N, T, H) through `tiled_head`'s (head, inner): (logp, entropy or None).
+    The head's weight gradient goes straight into .grad (no (V, H) temporary per micro-batch) on an unwrapped model,
+    on which the trainer calls .backward()."""
+    return hidden_logprobs(hidden, head.weight, targets, temperature=temperature, bias=head.bias,
+                           with_entropy=with_entropy, weight_grad_in_place=_in_place(head, inner),
+                           kernels=tile_kernels and tile_kernels(hidden.dtype, hidden.device),
+                           float32_head=getattr(head, "grpo_float32_head", False))
+
+
+def logits_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool,
+                    entropy_grad: bool):
+    """(logp, entropy or None), each (N, T), of logits (N, T, V); the entropy carries no graph unless
+    `entropy_grad` (it is only logged then)."""
+    logp = token_logprobs(logits, targets, temperature=temperature)
+    if not with_entropy:
+        return logp, None
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        return logp, token_entropy(logits if entropy_grad else logits.detach(), temperature=temperature)
+
+
 def _packed_logprobs(model, packed: PackedRows, temperature: float, with_entropy: bool, tile_kernels,
                      entropy_grad: bool = False):
     """`completion_logprobs` through the packed layout: (n, width) log-probs (and entropies), 0 past each row's end.
@@ -236,19 +258,13 @@ def _packed_logprobs(model, packed: PackedRows, temperature: float, with_entropy
     targets = packed.targets[None]  # (1, n_tok)
     if head is not None:
         hidden = packed_hidden(model, packed, inner)[None]  # (1, n_tok, H)
-        logp, entropy = hidden_logprobs(hidden, head.weight, targets, temperature=temperature, bias=head.bias,
-                                        with_entropy=with_entropy, weight_grad_in_place=_in_place(head, inner),
-                                        kernels=tile_kernels and tile_kernels(hidden.dtype, hidden.device),
-                                        float32_head=getattr(head, "grpo_float32_head", False))
+        logp, entropy = head_logprobs(hidden, head, inner, targets, temperature, with_entropy, tile_kernels)
     else:
         out = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask(_dtype(model, targets.device)),
                     position_ids=packed.position_ids, logits_to_keep=packed.keep_columns, use_cache=False,
                     **packed.attention_kwargs())
         logits = out.logits.reshape(-1, out.logits.shape[-1]).index_select(0, packed.kept_index)[None]  # (1, n_tok, V)
-        logp = token_logprobs(logits, targets, temperature=temperature)
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = token_entropy(logits if entropy_grad else logits.detach(),
-                                    temperature=temperature) if with_entropy else None
+        logp, entropy = logits_logprobs(logits, targets, temperature, with_entropy, entropy_grad)
     logp = packed.unpack(logp[0])
     if not with_entropy:
         return logp
@@ -288,26 +304,15 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
             hidden = wrapped_hidden(model, inner, dict(
                 input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1], use_cache=False,
                 position_ids=position_ids(attention_mask)[:, :-1]))[:, -completion_len:, :]
-        # The head's weight gradient goes straight into .grad (no (V, H) temporary per micro-batch) on an unwrapped
-        # model, on which the trainer calls .backward().
-        logp, entropy = hidden_logprobs(hidden, head.weight, targets, temperature=temperature, bias=head.bias,
-                                        with_entropy=with_entropy, weight_grad_in_place=_in_place(head, inner),
-                                        kernels=tile_kernels and tile_kernels(hidden.dtype, hidden.device),
-                                        float32_head=getattr(head, "grpo_float32_head", False))
+        logp, entropy = head_logprobs(hidden, head, inner, targets, temperature, with_entropy, tile_kernels)
         return (logp, entropy if entropy_grad else entropy.detach()) if with_entropy else logp
     extra = {} if images is None else _image_inputs(model, images, input_ids)
     if images is None or not own_positions(model):  # (M-RoPE models compute theirs from the images)
         extra["position_ids"] = position_ids(attention_mask)
     out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=completion_len + 1, use_cache=False,
                 **extra)
-    logits = out.logits[:, :-1, :]  # (N, T, V)
-    logp = token_logprobs(logits, targets, temperature=temperature)
-    if not with_entropy:
-        return logp
-    if entropy_grad:
-        return logp, token_entropy(logits, temperature=temperature)
-    with torch.no_grad():
-        return logp, token_entropy(logits.detach(), temperature=temperature)
+    logp, entropy = logits_logprobs(out.logits[:, :-1, :], targets, temperature, with_entropy, entropy_grad)
+    return (logp, entropy) if with_entropy else logp
 
 
 def _image_inputs(model, images: list, input_ids: torch.Tensor) -> dict:

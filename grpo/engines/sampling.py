@@ -192,6 +192,32 @@ class TransformersSampler:
     def _draw(self, logits: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return sample_rows(logits, uniforms)
 
+    def _prefill(self, prompt_ids: list[list[int]], ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache,
+                 vision: dict | None):
+        """The prompts' forward into `cache`: (its output, the (N, V) logits of each row's first token, the (N, P)
+        positions the decode steps continue from)."""
+        first, copies = distinct_rows(prompt_ids)
+        if vision is not None:
+            # Every row stays in the batch, each prompt encoded with its pixels. An M-RoPE model computes its
+            # prompt's positions from the image grids and keeps each row's offset for the decode steps; the others
+            # take the text positions.
+            mrope = own_positions(self.model)
+            out = self.model(input_ids=ids, attention_mask=mask, use_cache=True, **cache_args(self.model, cache),
+                             logits_to_keep=1, **vision, **({} if mrope else {"position_ids": pos}))
+            if mrope:  # a text token after the images sits at its text position plus the row's offset (N, 1), which
+                pos = pos + _rope_deltas(self.model)  # the prefill left in the model (as transformers' generate)
+            return out, out.logits[:, -1, :], pos
+        if cache is not None and len(first) < ids.shape[0]:  # a group's G rows share a prompt: encode each once
+            pick = torch.tensor(first, device=ids.device)
+            out = self.model(input_ids=ids[pick], attention_mask=mask[pick], position_ids=pos[pick],
+                             use_cache=True, **cache_args(self.model, cache), logits_to_keep=1)
+            copies = torch.tensor(copies, device=ids.device)
+            expand_cache(cache, copies)
+            return out, out.logits[:, -1, :].index_select(0, copies), pos
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                         **cache_args(self.model, cache), logits_to_keep=1)
+        return out, out.logits[:, -1, :], pos
+
     def _sample_batch(self, prompt_ids: list[list[int]], p: SamplingParams, rngs: list[torch.Generator],
                       images: list | None = None) -> Completions:
         device = next(self.model.parameters()).device
@@ -201,29 +227,8 @@ class TransformersSampler:
         pos = positions(mask)
         eos = torch.tensor(self.eos_ids, device=device)
         cache = preallocated_cache(self.model, ids.shape[1] + p.max_new_tokens)
-        first, copies = distinct_rows(prompt_ids)
         vision, banned = _vision_inputs(self.model, images, ids)
-        if vision is not None:
-            # Every row stays in the batch, each prompt encoded with its pixels. An M-RoPE model computes its
-            # prompt's positions from the image grids and keeps each row's offset for the decode steps; the others
-            # take the text positions.
-            mrope = own_positions(self.model)
-            out = self.model(input_ids=ids, attention_mask=mask, use_cache=True, past_key_values=cache,
-                             logits_to_keep=1, **vision, **({} if mrope else {"position_ids": pos}))
-            logits = out.logits[:, -1, :]
-            if mrope:  # a text token after the images sits at its text position plus the row's offset (N, 1), which
-                pos = pos + _rope_deltas(self.model)  # the prefill left in the model (as transformers' generate)
-        elif cache is not None and len(first) < n:  # a group's G rows share a prompt: encode each prompt once
-            pick = torch.tensor(first, device=device)
-            out = self.model(input_ids=ids[pick], attention_mask=mask[pick], position_ids=pos[pick],
-                             use_cache=True, **cache_args(self.model, cache), logits_to_keep=1)
-            copies = torch.tensor(copies, device=device)
-            expand_cache(cache, copies)
-            logits = out.logits[:, -1, :].index_select(0, copies)
-        else:
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                             **cache_args(self.model, cache), logits_to_keep=1)
-            logits = out.logits[:, -1, :]
+        out, logits, pos = self._prefill(prompt_ids, ids, mask, pos, cache, vision)
         vocab = logits.shape[-1]
         step = self._decode_step(cache, n, mask, p) if cache is not None and vision is None else None
         seen = None

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo.config import ConfigError
+from grpo.engines.images import is_vision_config
 from grpo.engines.policy import TransformersBackend
 from grpo.engines.sampling import TransformersSampler
 from grpo.engines.sharding import WholeWeightsSampler, all_processes_stopped, sharding
@@ -50,7 +51,7 @@ def choose_engine(requested: str, model, device: torch.device, processes: int, d
         blockers.append(f"the model trains on {device.type}")
     if dtype != "float32":
         blockers.append(f"its weights are {dtype}")
-    vision = getattr(getattr(model, "config", None), "vision_config", None) is not None
+    vision = is_vision_config(getattr(model, "config", None))
     if vision:
         blockers.append("it is a vision-language model")  # (the CPU engine's passes take no image features)
     if processes > 1:

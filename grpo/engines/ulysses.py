@@ -267,29 +267,20 @@ def sequence_parallel_logprobs(model, packed: PackedRows, sp: SequenceGroup, tem
 
 def _tiled_logprobs(model, part: Shard, head, inner, temperature: float, with_entropy: bool, tile_kernels):
     """(n_r,) log-probs (and entropies, or None) of this rank's scored tokens through the tiled head."""
-    from grpo.core import hidden_logprobs
-    from grpo.engines.policy import _in_place, wrapped_hidden
+    from grpo.engines.policy import head_logprobs, wrapped_hidden
 
     hidden = (model.get_decoder()(**part.inputs).last_hidden_state if inner is None
               else wrapped_hidden(model, inner, part.inputs))  # (1, L/SP, H)
     hidden = hidden[0].index_select(0, part.local)[None]  # (1, n_r, H)
-    logp, entropy = hidden_logprobs(hidden, head.weight, part.targets[None], temperature=temperature,
-                                    bias=head.bias, with_entropy=with_entropy,
-                                    weight_grad_in_place=_in_place(head, inner),
-                                    kernels=tile_kernels and tile_kernels(hidden.dtype, hidden.device),
-                                    float32_head=getattr(head, "grpo_float32_head", False))
+    logp, entropy = head_logprobs(hidden, head, inner, part.targets[None], temperature, with_entropy, tile_kernels)
     return logp[0], entropy[0] if with_entropy else None
 
 
 def _logits_logprobs(model, part: Shard, temperature: float, with_entropy: bool, entropy_grad: bool):
     """(n_r,) log-probs (and entropies, or None) of this rank's scored tokens from the model's own forward: the
     wrapper's hooks (FSDP2's gather and reduce-scatter, ZeRO-3's) run as in any pass."""
-    from grpo.core import token_entropy, token_logprobs
+    from grpo.engines.policy import logits_logprobs
 
     logits = model(**part.inputs, logits_to_keep=part.local).logits  # (1, n_r, V)
-    logp = token_logprobs(logits, part.targets[None], temperature=temperature)[0]
-    if not with_entropy:
-        return logp, None
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = token_entropy(logits if entropy_grad else logits.detach(), temperature=temperature)[0]
-    return logp, entropy
+    logp, entropy = logits_logprobs(logits, part.targets[None], temperature, with_entropy, entropy_grad)
+    return logp[0], entropy[0] if with_entropy else None

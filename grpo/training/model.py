@@ -16,6 +16,7 @@ import torch
 
 from grpo.config import ConfigError, GRPOConfig
 from grpo.engines.cpu.reference import DiskReference
+from grpo.engines.images import is_vision_config
 from grpo.engines.policy import is_peft
 from grpo.engines.sharding import sharding
 from grpo.training.vision import vision_modules
@@ -68,7 +69,7 @@ def load_model(cfg: GRPOConfig, quantization_config=None):
     try:
         config = AutoConfig.from_pretrained(cfg.model_name_or_path, revision=cfg.model_revision,
                                             trust_remote_code=cfg.trust_remote_code)
-        auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+        auto = AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
         return auto.from_pretrained(cfg.model_name_or_path, **kwargs)
     except (OSError, ValueError, TypeError) as err:
         raise ConfigError(f"model_name_or_path: cannot load {cfg.model_name_or_path!r}: {err}") from None
@@ -230,13 +231,14 @@ def load_model_files(model, path) -> None:
     tied weight, written once, comes back through the tensor it is tied to)."""
     from grpo.training.checkpoint import model_weights
 
-    weights = model_weights(path, adapters=is_peft(model))
-    if not is_peft(model) and getattr(model.config, "vision_config", None) is not None:
+    if not is_peft(model) and is_vision_config(model.config):
         # A vision-language model's files name its weights as the hub does (`visual.*`, `model.layers.*`), not as
         # its modules do (`model.visual.*`, `model.language_model.*`): transformers' loader maps them back.
         from transformers import AutoModelForImageTextToText
 
         weights = AutoModelForImageTextToText.from_pretrained(path, dtype=next(model.parameters()).dtype).state_dict()
+    else:
+        weights = model_weights(path, adapters=is_peft(model))
     if is_peft(model):
         from peft import set_peft_model_state_dict
 

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from grpo.config import ConfigError
+from grpo.engines.images import is_vision_config
 from grpo.engines.sharding import hf_weights, is_peft, sharding, whole_tensors
 from grpo.training import checkpoint as ckpt
 
@@ -77,7 +78,7 @@ def _hub_names(model):
     records its legacy renamings too, and undoing those names the language model's weights `model.model.*`, which
     no load maps back. (FSDP2's model keeps the renamings its load recorded: its class is FSDP's, which
     transformers' table of renamings does not know.)"""
-    vision = getattr(getattr(model, "config", None), "vision_config", None) is not None and sharding(model) == "zero3"
+    vision = is_vision_config(getattr(model, "config", None)) and sharding(model) == "zero3"
     recorded = getattr(model, "_weight_conversions", None)
     if vision and recorded is not None:
         model._weight_conversions = None

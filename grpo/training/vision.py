@@ -24,15 +24,10 @@ from typing import Any
 import torch
 
 from grpo.config import ConfigError
-from grpo.engines.images import RowImages, split_rows
+from grpo.engines.images import RowImages, is_vision_config, split_rows
 
 IMAGE_COLUMNS = ("image", "images")
 IMAGE_PAD = "<|image_pad|>"
-
-
-def is_vision_config(config) -> bool:
-    """Whether a model config is a vision-language one (it has a vision tower's config)."""
-    return getattr(config, "vision_config", None) is not None
 
 
 def vision_modules(model) -> list[str]:
@@ -250,8 +245,8 @@ def has_images(columns: list[str], prompts: list) -> bool:
 
 def image_processing_for(cfg, processing_class, tokenizer,
                          model=None) -> ImageProcessing | ProcessorImages | None:
-    """The run's ImageProcessing or ProcessorImages when the model (loaded, or at model_name_or_path) is a vision-language one, else
-    None; the engines that cannot take images yet are refused by name."""
+    """The run's ImageProcessing or ProcessorImages when the model (loaded, or at model_name_or_path) is a
+    vision-language one, else None; the engines that cannot take images yet are refused by name."""
     config = getattr(model, "config", None)
     if config is None:
         from transformers import AutoConfig
