@@ -168,16 +168,6 @@ class GRPOTrainer(TRLSurface):
         self.num_tokens, self.pending = 0.0, None  # pending: (rollout, its optimizer steps still to take)
         self.control.event("on_init_end")
 
-    # ---- TRL's trainer surface (the rest: grpo.training.trl_surface) -------------------------------------------
-    def add_callback(self, callback) -> None:
-        self.control.add(callback)
-
-    def pop_callback(self, callback):
-        return self.control.pop(callback)
-
-    def remove_callback(self, callback) -> None:
-        self.control.pop(callback)
-
     # ---- the loop ----------------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: Any = None) -> TrainResult:
         from grpo.training.display import LiveDisplay, NullDisplay
