@@ -104,16 +104,15 @@ def _stop_name(number: int) -> str:
     return "interrupted" if number == signal.SIGINT else f"stopped: {signal.Signals(number).name}"
 
 
-def _on_stops(handler) -> dict:
-    """Install `handler` for the stop signals (not those the parent set to be ignored); the previous ones."""
+def _on_stops(handler) -> None:
+    """Install `handler` for the stop signals (not those the parent set to be ignored; main() keeps the previous
+    ones)."""
     import signal
 
-    previous = {}
     for name in STOPS:
         number = getattr(signal, name)
         if signal.getsignal(number) is not signal.SIG_IGN:
-            previous[number] = signal.signal(number, handler)
-    return previous
+            signal.signal(number, handler)
 
 
 def main(argv: list[str] | None = None) -> int:

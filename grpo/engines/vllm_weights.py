@@ -34,6 +34,16 @@ DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat
                                                       torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool)}
 
 
+def _aligned(nbytes: int) -> int:
+    """The bytes a tensor of `nbytes` takes in a bucket: rounded up to a multiple of ALIGN."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def _buffer_size(header: bytes) -> int:
+    """The bytes of the buffer a bucket's header describes."""
+    return sum(_aligned(e["nbytes"]) for e in json.loads(header))
+
+
 def buckets(weights: Iterable[tuple[str, torch.Tensor]], limit: int | None = None
             ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Consecutive groups of `weights` whose sizes add up to at most `limit` bytes (default `BUCKET_BYTES`; a
@@ -46,7 +56,7 @@ def buckets(weights: Iterable[tuple[str, torch.Tensor]], limit: int | None = Non
             yield group
             group, size = [], 0
         group.append((name, tensor))
-        size += -(-nbytes // ALIGN) * ALIGN
+        size += _aligned(nbytes)
     if group:
         yield group
 
@@ -63,7 +73,7 @@ def pack(group: list[tuple[str, torch.Tensor]], device: torch.device, dtype: tor
         entries.append({"name": name, "dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape),
                         "offset": offset, "nbytes": nbytes})
         tensors.append(tensor)
-        offset += -(-nbytes // ALIGN) * ALIGN
+        offset += _aligned(nbytes)
     flat = torch.empty(offset, dtype=torch.uint8, device=device)
     for entry, tensor in zip(entries, tensors):
         # (reinterpreting the bytes: any dtype, bfloat16 included, travels as uint8)
@@ -132,8 +142,7 @@ def receive_weights(group: dist.ProcessGroup, device: torch.device) -> Iterator[
         header = torch.empty(int(length), dtype=torch.uint8, device=device)
         _broadcast(group, header)
         header = bytes(header.cpu().numpy())
-        flat = torch.empty(sum(-(-e["nbytes"] // ALIGN) * ALIGN for e in json.loads(header)), dtype=torch.uint8,
-                           device=device)
+        flat = torch.empty(_buffer_size(header), dtype=torch.uint8, device=device)
         _broadcast(group, flat)
         yield from unpack(header, flat)
 
@@ -190,5 +199,4 @@ def read_http_weights(reader: ChunkedReader) -> Iterator[tuple[str, torch.Tensor
         if length == 0:
             return
         header = bytes(reader.read_exactly(length))
-        size = sum(-(-e["nbytes"] // ALIGN) * ALIGN for e in json.loads(header))
-        yield from unpack(header, torch.frombuffer(reader.read_exactly(size), dtype=torch.uint8))
+        yield from unpack(header, torch.frombuffer(reader.read_exactly(_buffer_size(header)), dtype=torch.uint8))

@@ -8,9 +8,9 @@ so `from_pretrained` loads it, and resume reads the weights from those files. Be
 written last: the size and SHA-256 of every other file, per 256 MiB block so that threads hash the blocks in
 parallel (SHA-256 runs at about 1.8 GiB/s per core with the CPU's SHA instructions; docs/runs.md). Everything goes
 into `checkpoint-<step>.tmp`, each file flushed, and is renamed to `checkpoint-<step>` only then; a leftover `.tmp`
-is ignored and removed. Resume
-checks the newest checkpoint against its manifest: one with a file missing, cut short or changed is named in one
-line, and resume falls back to the newest intact one (`damaged_checkpoint: refuse` stops instead, naming both).
+is ignored and removed. Resume checks the newest checkpoint against its manifest: one with a file missing, cut short
+or changed is named in one line, and resume falls back to the newest intact one (`damaged_checkpoint: refuse` stops
+instead, naming both).
 With save_only_model the directory holds the model and the manifest only (it cannot be resumed).
 """
 

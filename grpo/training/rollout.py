@@ -19,8 +19,8 @@ from grpo.core import decoupled_advantages, group_advantages, mix_advantages, pr
 from grpo.engines.base import SamplingParams, row_seed, sleep, update_weights, wake
 from grpo.engines.images import RowImages
 from grpo.engines.sampling import left_pad
-from grpo.engines.ulysses import sequence_group
 from grpo.training.faults import engine_faults
+from grpo.training.processes import Processes
 from grpo.training.vision import check_image_tokens_masked, sample_images
 
 
@@ -187,51 +187,6 @@ def group_stats(rewards: torch.Tensor) -> dict[str, float]:
     """Metrics of the (B, G) reward matrix: the fraction of groups with no signal (all rewards equal)."""
     std = torch.nan_to_num(rewards, nan=0.0).std(dim=1)
     return {"groups/zero_std_frac": float((std < 1e-6).float().mean())}
-
-
-class Processes:
-    """This process's place among the run's data-parallel ranks, and the gathers the rollout needs.
-
-    With sequence parallelism (`sp_size` > 1) the processes form groups of `sp_size` consecutive ranks that share
-    every row (grpo.engines.ulysses): a group is one data-parallel rank, so `world` counts groups and `rank` is this
-    process's group, and a gather keeps one copy of each group's values (its first process's)."""
-
-    def __init__(self, accelerator, sp_size: int = 1):
-        self.accel, self.sp_size = accelerator, sp_size
-        self.world, self.rank = accelerator.num_processes // sp_size, accelerator.process_index // sp_size
-        self.sp = sequence_group(accelerator, sp_size) if sp_size > 1 else None  # (grpo.engines.ulysses)
-
-    def _firsts(self, gathered: torch.Tensor) -> torch.Tensor:
-        """The parts of the SP groups' first processes from a gather of equal parts over every process."""
-        if self.sp_size == 1:
-            return gathered
-        parts = gathered.reshape(self.accel.num_processes, -1, *gathered.shape[1:])[::self.sp_size]
-        return parts.reshape(-1, *gathered.shape[1:])
-
-    def gather(self, t: torch.Tensor) -> torch.Tensor:
-        if self.accel.num_processes == 1:
-            return t
-        return self._firsts(self.accel.gather(t.to(self.accel.device)).cpu())
-
-    def gather_ragged(self, t: torch.Tensor) -> torch.Tensor:
-        """A 1-D tensor of each process, of any length, concatenated on every process (TRL pads with a sentinel)."""
-        if self.accel.num_processes == 1:
-            return t
-        local = t.to(self.accel.device)
-        padded = self.accel.pad_across_processes(local, dim=0, pad_index=-1e9)
-        gathered = self._firsts(self.accel.gather(padded))
-        return gathered[gathered != -1e9]
-
-    def gather_objects(self, rows: list) -> list:
-        if self.accel.num_processes == 1:
-            return rows
-        if self.sp_size == 1:
-            from accelerate.utils import gather_object
-
-            return gather_object(rows)
-        parts = [None] * self.accel.num_processes
-        torch.distributed.all_gather_object(parts, rows)
-        return [row for part in parts[::self.sp_size] for row in part]
 
 
 class Rollouts:

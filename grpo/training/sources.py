@@ -51,8 +51,6 @@ def make_source(cfg, rollouts: Rollouts, policy, device, rollout_steps: int, tot
     changes (no sync_ref_model) and planning the passes needs no other process (no token budget over several)."""
     if cfg.max_staleness == 0:
         return SyncRollouts(rollouts)
-    from grpo.agents import AgentRollout
-
     if rollouts.agent is not None and not isinstance(rollouts.agent, AgentRollout):
         raise ConfigError("max_staleness: a rollout_func is handed the trainer itself, whose weights a rollout made "
                           "ahead would see mid-update; set max_staleness: 0.")

@@ -40,7 +40,8 @@ from grpo.training.micro_batches import MicroBatches
 from grpo.training.model import load_model, prepare_model, save_final
 from grpo.training.objective import Objective
 from grpo.training.sources import make_source
-from grpo.training.rollout import Processes, RolloutBatch, Rollouts
+from grpo.training.processes import Processes
+from grpo.training.rollout import RolloutBatch, Rollouts
 from grpo.training.sharded import check_sharding, place_reference, reduce_in_float32
 from grpo.training.errors import TrainingStopped
 from grpo.training.faults import engine_faults
@@ -166,16 +167,6 @@ class GRPOTrainer(TRLSurface):
         self.step = self.rollout_count = self.nonfinite_in_a_row = self.nonfinite_total = 0
         self.num_tokens, self.pending = 0.0, None  # pending: (rollout, its optimizer steps still to take)
         self.control.event("on_init_end")
-
-    # ---- TRL's trainer surface (the rest: grpo.training.trl_surface) -------------------------------------------
-    def add_callback(self, callback) -> None:
-        self.control.add(callback)
-
-    def pop_callback(self, callback):
-        return self.control.pop(callback)
-
-    def remove_callback(self, callback) -> None:
-        self.control.pop(callback)
 
     # ---- the loop ----------------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: Any = None) -> TrainResult:

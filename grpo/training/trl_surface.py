@@ -1,7 +1,7 @@
 """The parts of TRL's `GRPOTrainer` that TRL users' code touches beyond train(): attributes (`args`, `accelerator`,
-`state` with its setter, `ref_model`, `eval_dataset`, `reward_processing_classes`, `_logs`), `evaluate(eval_dataset=)`
-with one dataset or a dict of them, TRL's two mask methods (the math is grpo.core.masks), and the end-of-training
-summary transformers' Trainer appends to `state.log_history`.
+`state` with its setter, `ref_model`, `eval_dataset`, `reward_processing_classes`, `_logs`), the callback methods,
+`evaluate(eval_dataset=)` with one dataset or a dict of them, TRL's two mask methods (the math is grpo.core.masks),
+and the end-of-training summary transformers' Trainer appends to `state.log_history`.
 
 TRL 1.16 (trl/trainer/grpo_trainer.py) and transformers' Trainer are the reference for names and meaning; TRL's own
 test suite, adapted by scripts/adapt_trl_tests.py, checks them (docs/from_trl.md).
@@ -43,6 +43,15 @@ class TRLSurface:
     def state(self, value) -> None:
         self.control.state = value
         self.rollouts.trainer_state = value  # (what reward functions get as trainer_state)
+
+    def add_callback(self, callback) -> None:
+        self.control.add(callback)
+
+    def pop_callback(self, callback):
+        return self.control.pop(callback)
+
+    def remove_callback(self, callback) -> None:
+        self.control.pop(callback)
 
     @property
     def entropy_coef(self) -> float:
