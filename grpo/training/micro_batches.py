@@ -61,7 +61,7 @@ class Plan:
 class MicroBatches:
     """Plans micro-batches of `rows` completions, or of at most `max_tokens` tokens per process when that is set,
     packed with `packing` (None: padded, for the reason `why`). `procs`: the run's processes
-    (`grpo.training.rollout.Processes`); `split`: the sequence-parallel size, the processes that share each
+    (`grpo.training.processes.Processes`); `split`: the sequence-parallel size, the processes that share each
     micro-batch's tokens."""
 
     def __init__(self, rows: int, max_tokens: int | None, packing: Packing | None, procs, why: str = "",

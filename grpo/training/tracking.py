@@ -424,7 +424,7 @@ class MetricSums:
 
     def means(self, skip: str | None = None, gather_objects=None) -> dict[str, float]:
         """Each metric's weighted mean (least or greatest for *_min / *_max) over the micro-batches, and over every
-        process's when `gather_objects` (grpo.training.rollout.Processes') is given: one host transfer and, with
+        process's when `gather_objects` (grpo.training.processes.Processes') is given: one host transfer and, with
         several processes, one object gather per step."""
         names = [k for k in self.sums if skip is None or not k.startswith(skip)]
         values = torch.stack([self.sums[k] for k in names]).tolist() if names else []
