@@ -76,12 +76,16 @@ def run_check(name: str, fn, ctx: Context) -> dict:
     start = time.perf_counter()
     try:
         record = {"status": "ok", **fn(ctx)}
+        if ctx.cuda:  # inside the try: an asynchronous CUDA error surfaces here, as this check's error
+            torch.cuda.synchronize()
     except Exception as err:  # noqa: BLE001 - the check reports the error; the others still run
         record = {"status": "error", "error": f"{type(err).__name__}: {err}"[:600],
                   "trace": traceback.format_exc()[-1500:]}
     if ctx.cuda:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        try:
+            torch.cuda.empty_cache()
+        except Exception:  # noqa: BLE001 - a broken context is already this check's error
+            pass
     return {"check": name, **record, "seconds": round(time.perf_counter() - start, 2)}
 
 

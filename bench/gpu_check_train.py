@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.gpu_check import ROOT, Context, criteria, importable, peak_gib, reset_peak, skipped
+from bench.gpu_check import ROOT, Context, criteria, import_status, peak_gib, reset_peak, skipped
 
 TINY = str(ROOT / "grpo" / "assets" / "tiny-arith")
 
@@ -117,8 +117,10 @@ def check_against_trl(ctx: Context) -> dict:
     """D: grpo and TRL's GRPOTrainer on the same work (bench/run.py): on a GPU the Q05 workload (Qwen2.5-0.5B's
     shape, random weights, 4 x 8 completions of 256 tokens) with fp32 weights and bf16 autocast on both sides; on
     the CPU the `mini` workload. Tokens per second, seconds per step and peak memory of each side."""
-    if not importable("trl") or not importable("datasets"):
-        return skipped("TRL (and datasets, which it needs) is not installed: carry their wheels (bench/README.md)")
+    missing = {name: why for name in ("datasets", "trl") if (why := import_status(name)) != "yes"}
+    if missing:
+        return skipped(f"TRL (and datasets, which it needs) does not import: {missing}; carry their wheels "
+                       "(bench/README.md)")
     workload, steps = ("Q05", 2 if ctx.quick else 3) if ctx.cuda else ("mini", 1)
     cmd = [sys.executable, str(ROOT / "bench" / "run.py"), "--workload", workload, "--steps", str(steps),
            "--warmup", "1" if ctx.cuda else "0", "--rounds", "1", "--work-dir", str(ctx.out / "d")]
