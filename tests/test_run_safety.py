@@ -206,3 +206,19 @@ def test_a_second_grpo_train_into_a_live_runs_directory_is_refused(tiny_model_di
         first.kill()
     assert [json.loads(r)["step"] for r in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
     assert not (out / ".grpo.lock").exists()
+
+
+def test_trainer_state_loads_onto_the_cpu(tmp_path, monkeypatch):
+    """Every process of a DDP resume reads trainer_state.pt: mapped to the CPU, not to the device it was saved from
+    (cuda:0 for every rank, with rank 0's optimizer state: gpu_review2 N2). The CPU cannot save a CUDA tensor, so
+    the test records the map_location torch.load gets."""
+    torch_load, seen = ckpt.torch.load, []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("map_location"))
+        return torch_load(*args, **kwargs)
+
+    ckpt.torch.save({"step": 3, "optimizer": {"state": {0: {"exp_avg": ckpt.torch.ones(2)}}}}, tmp_path / ckpt.STATE)
+    monkeypatch.setattr(ckpt.torch, "load", spy)
+    state = ckpt.load_trainer_state(tmp_path)
+    assert state["step"] == 3 and seen == ["cpu"]

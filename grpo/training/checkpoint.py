@@ -233,7 +233,10 @@ def load_trainer_state(path: str | Path) -> dict[str, Any]:
             raise ValueError(f"{path} is damaged: {STATE} is missing; resume from an earlier checkpoint.")
         raise ValueError(f"{path} holds the model only (written with save_only_model): it cannot be resumed; "
                          "load it with from_pretrained, or resume from a full checkpoint.")
-    return torch.load(path / STATE, weights_only=False)
+    # On the CPU: without map_location every process of a DDP resume would put rank 0's optimizer state (twice the
+    # fp32 model for AdamW) on the device it was saved from, cuda:0 (gpu_review2 N2); load_state_dict moves each
+    # piece to its parameter's device.
+    return torch.load(path / STATE, weights_only=False, map_location="cpu")
 
 
 def model_weights(path: str | Path, adapters: bool) -> dict[str, torch.Tensor]:
