@@ -165,7 +165,8 @@ def _server_client(cfg, policy, eos: list[int], accelerator):
                                   barrier=accelerator.wait_for_everyone if accelerator.num_processes > 1 else None,
                                   transport=cfg.vllm_weight_transfer, group_port=cfg.vllm_group_port,
                                   device=accelerator.device, per_row_seeds=cfg.vllm_per_row_seeds,
-                                  rank=accelerator.process_index, **together)
+                                  rank=accelerator.process_index, processes=accelerator.num_processes,
+                                  **together)
     except ConnectionError as err:
         raise ConfigError(f"vllm_mode: server: {err}") from None
     # The server holds whatever it was last given (the checkpoint it loaded, or an earlier run's weights): the

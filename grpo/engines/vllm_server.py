@@ -5,7 +5,7 @@ optimizer step.
 The protocol is HTTP endpoints with JSON bodies, served by the standard library, so a trainer needs neither vLLM nor
 a web framework to talk to it:
 
-    GET  /health              {"model", "weights_version", "policy_step", "device", "dtype"}
+    GET  /health              {"model", "weights_version", "policy_step", "device", "device_uuid", "dtype"}
     POST /generate            {"prompt_ids", "params" (SamplingParams' fields), "seeds" (or null), "eos_ids",
                               "step" (optional)} -> {"ids", "truncated", "logprobs", "policy_step"}
     POST /init_communicator   {"host", "port", "backend"}: join the trainer in a two-rank process group
@@ -55,6 +55,77 @@ class Served:
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     state: dict = dataclasses.field(default_factory=dict)
     group: tuple | None = None  # (process group, the device it receives on)
+    together: Together = dataclasses.field(default_factory=lambda: Together())
+
+
+class Refused(ValueError):
+    """A generate request for weights the server does not hold (HTTP 409)."""
+
+
+def generate(served: Served, body: dict) -> dict:
+    """Run one /generate body on the engine (one request at a time); its reply."""
+    with served.lock:
+        held = served.state["policy_step"]
+        if body.get("step") is not None and body["step"] != held:
+            raise Refused(f"the request names the weights of step {body['step']}, the server holds those of step "
+                          f"{held}")
+        served.engine.eos_ids = list(body["eos_ids"])
+        served.engine.per_row_seeds = body["seeds"] is not None
+        out = served.engine.generate(body["prompt_ids"], SamplingParams(**body["params"]),
+                                     body["seeds"] or [0] * len(body["prompt_ids"]))
+    return {**dataclasses.asdict(out), "policy_step": held}
+
+
+class Together:
+    """The parts of one rollout's request that several trainer processes send separately (the lag path's request
+    threads, which cannot gather their rows over the process group while the update's collectives run on it), run
+    as one engine call when the last part arrives, as `generate_together` does on the synchronous path. A body's
+    "together" is {"key", "parts", "part", "timeout"}: its rollout, how many processes send, which one this is, and
+    how long to wait for the others."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.open: dict[str, dict] = {}  # key -> {"bodies": {part: body}, "reply": None, "taken": n}
+
+    def join(self, body: dict, run) -> dict:
+        spec = body["together"]
+        key, parts, part = str(spec["key"]), int(spec["parts"]), int(spec["part"])
+        with self.cond:
+            entry = self.open.setdefault(key, {"bodies": {}, "reply": None, "taken": 0})
+            entry["bodies"][part] = body
+            last = len(entry["bodies"]) == parts
+        if last:
+            bodies = [entry["bodies"][i] for i in range(parts)]
+            try:
+                reply = self._split(run({**bodies[0], "prompt_ids": [r for b in bodies for r in b["prompt_ids"]],
+                                         "seeds": None if bodies[0]["seeds"] is None else
+                                         [seed for b in bodies for seed in b["seeds"]]}), bodies)
+            except Exception as err:  # noqa: BLE001 - every part gets the reason
+                reply = err
+            with self.cond:
+                entry["reply"] = reply
+                self.cond.notify_all()
+        with self.cond:
+            if not self.cond.wait_for(lambda: entry["reply"] is not None, timeout=spec.get("timeout")):
+                self.open.pop(key, None)
+                raise TimeoutError(f"request {key}: {len(entry['bodies'])} of {parts} trainer processes sent their "
+                                   f"rows within {spec.get('timeout')} s (vllm_server_timeout)")
+            entry["taken"] += 1
+            if entry["taken"] == parts:
+                self.open.pop(key, None)
+        if isinstance(entry["reply"], Exception):
+            raise entry["reply"]
+        return entry["reply"][part]
+
+    @staticmethod
+    def _split(reply: dict, bodies: list[dict]) -> list[dict]:
+        """The reply to the merged request, cut into each part's rows."""
+        out, start = [], 0
+        for body in bodies:
+            stop = start + len(body["prompt_ids"])
+            out.append({k: v[start:stop] if isinstance(v, list) else v for k, v in reply.items()})
+            start = stop
+        return out
 
 
 def serve(model: str, host: str = "0.0.0.0", port: int = 8000, **engine_kwargs) -> None:
@@ -65,8 +136,9 @@ def serve(model: str, host: str = "0.0.0.0", port: int = 8000, **engine_kwargs) 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     dtype = str(engine.llm.llm_engine.model_config.dtype).removeprefix("torch.")
     server = ThreadingHTTPServer((host, port), Handler)
-    server.served = Served(model, engine, device, state={"weights_version": 0, "policy_step": None,
-                                                         "device": device.type, "dtype": dtype})
+    server.served = Served(model, engine, device, state={
+        "weights_version": 0, "policy_step": None, "device": device.type,
+        "device_uuid": vllm_weights.device_uuid(device), "dtype": dtype})
     print(f"grpo vllm-serve: {model} on http://{host}:{port}", flush=True)
     try:
         server.serve_forever()
@@ -104,16 +176,9 @@ class Handler(BaseHTTPRequestHandler):
                                                         None if step is None else int(step)))
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
             if path == "/generate":
-                with served.lock:
-                    held = served.state["policy_step"]
-                    if body.get("step") is not None and body["step"] != held:
-                        return self._reply({"error": f"the request names the weights of step {body['step']}, the "
-                                                     f"server holds those of step {held}"}, 409)
-                    served.engine.eos_ids = list(body["eos_ids"])
-                    served.engine.per_row_seeds = body["seeds"] is not None
-                    out = served.engine.generate(body["prompt_ids"], SamplingParams(**body["params"]),
-                                                 body["seeds"] or [0] * len(body["prompt_ids"]))
-                return self._reply({**dataclasses.asdict(out), "policy_step": held})
+                if body.get("together"):  # (one part of a request several trainer processes send)
+                    return self._reply(served.together.join(body, lambda merged: generate(served, merged)))
+                return self._reply(generate(served, body))
             if path == "/init_communicator":
                 # (blocks until the trainer joins: the trainer sends this from a thread of its own). An earlier
                 # trainer's group, if any, is dropped.
@@ -121,6 +186,8 @@ class Handler(BaseHTTPRequestHandler):
                 served.group = group, served.device if body["backend"] == "nccl" else torch.device("cpu")
                 return self._reply({"ok": True})
             self._reply({"error": f"no endpoint {self.path}"}, 404)
+        except Refused as err:
+            self._reply({"error": str(err)}, 409)
         except Exception as err:  # noqa: BLE001 - the trainer gets the reason, the server stays up
             self.close_connection = True
             self._reply({"error": f"{type(err).__name__}: {err}"}, 500)
@@ -158,13 +225,13 @@ class VLLMServerClient:
     a process group on `group_port`, NCCL between CUDA devices and gloo otherwise; "http": a streamed POST), then
     waits at `barrier` so that no process generates from the old weights. `per_row_seeds` (None: on when the
     server runs on the CPU) sends each row's seed. Waits up to `timeout` seconds for the server to answer at
-    first."""
+    first. `rank` of `processes`: this process among the trainer's (`generate_at`'s parts)."""
 
     def __init__(self, base_url: str, eos_ids: list[int], timeout: float = 240.0, push: bool = True,
                  barrier=None, *, transport: str = "collective", group_port: int = 51216, device=None,
-                 per_row_seeds: bool | None = None, rank: int = 0, gather=None, share=None):
+                 per_row_seeds: bool | None = None, rank: int = 0, processes: int = 1, gather=None, share=None):
         self.url, self.eos_ids, self.push, self.barrier = base_url.rstrip("/"), list(eos_ids), push, barrier
-        self.rank, self.gather, self.share, self.timeout = rank, gather, share, timeout
+        self.rank, self.processes, self.gather, self.share, self.timeout = rank, processes, gather, share, timeout
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -187,6 +254,13 @@ class VLLMServerClient:
         server is reached from (as TRL's client does)."""
         backend = "nccl" if device.type == "cuda" and self.info["device"] == "cuda" else "gloo"
         device = device if backend == "nccl" else torch.device("cpu")
+        if backend == "nccl" and vllm_weights.device_uuid(device) == self.info.get("device_uuid"):
+            # NCCL does not run two ranks of one group on one device: the first broadcast would fail or hang, with
+            # the server stuck receiving (TRL's vllm-serve refuses the same way).
+            raise ConnectionError(f"the trainer's {device} and the server at {self.url} are the same GPU (UUID "
+                                  f"{self.info['device_uuid']}), and NCCL cannot push weights within one GPU; run "
+                                  f"`grpo vllm-serve` on another GPU (CUDA_VISIBLE_DEVICES), or set "
+                                  f"vllm_weight_transfer: http")
         server = urllib.parse.urlsplit(self.url)
         host = vllm_weights.address_towards(server.hostname, server.port or 80)
         try:
@@ -214,12 +288,16 @@ class VLLMServerClient:
         return self.generate_at(prompt_ids, params, seeds)[0]
 
     def generate_at(self, prompt_ids: list[list[int]], params: SamplingParams, seeds: list[int],
-                    step: int | None = None) -> tuple[Completions, int | None]:
+                    step: int | None = None, together: str | None = None) -> tuple[Completions, int | None]:
         """The rows' completions, and the step of the weights the server sampled them with (as it reports it);
-        with `step`, only from the weights pushed with that step (the server refuses the request otherwise)."""
+        with `step`, only from the weights pushed with that step (the server refuses the request otherwise).
+        `together`: a key every process sends its part of one rollout's request under, at about the same time;
+        the server runs the parts as one request (its `Together`)."""
         body = {"prompt_ids": prompt_ids, "params": dataclasses.asdict(params),
                 "seeds": list(seeds) if self.per_row_seeds else None, "eos_ids": self.eos_ids,
                 **({"step": step} if step is not None else {})}
+        if together is not None and self.processes > 1:
+            body["together"] = {"key": together, "parts": self.processes, "part": self.rank, "timeout": self.timeout}
         reply = self._call("/generate", json.dumps(body).encode())
         served = reply.pop("policy_step", None)
         return Completions(**reply), served

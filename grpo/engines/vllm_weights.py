@@ -93,6 +93,12 @@ def unpack(header: bytes, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
 
 # ---- collective ------------------------------------------------------------------------------------------------
 
+def device_uuid(device: torch.device) -> str | None:
+    """The UUID of a CUDA device (the same GPU under any CUDA_VISIBLE_DEVICES numbering), else None."""
+    device = torch.device(device)
+    return str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None
+
+
 def open_group(host: str, port: int, rank: int, backend: str, timeout: float = 600.0) -> dist.ProcessGroup:
     """Rank `rank` (0: the trainer, 1: the server) of a two-rank group whose store the trainer hosts on
     `host`:`port`."""

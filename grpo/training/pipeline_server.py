@@ -102,9 +102,18 @@ class _Pinned:
 
     def __init__(self, client):
         self.client, self.step, self.served = client, None, None
+        self.index = None  # the rollout being sampled
 
     def generate(self, prompt_ids, params, seeds):
         out, self.served = self.client.generate_at(prompt_ids, params, seeds, step=self.step)
+        return out
+
+    def generate_together(self, prompt_ids, params, seeds):
+        """A rollout's rows of every process in one request: each process's thread sends its part under the
+        rollout's key and the server runs them together (the threads cannot gather over the process group, which
+        the update uses meanwhile); without it the server would run N small requests one after another."""
+        key = None if self.index is None else f"rollout {self.index} at step {self.step}"
+        out, self.served = self.client.generate_at(prompt_ids, params, seeds, step=self.step, together=key)
         return out
 
 
@@ -159,7 +168,8 @@ class _ClientThread(Answers):
                 if item is None:
                     return
                 index, version, request = item
-                self.engine.step = version
+                # (with dynamic sampling each process decides its refill rounds alone: its requests go alone)
+                self.engine.step, self.engine.index = version, None if isinstance(request, int) else index
                 if self.rollouts.trainer_state is not None:
                     self.rollouts.trainer_state.global_step = version
                 sampled, logs = self.rollouts.sample_request(request)

@@ -1,0 +1,94 @@
+"""`grpo vllm-serve`'s endpoints with a scripted engine in place of vLLM (runs in every environment): what the server
+and its client do around the engine, for the GPU layouts the CPU cannot run (gpu_review2 N3, N7).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from http.server import ThreadingHTTPServer
+
+import pytest
+import torch
+
+from grpo.engines import vllm_weights
+from grpo.engines.base import Completions, SamplingParams
+from grpo.engines.vllm_server import Handler, Served, VLLMServerClient
+
+
+class CountingEngine:
+    """Completes row r with [first token + 1, seed % 100]; counts its generate calls and their rows."""
+
+    def __init__(self):
+        self.calls, self.eos_ids, self.per_row_seeds = [], [], True
+
+    def generate(self, prompt_ids, params, seeds):
+        self.calls.append(len(prompt_ids))
+        return Completions([[row[0] + 1, seed % 100] for row, seed in zip(prompt_ids, seeds)],
+                           [False] * len(prompt_ids), [[-0.5, -0.25] for _ in prompt_ids])
+
+    def load_weights(self, weights):
+        for _ in weights:
+            pass
+
+
+@contextlib.contextmanager
+def stub_server(device: str = "cpu", uuid: str | None = None):
+    """The server's HTTP endpoints over a CountingEngine on a free local port: (url, engine)."""
+    engine = CountingEngine()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.served = Served("stub", engine, torch.device(device), state={
+        "weights_version": 0, "policy_step": None, "device": device, "device_uuid": uuid, "dtype": "float32"})
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", engine
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_trainer_on_the_servers_own_gpu_is_refused_before_nccl(monkeypatch):
+    """Trainer and server on one GPU (a one-GPU box, the default collective transport): NCCL cannot run two ranks of
+    one group on one device, and the first broadcast would fail or hang with the server stuck receiving. The client
+    compares the devices' UUIDs (as TRL's vllm-serve does) and refuses by name before any group; another GPU goes
+    on to open the group. (The UUIDs are faked: the CPU has none.)"""
+    opened = []
+    monkeypatch.setattr(vllm_weights, "device_uuid", lambda device: "GPU-1111")
+    monkeypatch.setattr(vllm_weights, "open_group", lambda *args: opened.append(args) or "group")
+    with stub_server("cuda", uuid="GPU-1111") as (url, _):
+        with pytest.raises(ConnectionError, match=r"the trainer's cuda:0 and the server at .* are the same GPU "
+                                                  r"\(UUID GPU-1111\).*set vllm_weight_transfer: http"):
+            VLLMServerClient(url, [0], timeout=5, device="cuda:0", group_port=1)
+        assert opened == []
+    with stub_server("cuda", uuid="GPU-2222") as (url, _):
+        client = VLLMServerClient(url, [0], timeout=5, device="cuda:0", group_port=1)
+        assert client.group == "group" and [args[3] for args in opened] == ["nccl", "nccl"]  # (both sides)
+
+
+def test_lagged_requests_of_two_processes_are_one_engine_call():
+    """Server mode with a lag and two trainer processes: each process's request thread sends its own rows (they
+    cannot gather over the process group beside the update), and the server runs both parts as one request, as the
+    synchronous path's generate_together does; each process gets its own rows back. Before: two engine calls of 2
+    rows, one after the other (gpu_review2 N7)."""
+    from grpo.training.pipeline_server import _Pinned
+
+    with stub_server() as (url, engine):
+        pinned = [_Pinned(VLLMServerClient(url, [0], timeout=30, push=False, rank=r, processes=2)) for r in (0, 1)]
+        got = [None, None]
+
+        def send(r):
+            pinned[r].step, pinned[r].index = None, 7
+            got[r] = pinned[r].generate_together([[10 * r + 1], [10 * r + 2]], SamplingParams(2), [r, 50 + r])
+
+        threads = [threading.Thread(target=send, args=(r,)) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert engine.calls == [4]
+        assert got[0].ids == [[2, 0], [3, 50]] and got[1].ids == [[12, 1], [13, 51]]
+        # a dynamic-sampling request (no rollout key: each process decides its refill rounds alone) goes alone
+        pinned[0].index = None
+        assert pinned[0].generate_together([[5]], SamplingParams(2), [3]).ids == [[6, 3]]
+        assert engine.calls == [4, 1]
