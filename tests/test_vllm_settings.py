@@ -116,11 +116,14 @@ def test_the_engine_runs_in_the_dtype_the_trainer_computes_in(fake_vllm, policy,
     assert fake_vllm.built["dtype"] == want
 
 
-def test_sleep_mode_drops_the_weights_and_wakes_them_before_the_kv_cache(fake_vllm, policy):
-    """D8: level 2, then on waking: the weights' memory, the policy's weights loaded into it, the KV cache's."""
+def test_sleep_mode_drops_the_weights_and_wakes_them_before_the_kv_cache(fake_vllm, policy, monkeypatch):
+    """D8: level 2, then on waking: the weights' memory, the policy's weights loaded into it, the KV cache's. N5:
+    torch's cached free blocks go back to the device before each wake_up (vLLM's pool cannot use them)."""
     from grpo.engines.sharding import hf_weights
     from grpo.engines.vllm import VLLMEngine
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (as on a GPU: the calls are recorded)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: fake_vllm.calls.append(("empty_cache",)))
     engine = VLLMEngine("path", policy, eos_ids=[2], enable_sleep_mode=True)
     fake_vllm.calls.clear()
     engine.sleep()
@@ -128,8 +131,8 @@ def test_sleep_mode_drops_the_weights_and_wakes_them_before_the_kv_cache(fake_vl
     assert fake_vllm.calls == [("sleep", 2)]
     engine.wake()
     n = len(list(hf_weights(policy)))  # every tensor, in transformers' names
-    assert fake_vllm.calls == [("sleep", 2), ("wake_up", ["weights"]), ("reload_weights", n),
-                               ("reset_prefix_cache",), ("wake_up", ["kv_cache"])]
+    assert fake_vllm.calls == [("sleep", 2), ("empty_cache",), ("wake_up", ["weights"]), ("reload_weights", n),
+                               ("reset_prefix_cache",), ("empty_cache",), ("wake_up", ["kv_cache"])]
     engine.wake()  # awake already: nothing
     engine.update_weights(policy)  # awake: loaded at once
     assert fake_vllm.calls[-2:] == [("reload_weights", n), ("reset_prefix_cache",)]

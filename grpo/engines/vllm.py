@@ -172,8 +172,18 @@ class VLLMEngine:
         """Take the memory back as TRL does: the weights' first, the policy's weights loaded into it, then the KV
         cache's, so that the load never runs beside a full KV cache."""
         if self.asleep:
+            release_cached_memory()
             self.llm.wake_up(tags=["weights"])
             self.asleep = False
             self.load_weights(hf_weights(self.model))
+            release_cached_memory()  # (the load's gathered or merged tensors, freed)
             self.llm.wake_up(tags=["kv_cache"])
+
+
+def release_cached_memory() -> None:
+    """Return the blocks torch's caching allocator holds free (the update's activations, a load's temporaries) to
+    the device before vLLM wakes: its memory pool allocates beside torch's and cannot use them (TRL empties the
+    cache before wake_up: "required to avoid OOM in some cases")."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
