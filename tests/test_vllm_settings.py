@@ -33,6 +33,7 @@ class FakeLLM:
         self.llm_engine = types.SimpleNamespace(model_config=config)
 
     def collective_rpc(self, method, kwargs):
+        FakeLLM.sent = kwargs["weights_iterator"]
         FakeLLM.calls.append((method, len(list(kwargs["weights_iterator"]))))
 
     def reset_prefix_cache(self):
@@ -155,6 +156,25 @@ def test_per_row_seeds_are_a_setting(fake_vllm, policy, setting, device, seeded)
     out = engine.generate([[1, 2], [1, 3]], SamplingParams(4), [11, 12])
     assert fake_vllm.calls[-1] == ("generate", [11, 12] if seeded else [None, None])
     assert out.ids == [[7], [7]] and out.logprobs == [[-0.5], [-0.5]]
+
+
+def test_a_tensor_parallel_server_hands_its_workers_host_tensors(fake_vllm):
+    """`grpo vllm-serve --tensor-parallel-size 2`: the weights received (on the server's GPU over NCCL) are pickled
+    to vLLM's worker processes, and a pickled CUDA tensor lands on cuda:0 in every worker (gpu_review2 N4): each is
+    copied to host memory first. (A stand-in for a CUDA tensor records the copy: the CPU has none.)"""
+    from grpo.engines.vllm import VLLMEngine
+
+    class OnDevice:
+        def __init__(self, value):
+            self.value = value
+
+        def cpu(self):
+            return torch.full((2,), self.value)
+
+    engine = VLLMEngine("path", None, eos_ids=[2], tensor_parallel_size=2)
+    engine.load_weights(iter([("a", OnDevice(1.0)), ("b", OnDevice(2.0))]))
+    assert [(name, t.device.type, t.tolist()) for name, t in fake_vllm.sent] == [("a", "cpu", [1.0, 1.0]),
+                                                                                  ("b", "cpu", [2.0, 2.0])]
 
 
 def test_colocated_tensor_parallel_is_refused_in_one_process(fake_vllm, policy):

@@ -152,7 +152,10 @@ class VLLMEngine:
     def load_weights(self, weights) -> None:
         """Load (name, tensor) pairs under transformers' names (`hf_weights`), then reset the prefix cache."""
         if self.tensor_parallel_size > 1:
-            weights = list(weights)  # sent to worker processes: a generator cannot be pickled
+            # Sent to vLLM's worker processes, pickled (a generator cannot be): in host memory, each bucket copied
+            # out as it arrives. A CUDA tensor would be pickled by value and unpickled on the device it was saved
+            # from, cuda:0, in every worker (gpu_review2 N4); this costs a copy through host memory per push.
+            weights = [(name, tensor.cpu()) for name, tensor in weights]
         # reload_weights, not the model's load_weights: vLLM's CPU build repacks every linear weight for its GEMM
         # kernels after loading (and empties the original parameter), so a plain load_weights has nowhere to
         # write. reload_weights puts the checkpoint layout back, loads into it and repacks (and does the same for
