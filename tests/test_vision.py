@@ -312,3 +312,32 @@ def test_lora_on_the_language_model_leaves_the_vision_tower_frozen(tmp_path):
     trainer.train()
     now = dict(trainer.policy.named_parameters())
     assert any(not torch.equal(trained[n], now[n]) for n in trained)
+
+
+def test_rows_without_images_give_the_vision_tower_zero_gradients_and_sharding_refuses_them(vlm):
+    """A micro-batch whose rows have no image (a dataset mixing image and text rows): the rows carry a blank image's
+    features, run through the vision side at zero weight, so every vision parameter gets a gradient of exactly 0
+    (without it: None, and DDP raises at the next step; the two-process run is in test_vision_distributed.py), and
+    the log-probs are those of the pass without it. Under sharded weights such a dataset is refused by name."""
+    import types
+
+    from grpo.training.data import PromptSet
+    from grpo.training.sharded import check_sharded_images
+
+    model, tok, processing = vlm
+    prompts = PromptSet(["a", "b"], [[5, 6, 7], [8, 9, 10]], {}, images=[[], []], image_processing=processing)
+    images = prompts.pixels([0, 1, 1])
+    assert all(r.stand_in is not None and not r.features for r in images)
+    ids = torch.tensor([[5, 6, 7, 11, 12], [8, 9, 10, 13, 14], [8, 9, 10, 15, 16]])
+    model.zero_grad(set_to_none=True)
+    logp = completion_logprobs(model, ids, torch.ones_like(ids), 2, 1.0, images=images)
+    logp.sum().backward()
+    vision = {n: p.grad for n, p in model.named_parameters() if n.startswith("model.visual")}
+    assert vision and all(g is not None and not g.any() for g in vision.values())
+    with torch.no_grad():  # (no gradient, no stand-in pass: the logits path's plain log-probs)
+        assert torch.equal(logp, completion_logprobs(model, ids, torch.ones_like(ids), 2, 1.0, images=images))
+    model.zero_grad(set_to_none=True)
+    fsdp = types.SimpleNamespace(distributed_type="FSDP")
+    with pytest.raises(ConfigError, match=r"dataset row 0 has no image: with sharded weights \(FSDP2, ZeRO-3\)"):
+        check_sharded_images(fsdp, prompts)
+    check_sharded_images(types.SimpleNamespace(distributed_type="MULTI_GPU"), prompts)  # (DDP: the stand-in)

@@ -75,3 +75,24 @@ def test_sharded_weights_with_images_match_one_process(vision_job, kind, gather)
     assert_same_run(base / "one", out, weights(base / "one"), weights(out), grad_rel=1e-5 if kind == "fsdp2" else 1e-4)
     AutoModelForImageTextToText.from_pretrained(out / "final")
     assert (out / "final" / "preprocessor_config.json").exists()  # (the image processor beside it)
+
+
+def test_a_process_whose_rows_have_no_image_still_trains_the_vision_tower(tmp_path):
+    """DDP over 2 gloo processes, the vision tower trainable, rank 0's rows with pictures and rank 1's without: rank 1
+    runs a blank stand-in image through the vision side at zero weight, so both processes give the vision
+    parameters gradients, three steps complete and the vision weights stay equal across them. Before (gpu_review2
+    N6): DDP's "Expected to have finished reduction in the prior iteration" at step 2 (tests/vision_ddp_driver.py)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    env = job(tmp_path, ASSET)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                             str(free_port()), str(here / "vision_ddp_driver.py"), str(tmp_path)], env=env,
+                            capture_output=True, text=True, timeout=300)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)
+               if (tmp_path / f"rank{r}.json").is_file()]
+    assert len(reports) == 2, result.stderr[-3000:]
+    assert all(r == {"steps": 3, "error": None, "vision_equal": True} for r in reports), reports

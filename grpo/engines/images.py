@@ -14,6 +14,7 @@ patch grid per image; image k has t*h*w patches (`split_rows`).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,9 @@ class RowImages:
 
     features: dict[str, torch.Tensor]
     token_types: tuple[str, ...] = ()
+    # A row without images: a blank image's features, run through the vision side (not the model) when no row of a
+    # forward has pixels, so that its parameters get (zero) gradients on every process (`vision_zero`).
+    stand_in: dict[str, torch.Tensor] | None = None
 
     @property
     def pixel_values(self) -> torch.Tensor:
@@ -67,6 +71,34 @@ def model_inputs(images: list[RowImages], input_ids: torch.Tensor, config, devic
         out[key] = torch.cat(parts).to(device)
     types = (input_ids == config.image_token_id).int().to(device)
     return {**out, **{key: types for r in images[:1] for key in r.token_types}}
+
+
+def has_pixels(row: RowImages) -> bool:
+    """Whether a row carries image features (a row without images has none, or Qwen2-VL's zero patches)."""
+    pixels = row.features.get("pixel_values")
+    return pixels is not None and pixels.numel() > 0
+
+
+def vision_zero(model, images: list[RowImages], device) -> torch.Tensor | None:
+    """0 x the vision side's output on a stand-in image when no row of a forward has pixels (else None): added to
+    the loss, every vision parameter gets a zero gradient. Without it a process whose micro-batch has no image
+    leaves a trainable vision tower without gradients, and DDP (find_unused_parameters off, accelerate's default)
+    raises at the next step while the other processes' all-reduce waits (verl and TRL feed such a pass too)."""
+    stand_in = next((r.stand_in for r in images if r.stand_in is not None), None)
+    get = getattr(model, "get_image_features", None)
+    if stand_in is None or get is None or any(has_pixels(r) for r in images):
+        return None
+    takes = inspect.signature(get).parameters
+    out = get(**{k: v.to(device) for k, v in stand_in.items() if k in takes})
+    return 0.0 * sum(t.float().sum() for t in _tensors(out))
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    """The tensors in a model output (a tensor, a tuple or list of them, or a ModelOutput's values)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    values = out.values() if hasattr(out, "values") else out if isinstance(out, (list, tuple)) else []
+    return [t for v in values for t in _tensors(v)]
 
 
 def is_vision_config(config) -> bool:

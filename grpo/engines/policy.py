@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from grpo.core import LossOutput, hidden_logprobs, token_entropy, token_logprobs
-from grpo.engines.images import is_vision_config, own_positions
+from grpo.engines.images import is_vision_config, own_positions, vision_zero
 from grpo.engines.kv_cache import cache_args, distinct_rows, expand_cache, positions as position_ids, preallocated_cache
 from grpo.engines.offload import ActivationOffload, OffloadStats
 from grpo.engines.packing import PackedRows, Packing, choose_packing
@@ -312,17 +312,24 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=completion_len + 1, use_cache=False,
                 **extra)
     logp, entropy = logits_logprobs(out.logits[:, :-1, :], targets, temperature, with_entropy, entropy_grad)
+    zero = vision_zero(_base(model), images, input_ids.device) if images and torch.is_grad_enabled() else None
+    if zero is not None:  # (no row here has an image: the vision side's zero gradients, gpu_review2 N6)
+        logp = logp + zero
     return (logp, entropy) if with_entropy else logp
 
 
-def _image_inputs(model, images: list, input_ids: torch.Tensor) -> dict:
+def _base(model):
+    """The transformers model inside accelerate's wrapper (DDP) and peft's."""
     from accelerate.utils import extract_model_from_parallel
 
+    base = extract_model_from_parallel(model)
+    return base.get_base_model() if is_peft(base) else base
+
+
+def _image_inputs(model, images: list, input_ids: torch.Tensor) -> dict:
     from grpo.engines.images import model_inputs
 
-    base = extract_model_from_parallel(model)
-    base = base.get_base_model() if is_peft(base) else base
-    return model_inputs(images, input_ids, base.config)
+    return model_inputs(images, input_ids, _base(model).config)
 
 
 def dropout_active(model) -> bool:

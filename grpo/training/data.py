@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from grpo.config import ConfigError, GRPOConfig
+from grpo.engines.images import has_pixels
 from grpo.training.vision import has_images, vision_prompts
 
 PROMPT_COLUMN_CANDIDATES = ("prompt", "problem", "question")
@@ -179,7 +180,17 @@ class PromptSet:
             return None
         distinct = list(dict.fromkeys(index))
         rows = dict(zip(distinct, self.image_processing.row_features([self.images[i] for i in distinct])))
+        if not all(map(has_pixels, rows.values())):  # (rows without images carry a blank one's features)
+            rows = {i: r if has_pixels(r) else replace(r, stand_in=self._stand_in()) for i, r in rows.items()}
         return [rows[i] for i in index]
+
+    def _stand_in(self) -> dict:
+        """A blank 64 x 64 image's features (grpo.engines.images.vision_zero), made once."""
+        if getattr(self, "_blank", None) is None:
+            from PIL import Image
+
+            self._blank = self.image_processing.row_features([[Image.new("RGB", (64, 64))]])[0].features
+        return self._blank
 
 
 def uses_template(tokenizer, cfg: GRPOConfig) -> bool:

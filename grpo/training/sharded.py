@@ -75,6 +75,19 @@ def check_sharding(accelerator, cfg: GRPOConfig) -> None:
                               "key or set use_vllm: false.")
 
 
+def check_sharded_images(accelerator, train_set) -> None:
+    """With sharded weights every process must run each vision block in every forward (each gathers its weights
+    collectively), and a process whose micro-batch has no image would not: a dataset mixing rows with and without
+    images is refused (gpu_review2 N6; under DDP a stand-in image keeps the vision side's gradients instead,
+    grpo.engines.images.vision_zero, which cannot match the sharded all-gathers' order)."""
+    images = getattr(train_set, "images", None)
+    bare = next((i for i, row in enumerate(images or []) if not row), None)
+    if shards_weights(accelerator) and bare is not None:
+        raise ConfigError(f"dataset row {bare} has no image: with sharded weights (FSDP2, ZeRO-3) a process whose "
+                          "micro-batch has no image skips the vision tower's collective all-gathers and the run "
+                          "hangs; give every row an image, or train with DDP (recipes/accelerate/ddp.yaml).")
+
+
 def float32_reduce(policy):
     """FSDP2's mixed-precision policy `policy` with gradients reduce-scattered in float32 (verl's default):
     accelerate's `mixed_precision: bf16` reduces them in bf16, which loses precision as ranks add up. None (no

@@ -42,7 +42,7 @@ from grpo.training.objective import Objective
 from grpo.training.sources import make_source
 from grpo.training.processes import Processes
 from grpo.training.rollout import RolloutBatch, Rollouts
-from grpo.training.sharded import check_sharding, place_reference, reduce_in_float32
+from grpo.training.sharded import check_sharded_images, check_sharding, place_reference, reduce_in_float32
 from grpo.training.errors import TrainingStopped
 from grpo.training.faults import engine_faults
 from grpo.training.signals import StopSignals, stop_if_signalled
@@ -115,6 +115,7 @@ class GRPOTrainer(TRLSurface):
         # Tokenize and check the data before the weights load: a bad row or length fails in seconds.
         self.train_set, self.sampler = make_prompts(train_dataset, self.tokenizer, cfg, self.prefill, self.rewards,
                                                     agents=self.agents, images=self.images)
+        check_sharded_images(self.accel, self.train_set)
         self.eval_set = eval_sets(eval_dataset, lambda data: build_prompt_set(
             data, self.tokenizer, cfg, self.prefill, "eval_dataset_name", agents=self.agents,
             images=self.images))  # (a dict: by name)

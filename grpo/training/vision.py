@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from grpo.config import ConfigError
-from grpo.engines.images import RowImages, is_vision_config, split_rows
+from grpo.engines.images import QWEN_TOKEN_TYPES, RowImages, is_vision_config, split_rows
 
 IMAGE_COLUMNS = ("image", "images")
 IMAGE_PAD = "<|image_pad|>"
@@ -95,6 +95,8 @@ class ImageProcessing:
     def row_features(self, rows: list[list]) -> list[RowImages]:
         """Each row's features (its list of PIL images), from one call of the image processor."""
         flat = [img for row in rows for img in row]
+        if not flat:  # (rows without images only: the image processor refuses an empty list)
+            return [RowImages({}, QWEN_TOKEN_TYPES) for _ in rows]
         return split_rows(*self.features(flat), [len(row) for row in rows])
 
     def encode(self, texts: list[str], images: list[list], chunk: int = 256) -> list[list[int]]:
