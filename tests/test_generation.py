@@ -276,3 +276,25 @@ def test_rows_that_have_ended_leave_the_batch_with_the_same_completions(tiny_mod
     assert leaving.ids == staying.ids and leaving.truncated == staying.truncated
     for x, y in zip(leaving.logprobs, staying.logprobs):
         torch.testing.assert_close(torch.tensor(x), torch.tensor(y), atol=1e-5, rtol=1e-5)
+
+
+def test_the_kv_cache_is_kept_in_the_compute_dtype(monkeypatch):
+    """fp32 weights under bf16 autocast (the GPU recipe's precision): RoPE's fp32 cos/sin make the keys fp32 while the
+    values are bf16; the cache keeps both in bf16 (before: an fp32 key cache, twice the memory, cast again by the
+    attention at every token: gpu_review2 N9). Without autocast it keeps the weights' fp32."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    import grpo.engines.sampling as sampling
+    from grpo.engines.sampling import TransformersSampler
+
+    caches = []
+    made = sampling.preallocated_cache
+    monkeypatch.setattr(sampling, "preallocated_cache", lambda m, c: caches.append(made(m, c)) or caches[-1])
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa"))
+    for autocast, want in ((True, torch.bfloat16), (False, torch.float32)):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            TransformersSampler(model, 0, [299]).generate([[5, 6, 7, 8]] * 2, SamplingParams(4), [1, 2])
+        layer = caches[-1].layers[0]
+        assert (layer.key_buffer.dtype, layer.value_buffer.dtype) == (want, want)

@@ -30,8 +30,9 @@ def preallocated_cache(model, capacity: int):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
                 shape = (*key_states.shape[:2], capacity, key_states.shape[3])
-                self.key_buffer = key_states.new_empty(shape)
-                self.value_buffer = value_states.new_empty((*shape[:3], value_states.shape[3]))
+                dtype = compute_dtype(key_states)
+                self.key_buffer = key_states.new_empty(shape, dtype=dtype)
+                self.value_buffer = value_states.new_empty((*shape[:3], value_states.shape[3]), dtype=dtype)
                 self.length = 0
             end = self.length + key_states.shape[-2]
             if end > capacity:
@@ -50,6 +51,17 @@ def preallocated_cache(model, capacity: int):
         return None
     cache.layers = [PreallocatedLayer() for _ in cache.layers]
     return cache
+
+
+def compute_dtype(states: torch.Tensor) -> torch.dtype:
+    """The dtype a cache keeps `states` in: autocast's when it is on for their device (fp32 weights under bf16
+    autocast give fp32 keys, RoPE's fp32 cos/sin promoting them, and bf16 values: a bf16 cache holds both at half the
+    memory, and attention, which autocast runs in bf16, no longer casts the whole key cache at every token,
+    gpu_review2 N9), else their own."""
+    kind = states.device.type
+    if states.is_floating_point() and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return states.dtype
 
 
 def distinct_rows(rows: list[list[int]]) -> tuple[list[int], list[int]]:
