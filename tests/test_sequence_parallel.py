@@ -174,3 +174,45 @@ def test_resume_under_sequence_parallel(tmp_path, tiny_model_dir):
     assert diff < 1e-6, diff
     rows = (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["step"] for r in rows] == [3]
+
+
+def test_shard_reads_its_indices_from_the_host_copy():
+    """shard() of a micro-batch on a device takes boundaries, owners and counts from the CPU copy it was built as:
+    the device tensors are on torch's meta device here, whose values cannot be read, so any .tolist(), int() or
+    nonzero() on them (a host sync on a GPU: 3-4 per micro-batch before, gpu_review2 N10) fails. The slices are
+    those of the CPU micro-batch."""
+    import torch
+
+    from grpo.engines.packing import Packing, pack
+    from grpo.engines.ulysses import SequenceGroup, shard
+
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8, 9, 0], [0, 3, 4, 5, 6, 7, 0, 0]])
+    mask = (ids > 0).long()
+    packed = pack(ids, mask, 4, Packing(False, None, None, "one row"))
+    for rank in (0, 1):
+        sp = SequenceGroup(None, rank, 2)
+        on_cpu, on_meta = shard(packed, sp), shard(packed.to("meta"), sp)
+        assert on_meta.inputs["input_ids"].device.type == "meta" and on_meta.counts == on_cpu.counts
+        assert on_meta.inputs["grpo_ulysses"].cu_seq_lens == on_cpu.inputs["grpo_ulysses"].cu_seq_lens
+        assert on_meta.local.shape == on_cpu.local.shape and on_meta.targets.shape == on_cpu.targets.shape
+
+
+def test_queries_and_keys_cross_in_the_compute_dtype(monkeypatch):
+    """fp32 weights under bf16 autocast: RoPE leaves q and k fp32 while v is bf16; all three go over the all_to_all
+    in bf16 (before: q and k in fp32, twice the bytes, gpu_review2 N10), and without autocast as they are."""
+    import torch
+
+    import grpo.engines.ulysses as ulysses
+
+    sent = []
+    monkeypatch.setattr(ulysses, "all_to_all", lambda t, scatter, gather, sp: sent.append(t.dtype) or t)
+    shard = ulysses.UlyssesShard(ulysses.SequenceGroup(None, 0, 1), (0, 3, 8))
+    module = torch.nn.Module()
+    q, k = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16)
+    v = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ulysses.ulysses_attention(module, q, k, v, None, grpo_ulysses=shard)
+    assert sent == [torch.bfloat16] * 4  # q, k, v, then the output
+    sent.clear()
+    ulysses.ulysses_attention(module, q, k, v.float(), None, grpo_ulysses=shard)
+    assert sent == [torch.float32] * 4

@@ -213,11 +213,12 @@ class PackedRows:
     prefix: PrefixIndex | None = None  # with Packing.mask "prefix": where each token goes for grouped attention
     cu_seq_lens: torch.Tensor | None = None  # with Packing.mask "varlen": (sequences + 1,) int32 boundaries, flat
     max_length: int = 0  # with Packing.mask "varlen": the longest sequence (a Python int: no host sync to read)
+    host: "PackedRows | None" = None  # after `to`: the CPU original, for index arithmetic without host syncs
 
     def to(self, device) -> "PackedRows":
-        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device, non_blocking=True)
-                                            for f in dataclasses.fields(self)
-                                            if isinstance(getattr(self, f.name), (torch.Tensor, PrefixIndex))})
+        return dataclasses.replace(self, host=self.host or self, **{
+            f.name: getattr(self, f.name).to(device, non_blocking=True) for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), (torch.Tensor, PrefixIndex))})
 
     def attention_kwargs(self) -> dict:
         """Keyword arguments the model's forward passes on to its attention function: the grouped attention's index

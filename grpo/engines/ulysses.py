@@ -132,6 +132,10 @@ def ulysses_attention(module, query, key, value, attention_mask, scaling=None, d
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
     sp = grpo_ulysses.sp
+    kind = query.device.type
+    if torch.is_autocast_enabled(kind):  # (RoPE's fp32 cos/sin leave q and k fp32: half the bytes over the wire, and
+        dtype = torch.get_autocast_dtype(kind)  # the attention, which autocast runs in this dtype, casts no more)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
     kv = key.shape[1]
     if kv < sp.size:  # each rank gets the key/value head its query heads share
         key, value = (t.repeat_interleave(sp.size // kv, dim=1) for t in (key, value))
@@ -139,7 +143,9 @@ def ulysses_attention(module, query, key, value, attention_mask, scaling=None, d
     p = dropout if module.training else 0.0
     gqa = q.shape[1] != k.shape[1]
     bounds = grpo_ulysses.cu_seq_lens
-    # One causal attention per packed sequence: no (L, L) mask, and sdpa's flash kernel (CPU and CUDA) applies.
+    # One causal attention per packed sequence: no (L, L) mask, and sdpa's flash kernel (CPU and CUDA) applies. (One
+    # varlen call would save a launch per sequence per layer; torch's varlen_attn changed its causal argument between
+    # 2.11 and 2.13 and runs on CUDA only, and flash_attn's is not installed where the GPU check runs.)
     out = torch.cat([torch.nn.functional.scaled_dot_product_attention(
         q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], dropout_p=p, is_causal=True, scale=scaling, enable_gqa=gqa)
         for a, b in zip(bounds[:-1], bounds[1:])], dim=2)  # (1, heads/SP, L, d)
@@ -195,26 +201,32 @@ def shard(packed: PackedRows, sp: SequenceGroup) -> Shard:
     if packed.input_ids.shape[0] != 1:
         raise ValueError("ulysses.shard: sequence parallelism needs the packed micro-batch in one row "
                          "(a Packing with pair_cost None).")
-    ids, pos = packed.input_ids[0], packed.position_ids[0]
+    # The index arithmetic (boundaries, owners, counts: Python values) on the CPU copy the micro-batch was built as,
+    # so a device pass costs no host sync here (gpu_review2 N10); only the results move to the device.
+    host = packed.host or packed
+    device = packed.input_ids.device
+    ids, pos = host.input_ids[0], host.position_ids[0]
     length = -(-ids.shape[0] // sp.size) * sp.size
     pad = length - ids.shape[0]
     if pad:
         ids = torch.cat([ids, ids.new_full((pad,), int(ids[-1]))])
-        pos = torch.cat([pos, torch.arange(pad, dtype=pos.dtype, device=pos.device)])
+        pos = torch.cat([pos, torch.arange(pad, dtype=pos.dtype)])
     cu = tuple((pos == 0).nonzero()[:, 0].tolist()) + (length,)
     part = length // sp.size
-    owner = packed.score_index // part  # (n_tok,): the rank holding each scored token's predicting position
+    owner = host.score_index // part  # (n_tok,): the rank holding each scored token's predicting position
     order = torch.sort(owner, stable=True).indices  # scored tokens, rank by rank
     count = tuple(torch.bincount(owner, minlength=sp.size).tolist())
     lo = sum(count[:sp.rank])
     held = order[lo:lo + count[sp.rank]]
-    local = packed.score_index[held] - sp.rank * part
     at = slice(sp.rank * part, (sp.rank + 1) * part)
-    inputs = dict(input_ids=ids[None, at], position_ids=pos[None, at], use_cache=False,
+    ids, pos, local, inverse, targets = (t.to(device, non_blocking=True) for t in (
+        ids[None, at], pos[None, at], host.score_index[held] - sp.rank * part, torch.argsort(order),
+        host.targets[held]))
+    inputs = dict(input_ids=ids, position_ids=pos, use_cache=False,
                   # a 4D placeholder mask: transformers passes it on as it is instead of building one per slice
-                  attention_mask=torch.ones((1, 1, 1, 1), dtype=torch.bool, device=ids.device),
+                  attention_mask=torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device),
                   grpo_ulysses=UlyssesShard(sp, cu))
-    return Shard(inputs, local, count, torch.argsort(order), packed.targets[held])
+    return Shard(inputs, local, count, inverse, targets)
 
 
 class _GatherTokens(torch.autograd.Function):
