@@ -107,3 +107,32 @@ def test_mixed_with_rule_rewards_through_the_registry(model_dir, reward_model):
 def test_bad_checkpoint_directory(tmp_path):
     with pytest.raises(ValueError, match="has no config.json"):
         resolve_reward(str(tmp_path))
+
+
+def test_a_reward_model_goes_to_this_processs_accelerator_in_16_bits(monkeypatch):
+    """By default a reward model by path runs where this process computes: its own GPU (index fixed at construction,
+    so a reward thread, whose current device is 0, keeps it) in bf16, fp16 without bf16; before: the CPU in fp32 on
+    a GPU run, and `device: cuda` meant cuda:0 in a thread (gpu_review2 N11). The CPU stays float32. (The GPU is
+    faked: the placement is what is checked.)"""
+    import types
+
+    import accelerate.state
+
+    from grpo.rewards.reward_model import placement
+
+    monkeypatch.setattr(accelerate.state, "is_initialized", lambda: False)  # (no trainer in this process)
+    assert placement(None, None) == (torch.device("cpu"), torch.float32)
+    assert placement("cpu", "bfloat16") == (torch.device("cpu"), torch.bfloat16)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 3)  # (this process: local rank 3)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    assert placement(None, None) == (torch.device("cuda", 3), torch.bfloat16)
+    assert placement("cuda", "auto") == (torch.device("cuda", 3), "auto")
+    assert placement("cuda:1", "float32") == (torch.device("cuda", 1), torch.float32)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    assert placement(None, None) == (torch.device("cuda", 3), torch.float16)
+    # a trainer's run on the CPU of a GPU host: its device, not the GPU (CUDA never initialised before a fork)
+    monkeypatch.setattr(accelerate.state, "is_initialized", lambda: True)
+    monkeypatch.setattr(accelerate.state, "AcceleratorState", lambda: types.SimpleNamespace(device=torch.device("cpu")))
+    assert placement(None, None) == (torch.device("cpu"), torch.float32)

@@ -20,7 +20,11 @@ class RewardModel:
         path: checkpoint directory (`config.json` + weights), or the loaded model itself (TRL's form).
         tokenizer: tokenizer directory or loaded tokenizer, if not the checkpoint's own.
         batch_size: pairs per forward pass.
-        device: where the model runs ("cpu", "cuda", "cuda:1", ...).
+        device: where the model runs ("cpu", "cuda", "cuda:1", ...); None: the device this process trains on (its
+            own GPU under DDP, as TRL prepares reward models; the CPU on a CPU run), else the machine's accelerator. A device without an index is this
+            process's device of that kind, fixed at construction (a reward thread would otherwise take cuda:0).
+        dtype: the weights' dtype ("float32", "bfloat16", "float16", "auto": the checkpoint's); None: bfloat16 on
+            an accelerator (the compute dtype of a bf16 run; float16 on a GPU without bf16), float32 on the CPU.
         max_length: truncate longer inputs to this many tokens (None: no truncation).
     """
 
@@ -29,8 +33,9 @@ class RewardModel:
         path: Any,
         tokenizer: Any = None,
         batch_size: int = 8,
-        device: str = "cpu",
+        device: str | None = None,
         max_length: int | None = None,
+        dtype: str | None = None,
     ):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -44,8 +49,8 @@ class RewardModel:
             self.device = next(path.parameters()).device
         else:
             self.path = path
-            self.device = torch.device(device)
-            self.model = AutoModelForSequenceClassification.from_pretrained(path).to(self.device).eval()
+            self.device, dtype = placement(device, dtype)
+            self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype).to(self.device).eval()
         self.__name__ = os.path.basename(os.path.normpath(self.path))
         if tokenizer is None or isinstance(tokenizer, str):
             tokenizer = AutoTokenizer.from_pretrained(tokenizer or self.path)
@@ -111,6 +116,32 @@ class RewardModel:
         mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows], device=self.device)
         self.model.config.pad_token_id = pad
         return self.model(input_ids=ids, attention_mask=mask).logits[:, 0].float().tolist()
+
+
+def placement(device: str | None, dtype: str | None) -> tuple[torch.device, Any]:
+    """(device, dtype) a reward model loads to (RewardModel's `device` and `dtype`): by default this process's
+    accelerator in a 16-bit dtype, never cuda:0 for every process, nor the CPU in float32 on a GPU run."""
+    if device is None:
+        device = _run_device()
+    device = torch.device(device)
+    if device.type != "cpu" and device.index is None:  # (this process's device: accelerate has set it)
+        device = torch.device(device.type, torch.accelerator.current_device_index())
+    if dtype is not None:
+        return device, dtype if dtype == "auto" else getattr(torch, dtype)
+    if device.type == "cpu":
+        return device, torch.float32
+    bf16 = device.type != "cuda" or torch.cuda.is_bf16_supported()
+    return device, torch.bfloat16 if bf16 else torch.float16
+
+
+def _run_device() -> torch.device:
+    """The device this process trains on: accelerate's, once the trainer's Accelerator exists (the CPU for a CPU
+    run on a GPU host, whose forks must not follow a CUDA initialisation), else the machine's accelerator."""
+    from accelerate.state import AcceleratorState, is_initialized
+
+    if is_initialized():
+        return AcceleratorState().device
+    return torch.accelerator.current_accelerator() if torch.accelerator.is_available() else torch.device("cpu")
 
 
 def _prompt_text(prompt: Any) -> str:
