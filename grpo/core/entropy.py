@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import Tensor
 
 
-def entropy_bonus(entropy: Tensor, mask: Tensor, coef: float, normalizer: float | None = None) -> Tensor:
+def entropy_bonus(entropy: Tensor, mask: Tensor, coef: float, normalizer: float | Tensor | None = None) -> Tensor:
     """Scalar -coef * sum(entropy * mask) / normalizer (default: the mask's token count, the micro-batch mean).
 
     entropy (N, T) with its gradient, mask (N, T) bool or 0/1. A caller that accumulates micro-batches passes

@@ -93,7 +93,7 @@ class Objective:
                                         cfg.use_adaptive_entropy)
             # TRL: the micro-batch's mean over its tokens, divided by the accumulation steps (and, through our
             # backward's x processes, averaged over processes).
-            scale = float(tokens.clamp(min=1)) * micro.micro_batches * self.procs.world
+            scale = tokens.clamp(min=1) * (micro.micro_batches * self.procs.world)  # (a tensor: no host sync)
             bonus = entropy_bonus(entropy, effective, coef, scale)
             out.loss = out.loss + bonus
             self._bonus = bonus.detach() + (self._bonus if self._bonus is not None else 0.0)
