@@ -92,3 +92,39 @@ def test_lagged_requests_of_two_processes_are_one_engine_call():
         pinned[0].index = None
         assert pinned[0].generate_together([[5]], SamplingParams(2), [3]).ids == [[6, 3]]
         assert engine.calls == [4, 1]
+
+
+class FakeGroup:
+    def __init__(self, log, side):
+        self.log, self.side = log, side
+
+    def shutdown(self):
+        self.log.append(("shutdown", self.side))
+
+
+def test_the_weight_group_takes_the_configured_timeout_and_is_shut_down(monkeypatch):
+    """NCCL's group gets vllm_server_timeout as gloo's does (before: torch's fixed 10 minutes, gpu_review2 N13); the
+    client shuts its side down when closed (registered at exit, as TRL's client) and the server shuts an earlier
+    trainer's group down when the next one joins."""
+    import datetime
+
+    import torch.distributed as dist
+
+    made = []
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", lambda store, rank, size, timeout: made.append((rank, timeout)),
+                        raising=False)  # (a CPU build of torch has none)
+    stores = []
+    monkeypatch.setattr(dist, "TCPStore", lambda host, port, size, is_master, timeout: stores.append(timeout) or
+                        dist.HashStore())  # (no second rank here to join a real store)
+    vllm_weights.open_group("127.0.0.1", 1, 0, "nccl", timeout=7.0)
+    assert made == [(0, datetime.timedelta(seconds=7))] and stores == [datetime.timedelta(seconds=7)]
+
+    log = []
+    monkeypatch.setattr(vllm_weights, "open_group", lambda host, port, rank, *args: FakeGroup(log, rank))
+    with stub_server() as (url, _):
+        first = VLLMServerClient(url, [0], timeout=5, group_port=1)
+        second = VLLMServerClient(url, [0], timeout=5, group_port=1)
+        assert log == [("shutdown", 1)]  # the server's side of the first trainer's group
+        first.close()
+        first.close()
+        assert log == [("shutdown", 1), ("shutdown", 0)] and first.group is None and second.group is not None

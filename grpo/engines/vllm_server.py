@@ -27,6 +27,7 @@ seed when seeds are sent (`vllm_per_row_seeds`), so completions do not depend on
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import http.client
 import json
@@ -181,7 +182,10 @@ class Handler(BaseHTTPRequestHandler):
                 return self._reply(generate(served, body))
             if path == "/init_communicator":
                 # (blocks until the trainer joins: the trainer sends this from a thread of its own). An earlier
-                # trainer's group, if any, is dropped.
+                # trainer's group, if any, is shut down.
+                if served.group is not None:
+                    vllm_weights.close_group(served.group[0])
+                    served.group = None
                 group = vllm_weights.open_group(body["host"], body["port"], 1, body["backend"], body["timeout"])
                 served.group = group, served.device if body["backend"] == "nccl" else torch.device("cpu")
                 return self._reply({"ok": True})
@@ -248,6 +252,13 @@ class VLLMServerClient:
         self.transport, self.group = transport, None
         if push and transport == "collective":
             self.group, self.device = self._open_group(group_port, torch.device(device or "cpu"))
+            atexit.register(self.close)  # (as TRL's client closes its communicator)
+
+    def close(self) -> None:
+        """Shut this process's side of the weight-transfer group down (at exit, or when done with the server)."""
+        if self.group is not None:
+            vllm_weights.close_group(self.group)
+            self.group = None
 
     def _open_group(self, port: int, device: torch.device):
         """Open a two-rank group with the server, this process hosting its store on `port` at the address the

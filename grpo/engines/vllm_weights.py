@@ -101,14 +101,24 @@ def device_uuid(device: torch.device) -> str | None:
 
 def open_group(host: str, port: int, rank: int, backend: str, timeout: float = 600.0) -> dist.ProcessGroup:
     """Rank `rank` (0: the trainer, 1: the server) of a two-rank group whose store the trainer hosts on
-    `host`:`port`."""
+    `host`:`port`. `timeout` (vllm_server_timeout) bounds the store, and each collective: a server that died
+    mid-push ends the trainer's wait then, not at torch's default of 10 minutes."""
     wait = datetime.timedelta(seconds=timeout)
     store = dist.PrefixStore("grpo-weights", dist.TCPStore(host, port, 2, is_master=rank == 0, timeout=wait))
     if backend == "nccl":
-        return dist.ProcessGroupNCCL(store, rank, 2)
+        return dist.ProcessGroupNCCL(store, rank, 2, wait)
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, 2, wait)
     raise ValueError(f"weight transfer backend {backend!r}: use nccl or gloo")
+
+
+def close_group(group) -> None:
+    """Shut a weight-transfer group down (NCCL's communicator holds device memory and a watchdog thread until
+    then); a group already gone is left as it is."""
+    try:
+        group.shutdown()
+    except (RuntimeError, AttributeError):
+        pass
 
 
 def address_towards(host: str, port: int) -> str:
