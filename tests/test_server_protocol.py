@@ -128,3 +128,38 @@ def test_the_weight_group_takes_the_configured_timeout_and_is_shut_down(monkeypa
         first.close()
         first.close()
         assert log == [("shutdown", 1), ("shutdown", 0)] and first.group is None and second.group is not None
+
+
+class _Procs:
+    def __init__(self, others_failed: bool):
+        self.others_failed = others_failed
+
+    def gather_objects(self, rows):  # (this process is rank 1 of 2; rank 0's flag as given)
+        return [self.others_failed, *rows]
+
+
+@pytest.mark.parametrize("here, there", [(False, True), (True, False), (False, False)])
+def test_a_failed_request_thread_stops_every_process_together(here, there):
+    """Server mode with a lag and two processes: a failure in one process's request thread (its rewards raised, the
+    server answered 500) is shared at the push's barrier, so every process raises there instead of the others
+    waiting in their next collective until the timeout (gpu_review2 N14); without failures the weights go out."""
+    import types
+
+    from grpo.training.pipeline_server import ServerRollouts
+
+    pushed = []
+    source = object.__new__(ServerRollouts)
+    source.pushed, source.step, source.policy, source.drained, source.pushing = 0, 1, "policy", 0.0, 0.0
+    source.worker = types.SimpleNamespace(drain=lambda: (_ for _ in ()).throw(RuntimeError("my rewards raised"))
+                                          if here else None)
+    source.client = types.SimpleNamespace(barrier=lambda: None,
+                                          update_weights=lambda policy, step: pushed.append((policy, step)))
+    source.rollouts = types.SimpleNamespace(procs=_Procs(others_failed=there))
+    if here or there:
+        with pytest.raises(RuntimeError, match="my rewards raised" if here else
+                           "a rollout failed on process 0 .* every process stops with it"):
+            source._send_weights(1)
+        assert pushed == []
+    else:
+        source._send_weights(1)
+        assert pushed == [("policy", 1)]

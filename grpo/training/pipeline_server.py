@@ -61,15 +61,43 @@ class ServerRollouts(LaggedRollouts):
         if self.pushed == version:
             return
         t0 = time.perf_counter()
-        if self.worker is not None:  # (an evaluation outside train() has no thread)
-            self.worker.drain()
+        failure = None
+        try:
+            if self.worker is not None:  # (an evaluation outside train() has no thread)
+                self.worker.drain()
+        except RuntimeError as err:
+            failure = err
         t1 = time.perf_counter()
-        if self.client.barrier is not None:  # (every process has drained: no request of older weights is left)
-            self.client.barrier()
+        # (every process has drained: no request of older weights is left; a failure stops every process)
+        self._agree(failure)
         self.client.update_weights(self.policy, step=version)  # (then the barrier: nobody asks before it lands)
         self.pushed = version
         self.drained += t1 - t0
         self.pushing += time.perf_counter() - t1
+
+    def _take(self, index: int) -> tuple:
+        failure, answer = None, None
+        try:
+            answer = super()._take(index)
+        except RuntimeError as err:
+            failure = err
+        self._agree(failure)  # (before finish's collectives, which a failed process would never join)
+        return answer
+
+    def _agree(self, failure: Exception | None) -> None:
+        """Every process learns whether any one's request thread failed, and all stop together (collective: a
+        barrier too). Without it the failed process raised alone and the others waited in their next collective
+        until its timeout (gpu_review2 N14)."""
+        if self.client.barrier is None:
+            if failure is not None:
+                raise failure
+            return
+        failed = self.rollouts.procs.gather_objects([failure is not None])
+        if failure is not None:
+            raise failure
+        if any(failed):
+            raise RuntimeError(f"vLLM server requests: a rollout failed on process {failed.index(True)} (its error "
+                               "is in that process's output); every process stops with it.")
 
     def next(self, index: int) -> RolloutBatch:
         batch = super().next(index)
