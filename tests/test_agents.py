@@ -172,6 +172,26 @@ def test_worker_runs_in_another_process_and_a_killed_keeper_is_replaced(workers)
         pool.close()
 
 
+def uses_cuda() -> str:
+    # torch's error for a CUDA call in a process forked after its parent started CUDA (torch.cuda._lazy_init): what
+    # a tool that moves a model to the GPU meets in its worker on a GPU run (the CPU cannot start CUDA to show it)
+    raise RuntimeError("Cannot re-initialize CUDA in forked subprocess. To use CUDA with multiprocessing, you must "
+                       "use the 'spawn' start method")
+
+
+def test_a_tool_that_needs_cuda_in_its_forked_worker_stops_the_run():
+    """Tools run in processes forked from the trainer's; on a GPU run CUDA cannot start there. Such a tool stops the
+    run with an error naming it (gpu_review2 N15), instead of answering every call with an error the model reads."""
+    pool = ToolWorkers({"uses_cuda": uses_cuda, "calculator": calculator}, processes=1)
+    try:
+        with pytest.raises(RuntimeError, match="the tool uses_cuda uses CUDA, but tools run in processes forked "
+                                               "from the trainer's.*keep tools on the CPU"):
+            pool.run([("calculator", {"expression": "1+1"}), ("uses_cuda", {})], timeout_s=5, max_chars=100)
+        assert pool.run([("calculator", {"expression": "1+1"})], timeout_s=5, max_chars=100) == [("2", None)]
+    finally:
+        pool.close()
+
+
 # ---- the loop on a scripted model --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tok():

@@ -267,3 +267,17 @@ def test_a_failing_worker_is_an_error_naming_the_rollout(tiny_model_dir, tmp_pat
     trainer.generator.generate = generate  # (the worker is forked from this trainer: it inherits the patch)
     with pytest.raises(RuntimeError, match="(?s)rollout worker: rollout 0 failed.*the engine broke"):
         trainer.train()
+
+
+def test_a_lag_after_cuda_started_is_refused(monkeypatch):
+    """A CPU run on a GPU host whose process has started CUDA (a reward model put on cuda): the forked rollout worker,
+    which runs the rewards, could not use CUDA after the fork (gpu_review2 N15); refused by name before forking."""
+    import types
+
+    from grpo.training.sources import make_source
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    rollouts = types.SimpleNamespace(agent=None, procs=types.SimpleNamespace(world=1))
+    with pytest.raises(ConfigError, match=r"max_staleness: CUDA is initialised in the trainer's process \(a reward "
+                                          r"model on cuda\?\).*set max_staleness: 0"):
+        make_source(GRPOConfig(max_staleness=1), rollouts, None, torch.device("cpu"), 1, 4, "NO")

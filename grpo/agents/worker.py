@@ -36,6 +36,9 @@ from grpo.agents.tools import as_text, clip
 
 logger = logging.getLogger(__name__)
 _OPEN_POOLS: "weakref.WeakSet[ToolWorkers]" = weakref.WeakSet()  # their pipes are closed in every forked child
+# A tool that touched CUDA in its forked worker after the trainer had started CUDA: the run stops with this answer
+# (a tool error would go back to the model as an answer, every call failing silently; gpu_review2 N15).
+FORKED_CUDA = "forked_cuda"
 
 
 class ToolWorkers:
@@ -76,7 +79,11 @@ class ToolWorkers:
             self._conn.send((calls, timeout_s, max_chars))
             # Every call has its own deadline in the keeper; this one only guards against a keeper that died.
             if self._conn.poll(rounds * (timeout_s + 5.0) + 30.0):
-                return self._conn.recv()
+                answers = self._conn.recv()
+                refused = next((text for text, kind in answers if kind == FORKED_CUDA), None)
+                if refused is not None:
+                    raise RuntimeError(refused)
+                return answers
         except (EOFError, OSError, BrokenPipeError):
             pass
         logger.warning("the tool keeper process stopped answering; starting a new one")
@@ -211,6 +218,10 @@ def _work(conn: Connection, functions: dict[str, Callable]) -> None:
             answer = (clip(as_text(value), max_chars), None)
         except BaseException as err:  # noqa: BLE001 - SystemExit and KeyboardInterrupt of a tool are its errors too
             answer = (clip(f"Error: {name} raised {type(err).__name__}: {err}", max_chars), "raised")
+            if "CUDA in forked subprocess" in str(err):  # (torch's error in a fork of a process that used CUDA)
+                answer = (f"the tool {name} uses CUDA, but tools run in processes forked from the trainer's, where "
+                          "CUDA cannot start once the trainer has (a GPU run); keep tools on the CPU (move any "
+                          "model a tool calls to device 'cpu', or serve it from another process)", FORKED_CUDA)
         conn.send(answer)
 
 

@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from grpo.agents import AgentRollout
 from grpo.config import ConfigError
 from grpo.training.pipeline import LaggedRollouts
@@ -66,6 +68,10 @@ def make_source(cfg, rollouts: Rollouts, policy, device, rollout_steps: int, tot
         raise ConfigError(f"max_staleness: the rollout worker is a forked process with its own copy of the model, "
                           f"which cannot use {device.type} after the trainer has; with GPUs a lag needs generation "
                           f"on other devices: use_vllm with vllm_mode: server, or set max_staleness: 0.")
+    if torch.cuda.is_initialized():  # (a CPU run on a GPU host, with e.g. a reward model put on cuda)
+        raise ConfigError("max_staleness: CUDA is initialised in the trainer's process (a reward model on cuda?), "
+                          "and the forked rollout worker, which runs the rewards, cannot use it after a fork; keep "
+                          "a CPU run's reward models on the CPU, or set max_staleness: 0.")
     if distributed in ("FSDP", "DEEPSPEED"):
         raise ConfigError(f"max_staleness: under {distributed} each process holds a shard of the weights and the "
                           "forked worker needs them whole: use use_vllm with vllm_mode: server (the push gathers "
