@@ -21,8 +21,9 @@ class RewardModel:
         tokenizer: tokenizer directory or loaded tokenizer, if not the checkpoint's own.
         batch_size: pairs per forward pass.
         device: where the model runs ("cpu", "cuda", "cuda:1", ...); None: the device this process trains on (its
-            own GPU under DDP, as TRL prepares reward models; the CPU on a CPU run), else the machine's accelerator. A device without an index is this
-            process's device of that kind, fixed at construction (a reward thread would otherwise take cuda:0).
+            own GPU under DDP, as TRL prepares reward models; the CPU on a CPU run), else the machine's
+            accelerator. A device without an index is this process's device of that kind, fixed at construction
+            (a reward thread would otherwise take cuda:0).
         dtype: the weights' dtype ("float32", "bfloat16", "float16", "auto": the checkpoint's); None: bfloat16 on
             an accelerator (the compute dtype of a bf16 run; float16 on a GPU without bf16), float32 on the CPU.
         max_length: truncate longer inputs to this many tokens (None: no truncation).
