@@ -201,6 +201,69 @@ def test_offload_under_fsdp2_reads_the_local_shards(tmp_path):
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
 
 
+def test_copies_out_run_on_a_side_stream_and_back_after_them(monkeypatch):
+    """On CUDA each copy to host memory is issued on a second stream (TRL's use_streams: it overlaps the forward's
+    next kernels; before, on the compute stream, gpu_review2 N8): the side stream first waits for the compute stream
+    (the tensor is written), the copy's event is recorded there, the tensor's block is marked as read by the side
+    stream (not reused before the copy ends), and backward's copy back waits for that event. The CPU has no streams:
+    torch.cuda's stream calls are stand-ins that record what is asked of them, and the gradients are the plain ones."""
+    import grpo.engines.offload as offload
+
+    log = []
+
+    class Stream:
+        def __init__(self, name="side"):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append(("wait_stream", self.name, other.name))
+
+        def record_event(self):
+            log.append(("record_event", self.name))
+            return f"event {len(log)}"
+
+        def wait_event(self, event):
+            log.append(("wait_event", self.name, event))
+
+    @contextlib.contextmanager
+    def on(stream):
+        log.append(("enter", stream.name))
+        yield
+        log.append(("exit", stream.name))
+
+    empty = torch.empty
+    monkeypatch.setattr(offload, "_SIDE_STREAMS", {})
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: Stream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: Stream("compute"))
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))  # (no pinned memory here)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, stream: log.append(("record_stream", stream.name)),
+                        raising=False)
+
+    class OnCuda(AsIfOnDevice):
+        @staticmethod
+        def _on_cuda(tensor):
+            return True
+
+    lin = torch.nn.Linear(128, 256)
+    x = torch.randn(64, 128, requires_grad=True)
+    plain = grads_of(lin, lambda: torch.nn.functional.linear(x, lin.weight, lin.bias).relu().sum().backward())
+    hooks = OnCuda(lin, min_bytes=2**10)
+
+    def run():
+        with hooks:
+            y = torch.nn.functional.linear(x, lin.weight, lin.bias).relu().sum()  # x and the relu output move
+        log.append("backward")
+        y.backward()
+
+    moved = grads_of(lin, run)
+    assert all(torch.equal(moved[n], plain[n]) for n in plain)
+    out = [("wait_stream", "side", "compute"), ("enter", "side"), ("record_event", "side"), ("exit", "side"),
+           ("record_stream", "side")]
+    assert log[:11] == out + out + ["backward"]
+    assert sorted(log[11:]) == [("wait_event", "compute", "event 3"), ("wait_event", "compute", "event 8")]
+
+
 class _Accelerator:
     """The part of accelerate's Accelerator the backend uses, for one process without mixed precision."""
 

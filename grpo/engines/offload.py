@@ -121,7 +121,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             return tensor
         self.stats.moved += 1
         self.stats.moved_bytes += nbytes
-        cuda = tensor.device.type == "cuda"
+        cuda = self._on_cuda(tensor)
         host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=cuda)
         if not cuda:
             host.copy_(tensor)  # (a dense copy: a saved view does not keep its whole base on the host)
@@ -137,6 +137,10 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
     @staticmethod
     def _on_host(tensor: torch.Tensor) -> bool:
         return tensor.device.type == "cpu"
+
+    @staticmethod
+    def _on_cuda(tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cuda"
 
     @staticmethod
     def unpack(packed):
