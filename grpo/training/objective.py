@@ -73,7 +73,7 @@ class Objective:
                                             mask, cfg.off_policy_mask_threshold)
         token_mask = None
         if cfg.top_entropy_quantile < 1.0:
-            token_mask = high_entropy_mask(entropy.detach(), mask, self._threshold(entropy.detach()[mask.bool()]))
+            token_mask = high_entropy_mask(entropy.detach(), mask, self._threshold(entropy.detach(), mask))
         ref = None if micro.ref_logp is None else micro.ref_logp[sub]
         out = policy_loss(logp, old, micro.advantages[sub], mask, ref_logp=ref, beta=cfg.beta,
                           kl_estimator=cfg.kl_estimator, eps_low=cfg.epsilon, eps_high=cfg.epsilon_high,
@@ -101,8 +101,13 @@ class Objective:
             self._window = stats if self._window is None else self._window + stats
         return out
 
-    def _threshold(self, local: torch.Tensor) -> torch.Tensor:
+    def _threshold(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The (1 - top_entropy_quantile) quantile of this micro-batch's token entropies on every process."""
+        if self.procs.world == 1:  # NaN off the mask, which nanquantile skips: no boolean index (a host sync)
+            values = entropy.float().masked_fill(~mask.bool(), math.nan).flatten()
+            return torch.nanquantile(values, 1.0 - self.cfg.top_entropy_quantile).nan_to_num(math.inf)
+        # (several processes: their token counts differ, and the ragged gather reads them, as TRL's does)
+        local = entropy[mask.bool()]
         values = self.procs.gather_ragged(local.float())
         if values.numel() == 0:
             return torch.tensor(math.inf, device=local.device)
