@@ -57,6 +57,7 @@ from grpo.training.summary import TrainResult, end_lines, finish_run, log_step, 
 from grpo.training.trl_surface import (TRLSurface, TrainingSummary, data_without_dataset, eval_sets,
                                        warn_as_trl, with_prompt_column)
 from grpo.training.update import Update, apply_step, clip_gradients
+from grpo.training.threads import set_threads
 from grpo.training.vision import image_processing_for
 
 
@@ -124,6 +125,7 @@ class GRPOTrainer(TRLSurface):
                     None if from_path else model.config)
         if from_path:
             model = load_model(cfg, quantization_config)
+        set_threads(cfg.num_threads, model, cfg.max_staleness)  # (null: from the machine and the model's size)
         self.engine = choose_engine(cfg.engine, model, self.accel.device, self.accel.num_processes,
                                     self.accel.distributed_type,
                                     self.accel.mixed_precision)
