@@ -273,7 +273,7 @@ def tokenize_prompts(prompts: list[Any], tokenizer, cfg: GRPOConfig, prefill: st
         ids = tokenizer(texts, add_special_tokens=all(plain))["input_ids"]
     else:
         ids = [tokenizer(t, add_special_tokens=bare)["input_ids"] for t, bare in zip(texts, plain)]
-    return _limit_prompt_length(ids, cfg, first_row)
+    return _limit_prompt_length(ids, cfg, first_row, tokenizer)
 
 
 def prompt_renderer(tokenizer, cfg: GRPOConfig, prefill: str):
@@ -283,12 +283,14 @@ def prompt_renderer(tokenizer, cfg: GRPOConfig, prefill: str):
     def render(prompt: Any, tools: list[dict] | None = None) -> list[int]:
         bare = isinstance(prompt, str) and not uses_template(tokenizer, cfg)
         text = render_prompt(prompt, tokenizer, cfg, prefill, tools)
-        return _limit_prompt_length([tokenizer(text, add_special_tokens=bare)["input_ids"]], cfg)[0]
+        ids = [tokenizer(text, add_special_tokens=bare)["input_ids"]]
+        return _limit_prompt_length(ids, cfg, 0, tokenizer)[0]
 
     return render
 
 
-def _limit_prompt_length(ids: list[list[int]], cfg: GRPOConfig, first_row: int = 0) -> list[list[int]]:
+def _limit_prompt_length(ids: list[list[int]], cfg: GRPOConfig, first_row: int = 0,
+                         tokenizer=None) -> list[list[int]]:
     limit = cfg.max_prompt_length
     if limit is None:
         return ids
@@ -297,10 +299,31 @@ def _limit_prompt_length(ids: list[list[int]], cfg: GRPOConfig, first_row: int =
         return ids
     if cfg.prompt_truncation == "error":
         raise ConfigError(f"max_prompt_length: {len(long)} of {len(ids)} prompts are longer than {limit} tokens "
-                          f"(first: row {first_row + long[0]}, {len(ids[long[0]])} tokens); raise max_prompt_length "
-                          "or set prompt_truncation=left.")
+                          f"(first: row {first_row + long[0]}, {len(ids[long[0]])} tokens); "
+                          f"{_length_advice(cfg, max(len(ids[i]) for i in long), tokenizer)}.")
     warnings.warn(f"{len(long)} of {len(ids)} prompts longer than max_prompt_length={limit} were left-truncated.")
     return [x[-limit:] for x in ids]
+
+
+def _length_advice(cfg: GRPOConfig, longest: int, tokenizer) -> str:
+    """What to set for prompts up to `longest` tokens, within the model's context (read from where the tokenizer
+    was loaded: check_sizes refuses a prompt and completion past it), so that following it runs."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(tokenizer.name_or_path)
+        context = int(getattr(config, "max_position_embeddings", None) or config.text_config.max_position_embeddings)
+    except (AttributeError, OSError, ValueError, TypeError):
+        context = None
+    room = context and context - cfg.max_completion_length  # (the longest prompt it takes with a full completion)
+    if not room or room < 1:
+        return "raise max_prompt_length or set prompt_truncation=left"
+    left = "prompt_truncation=left" + (f" max_prompt_length={room}" if cfg.max_prompt_length > room else "")
+    within = (f" (the model's context of {context} tokens less max_completion_length={cfg.max_completion_length})"
+              if cfg.max_prompt_length > room else "")
+    if longest <= room:
+        return f"set max_prompt_length={longest}, or {left} to cut them from the left{within}"
+    return f"set {left} to cut them from the left{within}, or shorten them"
 
 
 class PromptSampler:
