@@ -354,6 +354,8 @@ def _plot(run_dir: str) -> int:
         print(plot_run(run_dir))
     except (FileNotFoundError, ValueError) as err:  # (no metrics.jsonl there, or nothing in it to plot)
         raise ConfigError(str(err)) from None
+    except OSError as err:  # (plot.png cannot be written there)
+        raise ConfigError(f"plot: cannot write {err.filename or run_dir} ({err.strerror}); make it writable.") from None
     return 0
 
 

@@ -235,6 +235,16 @@ def test_an_output_dir_that_is_or_is_under_a_file_is_one_line_and_writes_nothing
     assert file.read_text() == "mine"
 
 
+def test_a_logging_dir_under_a_file_is_one_line_and_leaves_no_lock(capsys, tmp_path, tiny_model_dir, data_file):
+    file = tmp_path / "a-file"
+    file.write_text("mine")
+    out = tmp_path / "run"
+    err = run_bad(capsys, [f"model_name_or_path={tiny_model_dir}", f"dataset_name={data_file}", "max_steps=1",
+                           "reward_funcs=[math_accuracy]", f"logging_dir={file}/tb", f"output_dir={out}"])
+    assert err == f"grpo: error: logging_dir: {file} is a file, not a directory; choose another logging_dir."
+    assert not out.exists()  # (it was a NotADirectoryError traceback after config.yaml, with the lock left)
+
+
 def test_a_tracker_not_installed_is_one_line_and_leaves_no_lock_or_files(capsys, tmp_path, tiny_model_dir,
                                                                           data_file):
     """report_to=[wandb] without wandb: an ImportError traceback after config.yaml, layout.yaml and metrics.jsonl

@@ -55,16 +55,21 @@ def check(out: Path) -> None:
     """Before the model loads (25-34 s for a 0.5B one): a refusal take() would give, given now in one line
     (ConfigError): `out` (or the nearest part of it that exists) is a file or is not writable, or a live run holds
     its lock. take() still decides: this only answers early and writes nothing."""
-    existing = next(p for p in (out, *out.absolute().parents) if p.exists())
-    if not existing.is_dir():
-        raise ConfigError(f"output_dir: {existing} is a file, not a directory; choose another output_dir.")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"output_dir: {existing} is not writable (read-only, or another user's); choose a "
-                          "directory you can write to.")
+    writable(out, "output_dir")
     holder = _read(out / LOCK)
     refusal = holder and _refusal(out, holder, _mine())
     if refusal:
         raise ConfigError(refusal)
+
+
+def writable(path: Path, key: str) -> None:
+    """`path` is a directory this process can write into, or can make one (ConfigError naming `key` otherwise)."""
+    existing = next(p for p in (path, *path.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"{key}: {existing} is a file, not a directory; choose another {key}.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}: {existing} is not writable (read-only, or another user's); choose a directory "
+                          "you can write to.")
 
 
 def _refusal(out: Path, holder: dict, me: dict) -> str | None:

@@ -37,6 +37,8 @@ def check_inputs(cfg: GRPOConfig, model_from_path: bool, train_dataset) -> None:
     from grpo.training.data import check_data_path
 
     lock.check(Path(cfg.output_dir))  # (a file, read-only, or a live run's: said before anything loads)
+    if cfg.logging_dir:
+        lock.writable(Path(cfg.logging_dir), "logging_dir")
     check_trackers(cfg.report_to)
     if model_from_path:
         check_model_path(cfg.model_name_or_path)
