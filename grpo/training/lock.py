@@ -56,6 +56,8 @@ def check(out: Path) -> None:
     (ConfigError): `out` (or the nearest part of it that exists) is a file or is not writable, or a live run holds
     its lock. take() still decides: this only answers early and writes nothing."""
     writable(out, "output_dir")
+    if os.environ.get("RANK", "0") != "0":  # (the main process of a launch takes the lock, and judges it)
+        return
     holder = _read(out / LOCK)
     refusal = holder and _refusal(out, holder, _mine())
     if refusal:
