@@ -320,3 +320,15 @@ def test_the_long_prompt_advice_leads_to_a_run(capsys, tmp_path, tiny_model_dir)
     assert advice and advice.group(1).split() == ["prompt_truncation=left", "max_prompt_length=240"], err
     assert main(args + advice.group(1).split()) == 0, capsys.readouterr().err
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+
+
+def test_a_malformed_json_line_is_one_line_naming_the_parsers_reason(capfd, tmp_path, tiny_model_dir):
+    """datasets logged the parser's error on a line of its own and raised "An error occurred while generating the
+    dataset", which the refusal quoted."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n{bad json\n')
+    assert main(["train", f"model_name_or_path={tiny_model_dir}", f"dataset_name={bad}", "task=null",
+                 "reward_funcs=[think_format]", f"output_dir={tmp_path / 'run'}"]) == 2
+    assert capfd.readouterr().err.splitlines() == [
+        f"grpo: error: dataset_name: could not read {str(bad)!r} as json (ArrowInvalid: JSON parse error: Missing a "
+        "name for object member. in row 1)."]

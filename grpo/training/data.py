@@ -51,10 +51,18 @@ def load_dataset_any(name: str, split: str, config_name: str | None = None, key:
             raise ConfigError(f"{key}: {name!r} is empty; GRPO needs at least one prompt.")
         if fmt != "parquet":
             check_utf8(path, key)
+        from datasets.utils import logging as datasets_logging
+
+        before = datasets_logging.get_verbosity()
+        datasets_logging.set_verbosity(datasets_logging.CRITICAL)  # (its parser logs the cause: said below instead)
         try:
             return datasets.load_dataset(fmt, data_files=str(path), split="train", streaming=streaming)
         except Exception as err:  # noqa: BLE001 - malformed files fail in many ways inside datasets
-            raise ConfigError(f"{key}: could not read {name!r} as {fmt} ({type(err).__name__}: {err}).") from None
+            cause = err.__cause__ or err.__context__ or err  # (datasets wraps the parser's error, which says where)
+            raise ConfigError(f"{key}: could not read {name!r} as {fmt} ({type(cause).__name__}: "
+                              f"{str(cause).strip().splitlines()[0] if str(cause).strip() else ''}).") from None
+        finally:
+            datasets_logging.set_verbosity(before)
     if path.is_dir():
         if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
             ds = datasets.load_from_disk(str(path))
