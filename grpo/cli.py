@@ -12,15 +12,48 @@ A bad config or bad data ends in one line naming the key, the function or the ro
 
 from __future__ import annotations
 
-import argparse
-import json
+import os
+import signal
 import sys
-from pathlib import Path
+
+STOPS = ("SIGINT", "SIGTERM", "SIGUSR1")  # (SIGUSR1: SLURM's --signal warning; its default action is to die)
+
+
+def _stop_name(number: int) -> str:
+    return "interrupted" if number == signal.SIGINT else f"stopped: {signal.Signals(number).name}"
+
+
+def _exit_now(number: int, frame) -> None:
+    """A stop signal while the libraries import: one line and out. Unwinding a half-done `import torch` can crash
+    the interpreter (a segfault, exit -11), and nothing has been written yet."""
+    if os.environ.get("RANK", "0") == "0":
+        os.write(2, f"grpo: {_stop_name(number)} before anything was written.\n".encode())
+    os._exit(130 if number == signal.SIGINT else 75)
+
+
+def _on_stops(handler) -> None:
+    """Install `handler` for the stop signals (not those the parent set to be ignored; main() keeps the previous
+    ones)."""
+    for name in STOPS:
+        number = getattr(signal, name)
+        if signal.getsignal(number) is not signal.SIG_IGN:
+            signal.signal(number, handler)
+
+
+if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "grpo":  # the command: from its first import on,
+    _on_stops(_exit_now)  # a stop signal is one line (before, SIGTERM killed it silently, SIGINT gave a traceback)
+
+import argparse  # noqa: E402 - after the handlers: the command's imports take 50 ms
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 DEFAULT_RECIPE = Path(__file__).parent / "recipes" / "default.yaml"
 
 
 def _parser() -> argparse.ArgumentParser:
+    from grpo.config.base import SHIPPED_MODELS
+    from grpo.tasks import TASKS
+
     parser = argparse.ArgumentParser(prog="grpo", description="Train language models with Group Relative Policy "
                                      "Optimization (GRPO).", formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="Run `grpo COMMAND --help` for each command's options.")
@@ -39,8 +72,10 @@ def _parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("eval", help="score a model on a task's held-out split or a dataset",
                         description="Accuracy, format rate, pass@k, maj@k and mean length over k samples.")
-    ev.add_argument("--model", required=True, help="model directory, or a run directory (its final/ is used)")
-    ev.add_argument("--task", default=None, help="built-in task whose held-out split is scored (default arithmetic)")
+    ev.add_argument("--model", required=True, help="model directory, a run directory (its final/ is used), or a "
+                    f"model shipped in the package: {', '.join(SHIPPED_MODELS)}")
+    ev.add_argument("--task", default=None, help=f"built-in task whose held-out split is scored: {', '.join(TASKS)} "
+                    "(default arithmetic)")
     ev.add_argument("--dataset", default=None, help="a data file or save_to_disk directory instead of a task")
     ev.add_argument("--reward-funcs", nargs="+", default=None, help="rewards for --dataset; the first is accuracy")
     ev.add_argument("--tools", nargs="+", default=None, help="tools the model may call (default: the task's), e.g. "
@@ -72,9 +107,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-STOPS = ("SIGINT", "SIGTERM", "SIGUSR1")  # (SIGUSR1: SLURM's --signal warning; its default action is to die)
-
-
 class Stopped(KeyboardInterrupt):
     """A stop signal while the trainer is being built (model, data, engine): unwound like Ctrl-C, then one line."""
 
@@ -83,44 +115,14 @@ class Stopped(KeyboardInterrupt):
         self.number = number
 
 
-def _exit_now(number: int, frame) -> None:
-    """A stop signal while the libraries import: one line and out. Unwinding a half-done `import torch` can crash
-    the interpreter (a segfault, exit -11), and nothing has been written yet."""
-    import os
-    import signal
-
-    if os.environ.get("RANK", "0") == "0":
-        os.write(2, f"grpo: {_stop_name(number)} before anything was written.\n".encode())
-    os._exit(130 if number == signal.SIGINT else 75)
-
-
 def _raise_stop(number: int, frame) -> None:
     raise Stopped(number)
-
-
-def _stop_name(number: int) -> str:
-    import signal
-
-    return "interrupted" if number == signal.SIGINT else f"stopped: {signal.Signals(number).name}"
-
-
-def _on_stops(handler) -> None:
-    """Install `handler` for the stop signals (not those the parent set to be ignored; main() keeps the previous
-    ones)."""
-    import signal
-
-    for name in STOPS:
-        number = getattr(signal, name)
-        if signal.getsignal(number) is not signal.SIG_IGN:
-            signal.signal(number, handler)
 
 
 def main(argv: list[str] | None = None) -> int:
     """`grpo ...`. As the command itself (argv None), a stop signal from the first instant ends in one line: while
     the libraries import, at once (exit 130 for SIGINT, 75 otherwise); while the trainer is built, unwound (the same
     codes); during training, after the step, with a checkpoint (grpo.training.signals)."""
-    import signal
-
     previous = {getattr(signal, name): signal.getsignal(getattr(signal, name)) for name in STOPS}
     if argv is None:
         _on_stops(_exit_now)
@@ -135,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     from grpo.config import ConfigError
 
-    args = _parser().parse_args(argv)
+    args = _parse(_parser(), argv)
     _quiet_libraries()
     try:
         if args.command == "train":
@@ -144,10 +146,7 @@ def _main(argv: list[str] | None) -> int:
             return _eval(args)
         if args.command == "vllm-serve":
             return _serve(args)
-        from grpo.training.plot import plot_run
-
-        print(plot_run(args.run_dir))
-        return 0
+        return _plot(args.run_dir)
     except ConfigError as err:
         print(f"grpo: error: {err}", file=sys.stderr)
         return 2
@@ -156,10 +155,20 @@ def _main(argv: list[str] | None) -> int:
         return 2
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The command line, with `grpo train`'s flags and its RECIPE and key=value items in any order (argparse alone
+    stops the items at the first flag: `--resume max_steps=9` was "unrecognized arguments")."""
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "train":
+        args.args += [item for item in extra if not item.startswith("-")]
+        extra = [item for item in extra if item.startswith("-")]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def _quiet_libraries() -> None:
     """Loading bars of transformers and datasets would interleave with the live display."""
-    import os
-
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     from transformers.utils import logging as hf_logging
 
@@ -174,8 +183,6 @@ def _reward_errors() -> tuple[type, ...]:
 
 
 def _train(args, argv: list[str] | None) -> int:
-    import signal
-
     from grpo.config import GRPOConfig
     from grpo.training.errors import EXIT_INTERRUPTED, set_resume_command
 
@@ -217,8 +224,6 @@ def _train(args, argv: list[str] | None) -> int:
 
 
 def _run(cfg, owns_process: bool) -> int:
-    import signal
-
     from grpo.training.trainer import GRPOTrainer, TrainingStopped
 
     if not torch_has_gpu():
@@ -244,8 +249,6 @@ def _run(cfg, owns_process: bool) -> int:
 
 def _say(line: str) -> None:
     """One line on stderr, from the main process only (every process of a launch ends the same way)."""
-    import os
-
     if os.environ.get("RANK", "0") == "0":
         print(line, file=sys.stderr, flush=True)
 
@@ -253,8 +256,6 @@ def _say(line: str) -> None:
 def resume_command(argv: list[str] | None) -> list[str]:
     """The command line that started this run: `grpo train ...` (argv as main() got it), or under a launcher
     (torchrun, accelerate launch: its workers are its children) the launcher's own command line."""
-    import os
-
     if argv is not None:
         return ["grpo", *argv]
     if "LOCAL_RANK" in os.environ:
@@ -289,7 +290,10 @@ def _eval(args) -> int:
     from grpo.rewards import RewardRunner, resolve_reward
     from grpo.training.data import build_prompt_set, load_dataset_any
     from grpo.training.model import load_tokenizer
+    from grpo.training.setup import check_vocabulary
+    from grpo.training.threads import set_threads
 
+    _check_eval_args(args)
     model_path = Path(shipped_model(args.model))
     if (model_path / "final" / "config.json").exists():
         model_path = model_path / "final"
@@ -327,6 +331,8 @@ def _eval(args) -> int:
     prompts = build_prompt_set(dataset, tokenizer, cfg, prefill, "--dataset", agents=agents, images=images)
     auto = AutoModelForCausalLM if images is None else AutoModelForImageTextToText
     model = auto.from_pretrained(str(model_path), dtype=torch.float32).eval()
+    check_vocabulary(tokenizer, model.config, str(model_path), [p for p in prompts.prompt_ids if p])
+    set_threads(None, model)  # (as training's default: grpo.training.threads)
     torch.manual_seed(args.seed)
     gen = make_sampler(choose_engine("auto", model, torch.device("cpu"), 1, "NO"), model, tokenizer)
     agent = agents and AgentRollout(agents, gen, tokenizer, prompts.render, args.max_completion_length)
@@ -334,9 +340,41 @@ def _eval(args) -> int:
     result = evaluate_prompts(gen, tokenizer, prompts, runner, [n for n, _ in funcs], params,
                               seed=args.seed, k=args.k, agent=agent)
     _print_table(str(model_path), result)
-    if args.json:
+    if args.json:  # (its missing directories made, as output_dir's are)
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"model": str(model_path), **result}, indent=1))
     return 0
+
+
+def _plot(run_dir: str) -> int:
+    from grpo.config import ConfigError
+    from grpo.training.plot import plot_run
+
+    try:
+        print(plot_run(run_dir))
+    except (FileNotFoundError, ValueError) as err:  # (no metrics.jsonl there, or nothing in it to plot)
+        raise ConfigError(str(err)) from None
+    except OSError as err:  # (plot.png cannot be written there)
+        raise ConfigError(f"plot: cannot write {err.filename or run_dir} ({err.strerror}); make it writable.") from None
+    return 0
+
+
+def _check_eval_args(args) -> None:
+    """The numbers and the --json path, before anything loads (ConfigError naming the flag)."""
+    from grpo.config import ConfigError
+
+    for flag, value in (("--n", args.n), ("--k", args.k), ("--max-completion-length", args.max_completion_length)):
+        if value < 1:
+            raise ConfigError(f"{flag}: must be >= 1 (got {value}).")
+    if args.temperature < 0:
+        raise ConfigError(f"--temperature: must be >= 0 (0: greedy; got {args.temperature}).")
+    if args.json:
+        path = Path(args.json)
+        existing = next(p for p in path.absolute().parents if p.exists())
+        if path.is_dir() or not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+            why = "it is a directory" if path.is_dir() else f"{existing} is not a writable directory"
+            raise ConfigError(f"--json: cannot write {args.json} ({why}); give a file path in a directory you can "
+                              "write to.")
 
 
 def _serve(args) -> int:
@@ -366,7 +404,6 @@ def command() -> None:
     reference weights' file, trackers), then the process ends without tearing down torch, transformers and
     DeepSpeed module by module, which took 2-5 s after the last line (docs/runs.md)."""
     import atexit
-    import os
 
     code = main()
     atexit._run_exitfuncs()

@@ -190,3 +190,145 @@ def test_saved_files_are_readable_as_the_umask_allows_and_no_past_key_values_war
     for path in [out / "final" / "model.safetensors", out / "checkpoint-1" / "model.safetensors",
                  out / "checkpoint-1" / "trainer_state.pt"]:
         assert stat.S_IMODE(path.stat().st_mode) == 0o640, path  # 0666 less the umask 027
+
+
+def test_flags_and_overrides_mix_in_any_order(capsys):
+    """`grpo train RECIPE --resume max_steps=9` was "unrecognized arguments: max_steps=9" (argparse ends the
+    positional items at the first flag)."""
+    import yaml
+
+    recipe = str(Path(__file__).parent.parent / "recipes" / "calculator_tools.yaml")
+    assert main(["train", "--print-config", recipe, "--resume", "max_steps=9", "learning_rate=3e-4"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["resume"] is True and printed["max_steps"] == 9 and printed["learning_rate"] == 3e-4
+    assert main(["train", "--help-config", "max_steps=3"]) == 0
+    assert "\nmax_steps: 3" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--no-such-flag"])
+    assert done.value.code == 2 and "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plot", "a", "b"])  # (other commands take no extra items)
+    assert "unrecognized arguments: b" in capsys.readouterr().err
+
+
+def test_the_task_keys_help_lists_every_task():
+    import dataclasses
+
+    from grpo.config import GRPOConfig
+    from grpo.tasks import TASKS
+
+    text = next(f.metadata["help"] for f in dataclasses.fields(GRPOConfig) if f.name == "task")
+    assert all(name in text for name in TASKS), text  # (it listed arithmetic and countdown of the four)
+
+
+@pytest.mark.parametrize("target", ["{file}", "{file}/run"])
+def test_an_output_dir_that_is_or_is_under_a_file_is_one_line_and_writes_nothing(capsys, tmp_path, tiny_model_dir,
+                                                                                  data_file, target):
+    """With beta=0 (likewise LoRA, or a GPU) no reference weights are written into output_dir at the start, which
+    had caught this: the lock's mkdir was a NotADirectoryError traceback."""
+    file = tmp_path / "a-file"
+    file.write_text("mine")
+    out = target.replace("{file}", str(file))
+    err = run_bad(capsys, [f"model_name_or_path={tiny_model_dir}", f"dataset_name={data_file}", "beta=0",
+                           "reward_funcs=[math_accuracy]", f"output_dir={out}"])
+    assert err == f"grpo: error: output_dir: {file} is a file, not a directory; choose another output_dir."
+    assert file.read_text() == "mine"
+
+
+def test_a_logging_dir_under_a_file_is_one_line_and_leaves_no_lock(capsys, tmp_path, tiny_model_dir, data_file):
+    file = tmp_path / "a-file"
+    file.write_text("mine")
+    out = tmp_path / "run"
+    err = run_bad(capsys, [f"model_name_or_path={tiny_model_dir}", f"dataset_name={data_file}", "max_steps=1",
+                           "reward_funcs=[math_accuracy]", f"logging_dir={file}/tb", f"output_dir={out}"])
+    assert err == f"grpo: error: logging_dir: {file} is a file, not a directory; choose another logging_dir."
+    assert not out.exists()  # (it was a NotADirectoryError traceback after config.yaml, with the lock left)
+
+
+def test_a_tracker_not_installed_is_one_line_and_leaves_no_lock_or_files(capsys, tmp_path, tiny_model_dir,
+                                                                          data_file):
+    """report_to=[wandb] without wandb: an ImportError traceback after config.yaml, layout.yaml and metrics.jsonl
+    were written, with the run's lock left behind."""
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    out = tmp_path / "run"
+    err = run_bad(capsys, [f"model_name_or_path={tiny_model_dir}", f"dataset_name={data_file}",
+                           "reward_funcs=[math_accuracy]", "report_to=[wandb]", f"output_dir={out}"])
+    assert err == ("grpo: error: report_to: 'wandb' needs the wandb package, which is not installed; pip install "
+                   "wandb, or drop 'wandb' from report_to.")
+    assert not out.exists()
+
+
+def test_a_run_that_fails_as_it_starts_gives_its_lock_back(tmp_path, tiny_model_dir, data_file, monkeypatch):
+    """Anything failing between the lock and the loop (a tracker, a full disk writing config.yaml) left the lock."""
+    import grpo.training.trainer as trainer_module
+
+    def fails(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(trainer_module, "write_run_files", fails)
+    out = tmp_path / "run"
+    with pytest.raises(OSError):
+        main(["train", f"model_name_or_path={tiny_model_dir}", f"dataset_name={data_file}", "max_steps=1",
+              "reward_funcs=[math_accuracy]", "report_to=[]", f"output_dir={out}"])
+    assert not (out / ".grpo.lock").exists()
+
+
+def test_a_model_without_tokenizer_files_or_with_a_tokenizer_past_its_vocabulary_is_one_line(capsys, tmp_path,
+                                                                                             tiny_model_dir, data_file):
+    """transformers builds an empty tokenizer from config.json alone (the run failed minutes later in a reshape of 0
+    elements); a pad token past the embeddings was an IndexError in the first forward pass."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(Path(tiny_model_dir) / name, bare / name)
+    args = [f"dataset_name={data_file}", "reward_funcs=[math_accuracy]", f"output_dir={tmp_path / 'run'}"]
+    err = run_bad(capsys, [f"model_name_or_path={bare}", *args])
+    assert err.startswith(f"grpo: error: model_name_or_path: {str(bare)!r} has no tokenizer files (tokenizer.json")
+    big = tmp_path / "big"
+    shutil.copytree(tiny_model_dir, big)
+    tok = AutoTokenizer.from_pretrained(big)
+    tok.add_tokens(["<extra0>", "<extra1>"])
+    tok.pad_token = "<extra1>"
+    tok.save_pretrained(big)
+    err = run_bad(capsys, [f"model_name_or_path={big}", *args])
+    assert err.startswith(f"grpo: error: model_name_or_path: the tokenizer of {str(big)!r} has {len(tok)} tokens "
+                          "but the model has 258 embeddings (config.json vocab_size), and the pad token uses id "
+                          f"{tok.pad_token_id} ('<extra1>')")
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_long_prompt_advice_leads_to_a_run(capsys, tmp_path, tiny_model_dir):
+    """The refusal of a prompt longer than max_prompt_length said `set prompt_truncation=left`; prompts cut to
+    max_prompt_length (250) plus max_completion_length (16) passed the model's context (256), and the run was
+    refused a second time. The advice now names a max_prompt_length that fits: followed, the run trains."""
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "x" * 300 + f" {i}\n"}) + "\n" for i in range(4)))
+    args = ["train", f"model_name_or_path={tiny_model_dir}", f"dataset_name={data}", "task=null",
+            "reward_funcs=[rewards_for_tests:count_a]", "max_prompt_length=250", "max_completion_length=16",
+            "num_generations=2", "prompts_per_step=2", "per_device_train_batch_size=4", "max_steps=1",
+            "report_to=[]", "log_completions_steps=0", "save_steps=0", f"output_dir={tmp_path / 'run'}"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    advice = re.search(r"set ((?:\w+=\w+ ?)+) to cut them", err)
+    assert advice and advice.group(1).split() == ["prompt_truncation=left", "max_prompt_length=240"], err
+    assert main(args + advice.group(1).split()) == 0, capsys.readouterr().err
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+
+
+def test_a_malformed_json_line_is_one_line_naming_the_parsers_reason(capfd, tmp_path, tiny_model_dir):
+    """datasets logged the parser's error on a line of its own and raised "An error occurred while generating the
+    dataset", which the refusal quoted."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n{bad json\n')
+    assert main(["train", f"model_name_or_path={tiny_model_dir}", f"dataset_name={bad}", "task=null",
+                 "reward_funcs=[think_format]", f"output_dir={tmp_path / 'run'}"]) == 2
+    assert capfd.readouterr().err.splitlines() == [
+        f"grpo: error: dataset_name: could not read {str(bad)!r} as json (ArrowInvalid: JSON parse error: Missing a "
+        "name for object member. in row 1)."]

@@ -115,3 +115,24 @@ def test_the_command_runs_exit_handlers_then_exits_with_mains_status(tmp_path):
     done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "mark")], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(HERE.parent)})
     assert done.returncode == 3 and (tmp_path / "mark").read_text() == "ran"
+
+
+@pytest.mark.parametrize("sig, code, said", [
+    ("SIGTERM", 75, "grpo: stopped: SIGTERM before anything was written."),
+    ("SIGINT", 130, "grpo: interrupted before anything was written."),
+])
+def test_a_stop_signal_as_the_command_starts_is_one_line(tmp_path, sig, code, said):
+    """The command's own first imports (argparse, in grpo.cli before main()): SIGTERM killed it without a word (exit
+    -15) and SIGINT gave a KeyboardInterrupt traceback. The handler is installed as grpo.cli starts, as the command
+    (`python -m grpo.cli`, or the `grpo` script) only: a library import keeps its caller's handlers."""
+    hook = SIGNAL_DURING_IMPORT.replace('"torch.nn"', '"argparse"').replace("{sig}", sig)
+    (tmp_path / "sitecustomize.py").write_text(RESET + hook)  # (run as the interpreter starts)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(HERE.parent)])}
+    done = subprocess.run([sys.executable, "-m", "grpo.cli", "train", "max_steps=1"], env=env, capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == code and done.stderr.splitlines() == [said], (done.returncode, done.stderr[-3000:])
+    assert not (tmp_path / "runs").exists()
+    library = subprocess.run([sys.executable, "-c", "import signal, grpo.cli; print(signal.getsignal(signal.SIGTERM)"
+                              " is signal.SIG_DFL)"], env={**env, "PYTHONPATH": str(HERE.parent)},
+                             capture_output=True, text=True, timeout=120)
+    assert library.stdout.split()[-1:] == ["True"], library.stderr[-3000:]

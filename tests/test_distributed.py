@@ -8,6 +8,7 @@ see the same completions; rewards are gathered before group statistics, and the 
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -84,6 +85,36 @@ def assert_same_run(dir_a, dir_b, a, b, grad_rel=1e-5):
             assert row_b[key] == pytest.approx(row_a[key], rel=1e-4, abs=1e-7), (key, row_a[key], row_b[key])
     diff = max((a[k] - b[k]).abs().max().item() for k in a)
     assert diff < 5e-4, diff
+
+
+F32_EPS = 2.0 ** -23  # float32's spacing at 1.0 (torch.finfo(torch.float32).eps): one rounding is at most half of it
+# Adam made linear in the gradient: with epsilon 1 far above |g| (a gradient norm of 0.3 over 30k weights), a step is
+# lr * m / (sqrt(v) + 1) ~ lr * m, so a rounding difference in g moves the weights by lr times that difference. With
+# epsilon 1e-8 a near-zero element's step is lr * g / |g|: its rounding noise becomes a step of up to lr, and the two
+# runs' later steps start from weights 1e-4 apart, which no float argument bounds.
+LINEAR_ADAM = ["adam_epsilon=1", "learning_rate=1"]
+
+
+def assert_reordered_run(dir_a, dir_b, a, b, terms: int, steps: int):
+    """Two runs of the recipe with LINEAR_ADAM that differ only in the order of their float32 sums (a gradient
+    all-reduced over processes vs accumulated over micro-batches of one process). They must share the rewards
+    exactly (the same completions: sampling seeds belong to rows), and each step's gradient norm and loss metrics to
+    the rounding of `terms` summed terms: reordering a sum of n float32 terms changes it by about
+    u * sqrt(n) (u = F32_EPS / 2, the roundings adding as a random walk), taken 16x (8 * F32_EPS * sqrt(n)), plus
+    one unit in the sixth significant digit (metrics.jsonl's rounding). The weights, each step a linear function of
+    such gradients, then differ by the rounding of their last additions: a few F32_EPS * max|w| per step."""
+    logs = [[json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (dir_a, dir_b)]
+    assert [r["reward/total"] for r in logs[0]] == [r["reward/total"] for r in logs[1]]
+    rel = 8 * F32_EPS * terms ** 0.5
+    for row_a, row_b in zip(*logs):
+        for key in ("train/grad_norm", "policy/kl_divergence", "policy/entropy", "train/loss"):
+            x, y = row_a[key], row_b[key]
+            logged = 10.0 ** (math.floor(math.log10(abs(x))) - 5) if x else 0.0  # (a unit of the 6th digit)
+            scale = 1.0 if key == "train/loss" else abs(x)  # (the loss: a mean of advantages ~1, summing to ~0)
+            assert abs(x - y) <= rel * scale + logged, (key, row_a["step"], x, y, rel)
+    largest = max(w.abs().max().item() for w in a.values())
+    diff = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert diff <= 4 * F32_EPS * largest * steps, (diff, largest)
 
 
 def test_two_padding_free_processes_with_token_budgets_match_one_padded_process(tmp_path, tiny_model_dir):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from datasets import Dataset
 
 from grpo.cli import main
@@ -61,3 +62,41 @@ def test_eval_command_on_a_dataset_writes_json(tmp_path, tiny_model_dir, capsys)
 def test_eval_rejects_a_path_that_is_no_model(tmp_path, capsys):
     assert main(["eval", "--model", str(tmp_path)]) == 2
     assert "neither a model directory nor a run directory" in capsys.readouterr().err
+
+
+def test_eval_json_into_a_missing_directory_is_written_there(tmp_path, tiny_model_dir, capsys):
+    """Its directories are made, as output_dir's are (it was a FileNotFoundError traceback after the whole eval)."""
+    data = tmp_path / "test.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i} + 1 = ", "answer": str(i + 1)}) + "\n" for i in range(2)))
+    out = tmp_path / "new" / "dir" / "eval.json"
+    assert main(["eval", "--model", tiny_model_dir, "--dataset", str(data), "--reward-funcs", "math_accuracy",
+                 "--max-completion-length", "4", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["num_prompts"] == 2
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--k", "0"], "grpo: error: --k: must be >= 1 (got 0)."),  # (was a ZeroDivisionError traceback)
+    (["--n", "0"], "grpo: error: --n: must be >= 1 (got 0)."),
+    (["--json", "{file}/eval.json"], "grpo: error: --json: cannot write {file}/eval.json ({file} is not a writable "
+                                     "directory); give a file path in a directory you can write to."),
+])
+def test_bad_eval_flags_are_one_line_before_the_model_loads(tmp_path, tiny_model_dir, capsys, monkeypatch, flags,
+                                                             message):
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", None)  # (loading would fail loudly)
+    file = tmp_path / "a-file"
+    file.write_text("")
+    flags = [f.replace("{file}", str(file)) for f in flags]
+    assert main(["eval", "--model", tiny_model_dir, "--n", "2", *flags]) == 2
+    assert capsys.readouterr().err.splitlines() == [message.replace("{file}", str(file))]
+
+
+def test_eval_help_names_the_tasks_and_the_shipped_models(capsys):
+    from grpo.config.base import SHIPPED_MODELS
+    from grpo.tasks import TASKS
+
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # (argparse wraps lines, at hyphens too)
+    assert all(name in text.replace("- ", "-") for name in [*TASKS, *SHIPPED_MODELS]), text

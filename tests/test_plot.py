@@ -85,3 +85,11 @@ def test_plot_run_errors_name_the_problem(tmp_path):
     write_metrics(tmp_path, [{"step": 1, "loss": 0.1}])
     with pytest.raises(ValueError, match="nothing to plot"):
         plot_run(tmp_path)
+
+
+def test_grpo_plot_of_a_directory_without_a_run_is_one_line(tmp_path, capsys):
+    from grpo.cli import main
+
+    assert main(["plot", str(tmp_path)]) == 2  # (was a FileNotFoundError traceback)
+    assert capsys.readouterr().err.splitlines() == [f"grpo: error: plot_run: {tmp_path}/metrics.jsonl does not "
+                                                    "exist; pass a run directory"]

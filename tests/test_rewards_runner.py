@@ -304,6 +304,10 @@ def _fine(completions, **kwargs):
     return [0.5] * len(completions)
 
 
+def _raises(completions, **kwargs):
+    raise ValueError("always")
+
+
 @pytest.mark.parametrize("hang", [_hangs, _hangs_async], ids=["sync", "async"])
 def test_timeout_raise_names_the_function(hang):
     import time
@@ -320,7 +324,23 @@ def test_timeout_zero_scores_the_batch_and_counts(hang):
     runner = RewardRunner([("hangs", hang), ("fine", _fine)], weights=[1.0, 2.0], on_error="zero", timeout_s=0.3)
     out = runner(["p", "q"], ["a", "b"], [[1], [2]], {})
     assert out.per_func["hangs"] == [0.0, 0.0] and out.total == [1.0, 1.0]  # 1*0 + 2*0.5
-    assert out.timeouts == {"hangs": 1, "fine": 0} and out.errors["hangs"] == 1
+    assert out.timeouts == {"hangs": 1, "fine": 0}
+    assert out.errors["hangs"] == 2  # each row of the call (it was 1 per call: 1 of 64 rows, under the alarm's 10%)
+
+
+def test_a_reward_timing_out_on_every_call_alarms_as_one_that_raises():
+    """reward_errors judges the failed rows' fraction (rollout: errors / rows); a timeout fails every row."""
+    from grpo.training.health import HealthMonitor
+
+    fractions = {}
+    for name, func in (("hangs", _hangs), ("raises", _raises)):
+        runner = RewardRunner([(name, func)], on_error="zero", timeout_s=0.2)
+        out = runner(["p"] * 64, ["a"] * 64, [[1]] * 64, {})
+        fractions[name] = out.errors[name] / len(out.per_func[name])
+    assert fractions == {"hangs": 1.0, "raises": 1.0}
+    monitor = HealthMonitor("hangs", None)
+    _, alarms = monitor.check({"reward/error_frac/hangs": fractions["hangs"]})
+    assert [name for name, _ in alarms] == ["reward_errors"]
 
 
 def test_timeout_leaves_fast_functions_alone():

@@ -61,6 +61,7 @@ def overwrite_64_bytes(path: Path) -> None:
     ("trainer_state.pt", truncate, r"trainer_state.pt has \d+ bytes, its manifest says \d+"),
     ("trainer_state.pt", Path.unlink, r"trainer_state.pt is missing"),
     ("model.safetensors", overwrite_64_bytes, r"model.safetensors has changed since it was written \(sha256"),
+    ("manifest.json", Path.unlink, r"manifest.json is missing"),  # (was skipped without a word)
 ])
 def test_a_damaged_checkpoint_is_named_and_resume_falls_back_exactly(tiny_model_dir, stopped, tmp_path, capsys,
                                                                      name, harm, why):
@@ -145,6 +146,28 @@ def test_a_live_holder_is_refused_and_a_dead_ones_lock_taken_over(tiny_model_dir
     (out / ".grpo.lock").write_text(json.dumps({"host": "elsewhere", "pid": 1, "since": "then"}))
     with pytest.raises(ConfigError, match=r"pid 1 on host elsewhere, since then\); .*if that run is gone, delete "):
         train(tiny_model_dir, out, resume=True, max_steps=4)
+
+
+def test_a_live_holders_lock_is_refused_before_the_model_loads(tiny_model_dir, tmp_path, monkeypatch):
+    """The refusal came from train(), after the model (25-34 s for a 0.5B one) and the engine were built."""
+    import grpo.training.trainer as trainer_module
+
+    out = tmp_path / "run"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (out / ".grpo.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": holder.pid,
+                                                    "since": "then"}))
+
+        def load_model(*args, **kwargs):
+            raise AssertionError("the model was loaded")
+
+        monkeypatch.setattr(trainer_module, "load_model", load_model)
+        with pytest.raises(ConfigError, match=rf"output_dir: {out} is in use by a run still going"):
+            train(tiny_model_dir, out, overwrite_output_dir=True)
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_resume_of_a_finished_run_does_nothing_unless_max_steps_grew(tiny_model_dir, tmp_path, capsys):

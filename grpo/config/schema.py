@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from grpo.config.base import DEFAULT_MODEL, _f
+from grpo.tasks import TASKS
 
 
 @dataclass(init=False)
@@ -66,7 +67,7 @@ class GRPOConfig:
                                   "saved separately in final/adapter/).")
 
     # ---- data --------------------------------------------------------------------------------------------------
-    task: str | None = _f("arithmetic", "Built-in task (arithmetic, countdown) used when dataset_name is "
+    task: str | None = _f("arithmetic", f"Built-in task ({', '.join(TASKS)}) used when dataset_name is "
                           "not set; it also supplies default rewards and prefill.")
     task_difficulty: int | None = _f(None, "Difficulty level of the built-in task (default: the task's own).")
     task_train_size: int = _f(20000, "Number of generated training problems of the built-in task.")
@@ -248,8 +249,9 @@ class GRPOConfig:
     max_steps: int = _f(-1, "Optimizer steps to train (TRL's count). -1: use num_train_epochs.")
     num_train_epochs: float = _f(1.0, "Passes over the training prompts (when max_steps is -1).")
     num_iterations: int = _f(1, "Passes over each rollout (mu in the paper), each of its optimizer steps.")
-    num_threads: int | None = _f(None, "CPU threads for torch (null: torch's default). Small models on a busy "
-                                 "machine run far faster on 1 thread than on oversubscribed cores.")
+    num_threads: int | None = _f(None, "CPU threads for torch. null: OMP_NUM_THREADS if set, else 1 for a model "
+                                 "of decoder layers up to 32 MiB, else the usable CPUs over this run's processes "
+                                 "on the machine (grpo/training/threads.py).")
     seed: int = _f(42, "Seed of data order, sampling and initialization: a CPU run repeats exactly.")
     full_determinism: bool = _f(False, "Deterministic algorithms only (torch.use_deterministic_algorithms).")
 

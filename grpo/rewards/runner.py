@@ -74,7 +74,7 @@ class RewardOutput:
     total: (B*G,) weighted sum over the functions that applied (None skipped).
     per_func: function name -> (B*G,) rewards as returned (non-finite ones as None with on_nonfinite="none").
     errors: function name -> rows that raised (on_error="zero") or were non-finite (on_nonfinite="none"),
-        plus one per timed-out call.
+        and every row of a timed-out call.
     timeouts: function name -> calls that overran timeout_s (on_error="zero").
     """
 
@@ -207,7 +207,7 @@ class RewardRunner:
         self._once(name, "timeout", f"reward function '{name}' timed out after {self.timeout_s} s; its {n} rewards "
                    "scored 0")
         timeouts[name] += 1
-        errors[name] += 1
+        errors[name] += n  # (every row of the call failed: as n rows that raised, so reward_errors alarms alike)
         return [0.0] * n
 
     def _row_by_row(self, name: str, func: Callable, batch: dict, error: Exception, errors: dict) -> list:

@@ -184,15 +184,42 @@ def free_space(directory: Path) -> str:
 
 
 @contextlib.contextmanager
-def writing(target: str | Path):
-    """A write of final/ (or another model directory): whatever it raises becomes SaveFailed (write_failed); the
-    files written are then readable as the umask allows (share_files)."""
+def writing(target: str | Path, main: bool = True):
+    """A write of final/ (or another model directory), as a checkpoint's: the caller writes into the directory this
+    yields (`<target>.tmp`, beside it), whose files move into `target` only once every one is written, so a full
+    disk never leaves a half-written `target` (config.json and no weights). `target` made by the move (os.replace)
+    when it did not exist; else each written entry replaces its namesake there (others, a user's, stay). Whatever
+    the write raises becomes SaveFailed (write_failed), the temporary directory removed. The files get the mode the
+    umask allows (share_files). `main`: the process that makes, moves and removes the directory (the others of a
+    sharded save write nothing)."""
+    target = Path(target).absolute()
+    tmp = target.with_name(target.name + ".tmp")
     try:
-        yield
-        if Path(target).is_dir():
-            share_files(Path(target))
+        if main:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        yield tmp
+        if main:
+            share_files(tmp)
+            _move_into(tmp, target)
     except Exception as err:  # noqa: BLE001 - a full disk: OSError, torch's RuntimeError, SafetensorError
-        raise write_failed(Path(target), err) from err
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise write_failed(target, err) from err
+
+
+def _move_into(tmp: Path, target: Path) -> None:
+    """The written directory `tmp` becomes `target` (renames only: no space needed, nothing half-written)."""
+    if not target.exists():
+        os.replace(tmp, target)
+        return
+    for entry in tmp.iterdir():
+        there = target / entry.name
+        if there.is_dir() and not there.is_symlink():
+            shutil.rmtree(there)
+        os.replace(entry, there)
+    tmp.rmdir()
 
 
 def share_files(root: Path) -> None:
@@ -209,10 +236,15 @@ def share_files(root: Path) -> None:
 
 def complete_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
     """(step, path) of every complete checkpoint, oldest first."""
+    return [(step, path) for step, path in checkpoint_dirs(output_dir) if (path / MANIFEST).is_file()]
+
+
+def checkpoint_dirs(output_dir: str | Path) -> list[tuple[int, Path]]:
+    """(step, path) of every checkpoint-<step> directory, complete or not (its manifest deleted), oldest first."""
     out = []
     for path in Path(output_dir).glob(f"{PREFIX}*"):
         suffix = path.name[len(PREFIX):]
-        if path.is_dir() and suffix.isdigit() and (path / MANIFEST).is_file():
+        if path.is_dir() and suffix.isdigit():
             out.append((int(suffix), path))
     return sorted(out)
 
@@ -268,10 +300,12 @@ def resolve_resume(output_dir: str | Path, requested: Any, damaged: str = "fall_
         if (why := damage(path)) is not None:
             raise ValueError(f"resume_from_checkpoint: {path} is damaged: {why}; resume from an earlier checkpoint.")
         return path
-    newest = latest_checkpoint(output_dir)
+    latest_checkpoint(output_dir)  # (a half-written .tmp removed)
+    found = checkpoint_dirs(output_dir)
+    newest = found[-1][1] if found else None
     bad: list[str] = []
-    for _, path in reversed(complete_checkpoints(output_dir)):
-        why = damage(path)
+    for _, path in reversed(found):  # (one whose manifest was deleted: named, as a damaged one is)
+        why = damage(path) if (path / MANIFEST).is_file() else f"{MANIFEST} is missing"
         if why is None:
             break
         bad.append(f"{path} is damaged: {why}")

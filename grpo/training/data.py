@@ -52,10 +52,18 @@ def load_dataset_any(name: str, split: str, config_name: str | None = None, key:
             raise ConfigError(f"{key}: {name!r} is empty; GRPO needs at least one prompt.")
         if fmt != "parquet":
             check_utf8(path, key)
+        from datasets.utils import logging as datasets_logging
+
+        before = datasets_logging.get_verbosity()
+        datasets_logging.set_verbosity(datasets_logging.CRITICAL)  # (its parser logs the cause: said below instead)
         try:
             return datasets.load_dataset(fmt, data_files=str(path), split="train", streaming=streaming)
         except Exception as err:  # noqa: BLE001 - malformed files fail in many ways inside datasets
-            raise ConfigError(f"{key}: could not read {name!r} as {fmt} ({type(err).__name__}: {err}).") from None
+            cause = err.__cause__ or err.__context__ or err  # (datasets wraps the parser's error, which says where)
+            raise ConfigError(f"{key}: could not read {name!r} as {fmt} ({type(cause).__name__}: "
+                              f"{str(cause).strip().splitlines()[0] if str(cause).strip() else ''}).") from None
+        finally:
+            datasets_logging.set_verbosity(before)
     if path.is_dir():
         if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
             ds = datasets.load_from_disk(str(path))
@@ -284,7 +292,7 @@ def tokenize_prompts(prompts: list[Any], tokenizer, cfg: GRPOConfig, prefill: st
         ids = tokenizer(texts, add_special_tokens=all(plain))["input_ids"]
     else:
         ids = [tokenizer(t, add_special_tokens=bare)["input_ids"] for t, bare in zip(texts, plain)]
-    return _limit_prompt_length(ids, cfg, first_row)
+    return _limit_prompt_length(ids, cfg, first_row, tokenizer)
 
 
 def prompt_renderer(tokenizer, cfg: GRPOConfig, prefill: str):
@@ -294,12 +302,14 @@ def prompt_renderer(tokenizer, cfg: GRPOConfig, prefill: str):
     def render(prompt: Any, tools: list[dict] | None = None) -> list[int]:
         bare = isinstance(prompt, str) and not uses_template(tokenizer, cfg)
         text = render_prompt(prompt, tokenizer, cfg, prefill, tools)
-        return _limit_prompt_length([tokenizer(text, add_special_tokens=bare)["input_ids"]], cfg)[0]
+        ids = [tokenizer(text, add_special_tokens=bare)["input_ids"]]
+        return _limit_prompt_length(ids, cfg, 0, tokenizer)[0]
 
     return render
 
 
-def _limit_prompt_length(ids: list[list[int]], cfg: GRPOConfig, first_row: int = 0) -> list[list[int]]:
+def _limit_prompt_length(ids: list[list[int]], cfg: GRPOConfig, first_row: int = 0,
+                         tokenizer=None) -> list[list[int]]:
     limit = cfg.max_prompt_length
     if limit is None:
         return ids
@@ -308,10 +318,31 @@ def _limit_prompt_length(ids: list[list[int]], cfg: GRPOConfig, first_row: int =
         return ids
     if cfg.prompt_truncation == "error":
         raise ConfigError(f"max_prompt_length: {len(long)} of {len(ids)} prompts are longer than {limit} tokens "
-                          f"(first: row {first_row + long[0]}, {len(ids[long[0]])} tokens); raise max_prompt_length "
-                          "or set prompt_truncation=left.")
+                          f"(first: row {first_row + long[0]}, {len(ids[long[0]])} tokens); "
+                          f"{_length_advice(cfg, max(len(ids[i]) for i in long), tokenizer)}.")
     warnings.warn(f"{len(long)} of {len(ids)} prompts longer than max_prompt_length={limit} were left-truncated.")
     return [x[-limit:] for x in ids]
+
+
+def _length_advice(cfg: GRPOConfig, longest: int, tokenizer) -> str:
+    """What to set for prompts up to `longest` tokens, within the model's context (read from where the tokenizer
+    was loaded: check_sizes refuses a prompt and completion past it), so that following it runs."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(tokenizer.name_or_path)
+        context = int(getattr(config, "max_position_embeddings", None) or config.text_config.max_position_embeddings)
+    except (AttributeError, OSError, ValueError, TypeError):
+        context = None
+    room = context and context - cfg.max_completion_length  # (the longest prompt it takes with a full completion)
+    if not room or room < 1:
+        return "raise max_prompt_length or set prompt_truncation=left"
+    left = "prompt_truncation=left" + (f" max_prompt_length={room}" if cfg.max_prompt_length > room else "")
+    within = (f" (the model's context of {context} tokens less max_completion_length={cfg.max_completion_length})"
+              if cfg.max_prompt_length > room else "")
+    if longest <= room:
+        return f"set max_prompt_length={longest}, or {left} to cut them from the left{within}"
+    return f"set {left} to cut them from the left{within}, or shorten them"
 
 
 class PromptSampler:

@@ -24,9 +24,21 @@ from grpo.training.vision import vision_modules
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
 
+# The files a tokenizer is read from (one is enough); without any, transformers builds an empty tokenizer from
+# config.json, and the run fails minutes later in a reshape of 0 elements.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model")
+
+
 def load_tokenizer(path: str, cfg: GRPOConfig | None = None):
     from transformers import AutoTokenizer
 
+    local = Path(path).expanduser()
+    if (local.is_dir() and not (local / "adapter_config.json").exists()
+            and not any((local / name).exists() for name in TOKENIZER_FILES)):
+        raise ConfigError(f"model_name_or_path: {path!r} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, "
+                          "...); save the model's tokenizer there (tokenizer.save_pretrained), or pass "
+                          "processing_class.")
     kwargs = {} if cfg is None else {"revision": cfg.model_revision, "trust_remote_code": cfg.trust_remote_code}
     tok = AutoTokenizer.from_pretrained(path, **kwargs)
     if cfg is not None and cfg.chat_template is not None:
@@ -257,13 +269,12 @@ def save_final(model, tokenizer, path, merge: bool) -> None:
     fails (a full disk) is SaveFailed, naming the path and the newest checkpoint, which is intact."""
     from grpo.training.checkpoint import writing
 
-    path = Path(path)
-    with writing(path):
+    with writing(path) as into:  # (written beside `path`, moved into it once whole)
         if is_peft(model):
-            model.save_pretrained(path / "adapter")
+            model.save_pretrained(into / "adapter")
             if merge:
                 merged = copy.deepcopy(model).merge_and_unload()
-                merged.save_pretrained(path)
+                merged.save_pretrained(into)
         else:
-            model.save_pretrained(path)
-        tokenizer.save_pretrained(path)
+            model.save_pretrained(into)
+        tokenizer.save_pretrained(into)

@@ -35,8 +35,8 @@ from grpo.training.state import checkpoint_to_resume
 from grpo.training.summary import resolved_config
 
 FINISHED = "finished.json"  # the step at which final/ was written
-RUN_FILES = ("config.yaml", "layout.yaml", "metrics.jsonl", "samples", "tensorboard", "final", "plot.png",
-             "nonfinite", "wandb_run_id", FINISHED)
+RUN_FILES = ("config.yaml", "layout.yaml", "metrics.jsonl", "samples", "tensorboard", "final", "final.tmp",
+             "plot.png", "nonfinite", "wandb_run_id", FINISHED)
 IDENTITY = ("model_name_or_path", "model_revision", "torch_dtype", "bf16", "fp16", "task", "task_difficulty",
             "task_train_size", "dataset_name", "dataset_config", "dataset_split", "prompt_column", "system_prompt",
             "chat_template", "use_chat_template", "prefill", "max_prompt_length", "num_generations", "seed",

@@ -33,14 +33,32 @@ def check_inputs(cfg: GRPOConfig, model_from_path: bool, train_dataset) -> None:
     """The paths a user gives, in the order they would fix them: the model (when it is loaded from
     model_name_or_path, not passed as a model), then the dataset (rewards come next, in make_reward_runner). One line
     each, naming the key."""
+    from grpo.training import lock
     from grpo.training.data import check_data_path
 
+    lock.check(Path(cfg.output_dir))  # (a file, read-only, or a live run's: said before anything loads)
+    if cfg.logging_dir:
+        lock.writable(Path(cfg.logging_dir), "logging_dir")
+    check_trackers(cfg.report_to)
     if model_from_path:
         check_model_path(cfg.model_name_or_path)
     if train_dataset is None and cfg.dataset_name is not None:
         check_data_path(cfg.dataset_name, "dataset_name")
     if cfg.eval_dataset_name is not None:
         check_data_path(cfg.eval_dataset_name, "eval_dataset_name")
+
+
+TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}  # report_to name: its package
+
+
+def check_trackers(report_to) -> None:
+    """Each metric sink of report_to importable (its package installed), before the run's lock and files."""
+    import importlib.util
+
+    for name in [report_to] if isinstance(report_to, str) else report_to or []:
+        if name in TRACKERS and importlib.util.find_spec(TRACKERS[name]) is None:
+            raise ConfigError(f"report_to: {name!r} needs the {TRACKERS[name]} package, which is not installed; "
+                              f"pip install {TRACKERS[name]}, or drop {name!r} from report_to.")
 
 
 def check_model_path(name: str) -> None:
@@ -232,9 +250,9 @@ def _level(cfg: GRPOConfig) -> dict:
 
 
 def check_sizes(cfg: GRPOConfig, n_prompts: int | None, B: int, prompt_ids: list[list[int]],
-                model_config=None) -> None:
-    """Enough prompts for one step, and prompt + completion within the model's context (reliability.md 4.2). A
-    stream (n_prompts None) is checked on its first row."""
+                model_config=None, tokenizer=None) -> None:
+    """Enough prompts for one step, prompt + completion within the model's context (reliability.md 4.2), and no
+    token past the model's vocabulary. A stream (n_prompts None) is checked on its first row."""
     if n_prompts is not None and n_prompts < B:
         raise ConfigError(f"dataset_name: the dataset has {n_prompts} prompts but one step needs {B} "
                           f"(prompts_per_step); add prompts or lower prompts_per_step.")
@@ -246,6 +264,7 @@ def check_sizes(cfg: GRPOConfig, n_prompts: int | None, B: int, prompt_ids: list
         except OSError as err:
             raise ConfigError(f"model_name_or_path: cannot read the config of {cfg.model_name_or_path!r}: "
                               f"{err}") from None
+    check_vocabulary(tokenizer, model_config, cfg.model_name_or_path, prompt_ids)
     context = getattr(model_config, "max_position_embeddings", None)
     longest = max(len(p) for p in prompt_ids) + cfg.max_completion_length
     if context is not None and longest > context:
@@ -253,6 +272,25 @@ def check_sizes(cfg: GRPOConfig, n_prompts: int | None, B: int, prompt_ids: list
                           f"tokens) plus max_completion_length ({cfg.max_completion_length}) is {longest}, beyond "
                           f"the model's context of {context} tokens; lower max_completion_length or "
                           "max_prompt_length.")
+
+
+def check_vocabulary(tokenizer, model_config, name: str, prompt_ids: list[list[int]]) -> None:
+    """A tokenizer with more tokens than the model has embeddings, whose extra ids the run would use (in a prompt,
+    or as the EOS or pad token): they index past the embedding table (an IndexError deep in a forward pass; on a
+    GPU a device-side assert). Extra tokens no prompt holds are left alone: the model never samples them."""
+    vocab = getattr(model_config, "vocab_size", None) or getattr(getattr(model_config, "text_config", None),
+                                                                 "vocab_size", None)
+    if tokenizer is None or vocab is None or len(tokenizer) <= vocab:
+        return
+    used = {"a prompt": max((max(p) for p in prompt_ids if p), default=-1), "the EOS token": tokenizer.eos_token_id,
+            "the pad token": tokenizer.pad_token_id}
+    past = [(what, i) for what, i in used.items() if i is not None and i >= vocab]
+    if past:
+        what, i = past[0]
+        raise ConfigError(f"model_name_or_path: the tokenizer of {name!r} has {len(tokenizer)} tokens but the model "
+                          f"has {vocab} embeddings (config.json vocab_size), and {what} uses id {i} "
+                          f"({tokenizer.convert_ids_to_tokens(i)!r}); use the model's own tokenizer, or resize the "
+                          "model's embeddings (model.resize_token_embeddings(len(tokenizer))) and save it.")
 
 
 def make_schedule(cfg: GRPOConfig, total: int) -> Callable[[int], float]:

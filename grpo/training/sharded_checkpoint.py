@@ -92,14 +92,13 @@ def _hub_names(model):
 def save_final(accelerator, policy, tokenizer, path, merge: bool) -> None:
     """`final/` of a sharded run: what `grpo.training.model.save_final` writes for one process (a model that
     `from_pretrained` loads; with LoRA also the adapter in `adapter/`), gathered on the main process."""
-    path = Path(path)
-    with ckpt.writing(path):
+    with ckpt.writing(path, main=accelerator.is_main_process) as into:  # (moved into `path` once whole)
         if is_peft(policy):
-            write_hf(accelerator, policy, None, path / "adapter")
+            write_hf(accelerator, policy, None, into / "adapter")
         if merge or not is_peft(policy):
-            write_hf(accelerator, policy, None, path, merged=is_peft(policy))
+            write_hf(accelerator, policy, None, into, merged=is_peft(policy))
         if accelerator.is_main_process:
-            tokenizer.save_pretrained(path)  # (a vision-language model's processor too: grpo.training.vision)
+            tokenizer.save_pretrained(into)  # (a vision-language model's processor too: grpo.training.vision)
     accelerator.wait_for_everyone()
 
 

@@ -49,9 +49,10 @@ class StopSignals:
         now = time.monotonic()
         if not self.received:
             self.received, self.first_at = number, now
-            if self.processes.rank == 0:
-                print(f"\ngrpo: {signal.Signals(number).name}: finishing this optimizer step, then writing a "
-                      "checkpoint (Ctrl-C again to stop at once).", file=sys.stderr, flush=True)
+            if self.processes.rank == 0:  # (on a terminal, off the live display's line and a ^C first)
+                print(f"{chr(10) if sys.stderr.isatty() else ''}grpo: {signal.Signals(number).name}: finishing this "
+                      "optimizer step, then writing a checkpoint (Ctrl-C again to stop at once).", file=sys.stderr,
+                      flush=True)
         elif number == signal.SIGINT and now - self.first_at > REPEAT_WINDOW_S:
             raise KeyboardInterrupt
 
@@ -74,7 +75,7 @@ def stop_if_signalled(trainer, signals: StopSignals) -> None:
         trainer.save_checkpoint()
     path = Path(trainer.cfg.output_dir) / f"{PREFIX}{trainer.step}"
     note = " (model only: save_only_model is set, so it cannot be resumed)" if trainer.cfg.save_only_model else ""
-    raise TrainingInterrupted(f"{signal.Signals(number).name}: stopped after step {trainer.step} of "
+    raise TrainingInterrupted(f"{signal.Signals(number).name} after step {trainer.step} of "
                               f"{trainer.total_steps}; wrote {path}{note}. Resume: {resume_hint()}")
 
 

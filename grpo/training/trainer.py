@@ -57,6 +57,7 @@ from grpo.training.summary import TrainResult, end_lines, finish_run, log_step, 
 from grpo.training.trl_surface import (TRLSurface, TrainingSummary, data_without_dataset, eval_sets,
                                        warn_as_trl, with_prompt_column)
 from grpo.training.update import Update, apply_step, clip_gradients
+from grpo.training.threads import set_threads
 from grpo.training.vision import image_processing_for
 
 
@@ -122,9 +123,10 @@ class GRPOTrainer(TRLSurface):
         self.layout = resolve_layout(cfg, self.world, prompt_count(self.train_set))
         self.B, self.G = self.layout.prompts_per_rollout, cfg.num_generations
         check_sizes(cfg, prompt_count(self.train_set), self.B, self.train_set.prompt_ids,
-                    None if from_path else model.config)
+                    None if from_path else model.config, self.tokenizer)
         if from_path:
             model = load_model(cfg, quantization_config)
+        set_threads(cfg.num_threads, model, cfg.max_staleness)  # (null: from the machine and the model's size)
         self.engine = choose_engine(cfg.engine, model, self.accel.device, self.accel.num_processes,
                                     self.accel.distributed_type,
                                     self.accel.mixed_precision)
@@ -177,11 +179,15 @@ class GRPOTrainer(TRLSurface):
         cfg, out, main = self.cfg, Path(self.cfg.output_dir), self.accel.is_main_process
         if run_dir.prepare(self, resume_from_checkpoint):  # one run per directory (locked); restores a checkpoint
             return TrainResult({}, global_step=self.step)  # (a resume of a finished run: nothing to do)
-        if main:
-            write_run_files(self, out)
-            print("\n".join(start_lines(self)))
-        logger = RunLogger(out, cfg.report_to, cfg.to_dict(), run_name=cfg.run_name, resume_step=self.step,
-                           options=cfg) if main else NullLogger()
+        try:
+            if main:
+                write_run_files(self, out)
+                print("\n".join(start_lines(self)))
+            logger = RunLogger(out, cfg.report_to, cfg.to_dict(), run_name=cfg.run_name, resume_step=self.step,
+                               options=cfg) if main else NullLogger()
+        except BaseException:
+            run_dir.release(self)  # (a full disk, a tracker that fails to start: the directory is left free)
+            raise
         display = LiveDisplay(self.total_steps) if main and not cfg.disable_tqdm else NullDisplay()
         last: dict[str, float] = {}
         started = time.perf_counter()
