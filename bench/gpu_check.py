@@ -1,27 +1,39 @@
 """The GPU check: grpo's engine and trainer on one GPU, in one command, one JSON line per check on stdout.
 
-    python bench/gpu_check.py                 # on a CUDA machine (estimated 6-9 minutes on one H100)
-    python bench/gpu_check.py --only B2,C1    # a subset;  --quick: shorter training checks
+    python bench/gpu_check.py                 # on a CUDA machine (about 7 minutes on one H200, estimated)
+    python bench/gpu_check.py --only B6,E1    # a subset, in that order;  --quick: shorter training checks
+    python bench/gpu_check.py --budget 300    # skip (with the reason) a check whose estimate no longer fits
     python bench/gpu_check.py --cpu           # tiny shapes on the CPU (CI runs this): tests the script itself
 
 Each line is {"check": NAME, "status": "ok" | "fail" | "error" | "skipped", "seconds": ..., ...}: "fail" when the
 check ran but a number is outside its pass criterion (`criteria` lists the ones that failed), "error" when it raised
-(`error`, `trace`), "skipped" with `why` (CUDA-only parts on the CPU, TRL not installed). Every check catches its
-own errors, so one failure hides nothing else. The checks (bench/README.md, "The GPU check", says how to read them):
+(`error`, `trace`), "skipped" with `why` (CUDA-only parts on the CPU, a package not installed, the budget). Every
+check catches its own errors, its CUDA work synchronised inside; after an error that leaves the CUDA context unusable
+(a device-side assert) the remaining checks run in a fresh process. The last line, {"check": "untested", "status":
+"info"}, names what no check here exercised and why (vLLM, several GPUs, flash-attn, skipped checks). The checks
+(bench/README.md, "The GPU check", says how to read them):
 
 A_env  versions, the GPU, which optional packages import
 B1     packed against padded log-probs, fp32 and bf16, for sdpa, eager and flash_attention_2 (where importable)
 B2     which attention kernels run (profiler names) and the peak memory, padded against packed, 24-layer 0.5B shape
 B3     grpo's tiled LM head against plain autograd under bf16 autocast, backward inside autocast
 B4     host syncs (torch.cuda.set_sync_debug_mode) per packed update pass and per rollout token
-B5     fused AdamW at lr 1e-6: the fraction of weights one step changes, bf16 against fp32 weights
-C1     the default job (tiny-arith, arithmetic) on the GPU: learning over N steps, s/step, phase times
-C2     weights changed by 5 steps at lr 1e-6 with bf16 weights (C2b: fp32 weights under bf16 autocast)
+B5     grpo's optimizer (make_optimizer) at lr 1e-6: fused, the weights one step changes, bf16 against fp32, and
+       the low-precision warning's estimate against what the step did
+B6     activation offload on a long micro-batch: peak memory and time with and without, gradients equal
+B7     cast_lm_head_to_fp32 under bf16 autocast: the head's log-probs against float64
+C1     the default job (tiny-arith, arithmetic): learning over N steps, s/step, phase times, and the sampler's
+       log-probs against the update's on the same tokens (engine/trainer mismatch)
+C2     weights changed by 5 steps at lr 1e-6 with bf16 weights, and the trainer's warning (C2b: fp32 + autocast)
 C3     LoRA with checkpoints, then a resume, then `from_pretrained(final)`
+C4     full_determinism: two runs of the default job, in a fresh process, give the same weights
+C5     the tiny VLM (grpo/assets/tiny-vision, the shapes task) end to end
+E1     grpo alone at the GPU recipe's settings (recipes/gpu/qwen2.5-0.5b-gsm8k.yaml) on a random 0.5B: generation and
+       update tokens/s, the trainer's memory/peak_gib (needs neither TRL nor datasets)
 D      grpo against TRL's GRPOTrainer on the same work (bench/run.py): tokens/s and peak GPU memory
 
 The engine checks use a randomly initialised Qwen2 of Qwen2.5-0.5B's shape (nothing is downloaded); the training
-checks the shipped grpo/assets/tiny-arith. Nothing here needs `datasets` (D needs TRL, which needs it).
+checks the shipped grpo/assets models. Nothing here needs `datasets` (D needs TRL, which needs it).
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ import argparse
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -183,7 +196,7 @@ def check_env(ctx: Context) -> dict:
         info.update(gpu=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
                     mem_gib=round(props.total_memory / 2**30, 1))
     info["imports"] = {name: import_status(name) for name in ("flash_attn", "datasets", "trl", "vllm", "deepspeed",
-                                                              "rich", "math_verify")}
+                                                              "rich", "math_verify", "PIL", "torchvision")}
     major_minor = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
     return {**info, **criteria({"torch >= 2.11": major_minor >= (2, 11)})}
 
@@ -320,85 +333,77 @@ def check_head_under_autocast(ctx: Context) -> dict:
     return {"results": results, **criteria(checks)}
 
 
-def count_syncs(run) -> dict:
-    """Synchronising calls during `run()` (torch.cuda.set_sync_debug_mode("warn")), with the top call sites."""
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            run()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    sites: dict[str, int] = {}
-    for w in caught:
-        if "synchroniz" in str(w.message):
-            key = f"{os.path.basename(w.filename)}:{w.lineno}"
-            sites[key] = sites.get(key, 0) + 1
-    top = dict(sorted(sites.items(), key=lambda kv: -kv[1])[:8])
-    return {"total": sum(sites.values()), "sites": top}
+def check_optimizer(ctx: Context) -> dict:
+    """B5: grpo's optimizer (`make_optimizer`, as the trainer builds it) at lr 1e-6 on a std-0.02 weight: whether it
+    took the fused implementation, the fraction of elements one step changes (bf16 against fp32 weights, D1: about
+    0.02 against 1.0), and the trainer's low-precision warning and its estimate of the unchanged share
+    (`rounded_away`), which must match what the step did: AdamW's first step moves each element by lr (m/sqrt(v) =
+    g/|g|), so an element stays exactly where w +- lr rounds back to w."""
+    from grpo import GRPOConfig
+    from grpo.training.setup import make_optimizer, rounded_away, warn_low_precision_training
 
-
-def check_host_syncs(ctx: Context) -> dict:
-    """B4: host syncs in one packed update pass (forward + backward) and in a 32-token rollout of 16 rows."""
-    if not ctx.cuda:
-        return skipped("CUDA only: torch.cuda.set_sync_debug_mode counts device-to-host synchronisations")
-    from grpo.engines.base import SamplingParams
-    from grpo.engines.sampling import TransformersSampler
-
-    tokens, results, checks = 32, [], {}
-    for attn in ("sdpa", "flash_attention_2"):
-        if attn.startswith("flash") and not importable("flash_attn"):
-            results.append({"attn": attn, "status": "skipped", "why": "flash_attn is not installed"})
-            continue
-        model = qwen_like(ctx, torch.bfloat16, attn).train()
-        ids, mask, width = grpo_batch(ctx)
-        rows = packed_rows(model, ids, mask, width)
-        prompts = [row[m.bool()].tolist()[-100:] for row, m in zip(ids[:, :-width].cpu(), mask[:, :-width].cpu())]
-        sampler = TransformersSampler(model, 0, [])
-        update = count_syncs(lambda: forward_backward(model, ids, mask, width, rows))
-        rollout = count_syncs(lambda: sampler.generate(prompts, SamplingParams(tokens), list(range(len(prompts)))))
-        results.append(dict(attn=attn, layers=model.config.num_hidden_layers, update_pass=update,
-                            rollout=rollout, rollout_per_token=round(rollout["total"] / tokens, 2)))
-        checks[f"{attn} update pass <= 5 syncs"] = update["total"] <= 5
-        del model, sampler
-    return {"results": results, **criteria(checks)}
-
-
-def check_bf16_adamw(ctx: Context) -> dict:
-    """B5: one AdamW step as grpo's make_optimizer builds it (fused, lr 1e-6) on a std-0.02 weight: the fraction of
-    elements it changes, bf16 against fp32 weights (D1: about 0.02 against 1.0)."""
-    results = {}
+    n = 2048 if ctx.cuda else 512
+    cfg = GRPOConfig(learning_rate=1e-6)
+    results, checks = {}, {}
     for dtype in (torch.bfloat16, torch.float32):
         torch.manual_seed(0)
-        weight = torch.nn.Parameter((torch.randn(2048, 2048, device=ctx.device) * 0.02).to(dtype))
-        before = weight.detach().clone()
-        opt = torch.optim.AdamW([weight], lr=1e-6, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, fused=True)
-        weight.grad = torch.randn_like(weight) * 1e-3
-        opt.step()
-        results[str(dtype)] = round(float((weight.detach() != before).float().mean()), 4)
-    return {"frac_changed": results, **criteria({"fp32 weights all change": results["torch.float32"] > 0.99})}
+        model = torch.nn.Linear(n, n, bias=False, device=ctx.device)
+        with torch.no_grad():
+            model.weight.normal_(0.0, 0.02)
+        model.to(dtype)
+        optimizer = make_optimizer(model, cfg)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            warn_low_precision_training(model, optimizer, cfg, "NO", "no")
+        estimate = rounded_away(list(model.parameters()), cfg.learning_rate)
+        before = model.weight.detach().clone()
+        model.weight.grad = torch.randn_like(model.weight) * 1e-3
+        optimizer.step()
+        changed = float((model.weight.detach() != before).float().mean())
+        name = str(dtype).removeprefix("torch.")
+        results[name] = dict(frac_changed=round(changed, 4), rounded_away_estimate=round(estimate, 4),
+                             fused=optimizer.defaults.get("fused"),
+                             warned=any("rounded away" in str(w.message) for w in caught))
+        checks[f"{name}: fused AdamW"] = results[name]["fused"] is True
+        # (the estimate reads 2^16 elements: a binomial standard error of 6e-4 at p = 0.02)
+        checks[f"{name}: unchanged share within 0.01 of the warning's estimate"] = abs(1 - changed - estimate) <= 0.01
+    checks["bfloat16: the trainer warns"] = results["bfloat16"]["warned"]
+    checks["float32: no warning, every weight moves"] = (not results["float32"]["warned"]
+                                                         and results["float32"]["frac_changed"] > 0.99)
+    return {"optimizer": results, **criteria(checks)}
 
 
 CHECKS = {"A_env": check_env, "B1": check_packed_numerics, "B2": check_kernels_and_memory,
-          "B3": check_head_under_autocast, "B4": check_host_syncs, "B5": check_bf16_adamw}
+          "B3": check_head_under_autocast, "B5": check_optimizer}
+
+# Seconds each check takes on one H200 (measured 2026-11-28 where known, else estimated from its work), and with
+# --quick; --budget skips a check whose estimate no longer fits. CPU runs (--cpu) are not budgeted.
+ESTIMATE_S = {"A_env": (15, 15), "B1": (5, 5), "B2": (8, 8), "B3": (1, 1), "B4": (5, 5), "B5": (1, 1),
+              "B6": (15, 15), "B7": (5, 5), "C1": (105, 45), "C2": (15, 12), "C2b": (7, 5), "C3": (18, 18),
+              "C4": (25, 25), "C5": (12, 12), "E1": (60, 60), "D": (140, 140)}
 
 
 def all_checks() -> dict:
+    from bench.gpu_check_engine import ENGINE_CHECKS
+    from bench.gpu_check_throughput import THROUGHPUT_CHECKS
     from bench.gpu_check_train import TRAINING_CHECKS
 
-    return {**CHECKS, **TRAINING_CHECKS}
+    checks = {**CHECKS, **ENGINE_CHECKS, **TRAINING_CHECKS, **THROUGHPUT_CHECKS}
+    return {name: checks[name] for name in ESTIMATE_S}  # (the order of a full run: D, the longest, last)
 
 
 def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu", action="store_true", help="tiny shapes on the CPU (tests the script itself)")
-    parser.add_argument("--quick", action="store_true", help="shorter training checks (C1 40 steps, D 2 steps)")
-    parser.add_argument("--only", default="", help="comma-separated checks, e.g. B2,C1 (default: all)")
+    parser.add_argument("--quick", action="store_true", help="shorter training checks (C1 40 steps, C2 and C2b 3)")
+    parser.add_argument("--only", default="", help="comma-separated checks, run in that order, e.g. B6,E1 "
+                                                   "(default: all)")
+    parser.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                        help="skip a check when the run's seconds so far plus its estimate (ESTIMATE_S) exceed this")
     parser.add_argument("--out", type=Path, default=None, help="the training checks' run directories (default: a "
                                                                "temporary directory, deleted)")
     args = parser.parse_args(argv)
-    names = list(all_checks())
+    names = list(ESTIMATE_S)
     args.only = [n.strip() for n in args.only.split(",") if n.strip()] or names
     unknown = [n for n in args.only if n not in names]
     if unknown:
@@ -406,19 +411,79 @@ def parse_args(argv: list[str] | None):
     return args
 
 
+def over_budget(name: str, args, spent: float, cuda: bool) -> str | None:
+    """Why `name` is skipped under --budget (its estimate does not fit in what is left), or None."""
+    if args.budget is None or not cuda:
+        return None
+    estimate = ESTIMATE_S[name][1 if args.quick else 0]
+    left = args.budget - spent
+    return (f"--budget {args.budget:g} s: about {estimate} s estimated, {max(left, 0):.0f} s left"
+            if estimate > left else None)
+
+
+def context_broken(ctx: Context) -> str | None:
+    """Why the CUDA context can no longer run work (a sticky error such as a device-side assert), or None."""
+    if not ctx.cuda:
+        return None
+    try:
+        torch.ones(1, device=ctx.device).add_(1)
+        torch.cuda.synchronize()
+    except Exception as err:  # noqa: BLE001 - any failure here means the context is gone
+        return f"{type(err).__name__}: {str(err)[:200]}"
+    return None
+
+
+def continue_in_fresh_process(names: list[str], args, spent: float) -> int:
+    """Run the checks `names` in a new process of this script (a fresh CUDA context), its lines on RESULTS."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--only", ",".join(names)]
+    cmd += ["--quick"] * args.quick + ["--cpu"] * args.cpu + (["--out", str(args.out)] if args.out else [])
+    if args.budget is not None:
+        cmd += ["--budget", str(max(args.budget - spent, 0.0))]
+    RESULTS.flush()
+    return subprocess.run(cmd, cwd=ROOT, stdout=RESULTS, check=False).returncode
+
+
+def untested(ctx: Context, records: list[dict]) -> dict:
+    """The last line: the paths no check of this run exercised, and why."""
+    gpus = torch.cuda.device_count() if ctx.cuda else 0
+    several = (f"need two or more GPUs ({gpus} here)" if gpus < 2
+               else "need several processes; every check here runs in one")
+    vllm = import_status("vllm")
+    paths = {
+        "vLLM (colocate and server mode, the NCCL/gloo weight push, sleep mode)":
+            f"vllm does not import: {vllm}" if vllm != "yes" else "no check here runs vLLM (bench/run.py --sides "
+                                                                   "vllm does)",
+        "DDP, FSDP2, DeepSpeed ZeRO-2/3, a DDP resume, sequence parallelism (Ulysses), the NCCL weight push": several,
+        "flash_attention_2": ("flash_attn does not import: " + import_status("flash_attn")
+                              if import_status("flash_attn") != "yes" else "run by B1 and B4"),
+    }
+    if not ctx.cuda:
+        paths["everything on CUDA"] = "--cpu: tiny shapes on the CPU, which test the script, not the GPU"
+    skipped_checks = {r["check"]: r["why"] for r in records if r["status"] == "skipped"}
+    return {"check": "untested", "status": "info", "paths": paths, "skipped_checks": skipped_checks}
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the chosen checks, printing each one's line as it ends; exit status 1 when any failed or raised."""
+    """Run the chosen checks, printing each one's line as it ends, then the untested paths; exit status 1 when any
+    check failed or raised."""
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
-    checks = all_checks()
-    bad = 0
+    checks, records, started = all_checks(), [], time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="grpo-gpu-check-") as tmp:
         ctx = Context(device, args.quick, args.out or Path(tmp))
-        for name in args.only:
-            record = run_check(name, checks[name], ctx)
+        for i, name in enumerate(args.only):
+            why = over_budget(name, args, time.perf_counter() - started, ctx.cuda)
+            record = {"check": name, **skipped(why), "seconds": 0.0} if why else run_check(name, checks[name], ctx)
             emit(record)
-            bad += record["status"] in ("fail", "error")
-    return 1 if bad else 0
+            records.append(record)
+            broken = context_broken(ctx) if record["status"] == "error" else None
+            if broken and args.only[i + 1:]:
+                emit({"check": "restart", "status": "info", "why": f"the CUDA context is unusable after {name} "
+                      f"({broken}): the remaining checks run in a fresh process"})
+                continue_in_fresh_process(args.only[i + 1:], args, time.perf_counter() - started)
+                return 1  # (a check of this process raised; the fresh one printed the rest, untested paths too)
+        emit(untested(ctx, records))
+    return 1 if any(r["status"] in ("fail", "error") for r in records) else 0
 
 
 if __name__ == "__main__":

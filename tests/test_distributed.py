@@ -216,3 +216,19 @@ def test_a_tool_run_on_two_processes_matches_one(tmp_path):
     for a, b in zip(*logs):
         assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-4)
     assert all(row["tools/calls_per_completion"] > 0 for row in logs[0])  # the runs did call the tool
+
+
+def test_the_cpu_ddp_config_launches_two_processes_with_every_gpu_hidden():
+    """recipes/accelerate/ddp_cpu.yaml through accelerate's own launch decision: its multi-process launcher (torchrun)
+    with 2 processes, and no GPU visible to them. Its earlier MULTI_CPU type went to accelerate 1.15's one-process
+    launcher (MULTI_CPU starts several only through mpirun), so `accelerate launch` ran one process, silently."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    config = Path(__file__).resolve().parents[1] / "recipes" / "accelerate" / "ddp_cpu.yaml"
+    args = launch_command_parser().parse_args(["--config_file", str(config), "-m", "grpo.cli", "train"])
+    args, _, _ = _validate_launch_command(args)
+    assert args.multi_gpu and not (args.cpu or args.use_deepspeed or args.use_fsdp)  # launch_command's torchrun branch
+    env = prepare_multi_gpu_env(args)
+    assert args.nproc_per_node == "2"
+    assert env["CUDA_VISIBLE_DEVICES"] == "-1,-1"  # (CUDA lists the devices before the first invalid id: none)

@@ -181,3 +181,23 @@ def test_a_family_whose_processor_needs_torchvision_is_refused_by_name(tmp_path)
     with pytest.raises(ConfigError, match=r"is a vision-language model whose processor does not load "
                                           r"\(SmolVLMVideoProcessor requires the Torchvision library"):
         ImageProcessing.of(None, AutoTokenizer.from_pretrained(path), str(path))
+
+
+def test_a_processor_that_names_mm_token_type_ids_gets_them_made_per_row():
+    """transformers 5.17's Qwen2-VL computes M-RoPE from mm_token_type_ids and raises without them, but its processor
+    returns them only when given text; the rows' images-only features declare them per token when the processor
+    names them as a model input, so model_inputs makes them from the ids (1 on image tokens). Found by
+    bench/gpu_check.py's C5 in the GPU image (scripts/simulate_gpu_image.sh)."""
+    import types
+
+    class Processor:  # an images-only call gives pixels and grids, no ids (Qwen2VLProcessor without text)
+        model_input_names = ["pixel_values", "image_grid_thw", "input_ids", "attention_mask", "mm_token_type_ids"]
+        tokenizer = image_processor = None
+
+        def __call__(self, images, return_tensors):
+            return {"pixel_values": torch.ones(4, 3), "image_grid_thw": torch.tensor([[1, 2, 2]])}
+
+    rows = ProcessorImages(Processor()).row_features([["a picture"]])
+    assert rows[0].token_types == ("mm_token_type_ids",)
+    inputs = model_inputs(rows, torch.tensor([[1, 7, 7, 2]]), types.SimpleNamespace(image_token_id=7))
+    assert inputs["mm_token_type_ids"].tolist() == [[0, 1, 1, 0]]

@@ -36,6 +36,7 @@ from grpo.training.control import RunControl
 from grpo.training.data import build_prompt_set
 from grpo.training.health import HealthMonitor, report_nonfinite
 from grpo.training.hub import start_hub
+from grpo.training.memory import peak_memory_metrics, reset_peak_memory
 from grpo.training.micro_batches import MicroBatches
 from grpo.training.model import load_model, prepare_model, save_final
 from grpo.training.objective import Objective
@@ -243,6 +244,7 @@ class GRPOTrainer(TRLSurface):
     def train_step(self) -> dict[str, float]:
         """One optimizer step, with a rollout first when the last one has fed all its steps."""
         t0 = time.perf_counter()
+        reset_peak_memory(self.accel.device)  # (memory/peak_gib: this step's, rollout and update)
         fresh = self.pending is None or not self.pending[1]
         if fresh:
             batch = self.rollout()
@@ -256,7 +258,8 @@ class GRPOTrainer(TRLSurface):
             self._last_samples = batch.samples
         metrics.update({"train/num_tokens": self.num_tokens,
                         "train/epoch": epochs_done(self.train_set, self.step + 1, self.layout.steps_per_epoch),
-                        "time/update": time.perf_counter() - t1, "time/step": time.perf_counter() - t0})
+                        "time/update": time.perf_counter() - t1, "time/step": time.perf_counter() - t0,
+                        **peak_memory_metrics(self.accel.device)})
         return metrics
 
     # ---- rollout: generate, score, advantages; old and reference log-probs -------------------------------------

@@ -158,6 +158,10 @@ class ProcessorImages:
             ids = got.get("input_ids")
             per_token = tuple(k for k, v in got.items() if ids is not None and k not in TEXT_KEYS
                               and getattr(v, "shape", None) == ids.shape)
+            # Qwen2-VL's processor gives mm_token_type_ids only with text; transformers 5.17's M-RoPE requires it
+            # (5.24 makes it from the ids), so where the processor names it as a model input it is made per row too.
+            declared = getattr(self.processor, "model_input_names", ())
+            per_token += tuple(k for k in QWEN_TOKEN_TYPES if k in declared and k not in per_token)
             out.append(RowImages({k: v for k, v in got.items() if k not in TEXT_KEYS and k not in per_token},
                                  per_token))
         return out
