@@ -54,3 +54,29 @@ def test_no_import_cycles():
         if m not in state:
             visit(m, [m])
     assert not cycles, cycles
+
+
+# TRL hands the trainer to a user's rollout_func (`rollout_func(prompts, trainer)`): grpo.agents.make_rollout
+# passes it on. Nothing else receives the trainer whole.
+TRAINER_TAKERS = {"make_rollout"}
+
+
+def test_no_function_takes_the_trainer_whole():
+    # Issue 39: a helper takes what it reads (the loop's state, a Stateful part, a callable), so renaming a trainer
+    # field cannot break a module that only a resume runs. Two checks: no function of grpo/training/ has a
+    # parameter named `trainer`, and the trainer's own methods never pass `self` to a function.
+    training = PACKAGE / "training"
+    named, passed = [], []
+    for path in training.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+                if any(a.arg == "trainer" for a in args):
+                    named.append(f"{path.name}:{node.lineno} {node.name}")
+            if path.name in ("trainer.py", "trl_surface.py") and isinstance(node, ast.Call):
+                callee = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+                values = [*node.args, *(k.value for k in node.keywords)]
+                if callee not in TRAINER_TAKERS and any(isinstance(v, ast.Name) and v.id == "self" for v in values):
+                    passed.append(f"{path.name}:{node.lineno} {callee}(self)")
+    assert not named and not passed, named + passed
