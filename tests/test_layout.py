@@ -80,3 +80,49 @@ def test_no_function_takes_the_trainer_whole():
                 if callee not in TRAINER_TAKERS and any(isinstance(v, ast.Name) and v.id == "self" for v in values):
                     passed.append(f"{path.name}:{node.lineno} {callee}(self)")
     assert not named and not passed, named + passed
+
+
+def test_declared_interfaces_are_implemented():
+    # Issue 39: the engine's and the source's shapes are declared once (Protocols), and every implementation has
+    # every member, so the trainer calls them without probing (no getattr on an engine).
+    import inspect
+
+    from grpo.engines.base import CAPABILITIES, RolloutEngine, ScriptedGenerator, as_engine
+    from grpo.engines.cpu import CPUBackend, CPUSampler
+    from grpo.engines.policy import TransformersBackend, UpdateBackend
+    from grpo.engines.sampling import TransformersSampler
+    from grpo.engines.sharding import WholeWeightsSampler
+    from grpo.engines.vllm import VLLMEngine
+    from grpo.engines.vllm_server import VLLMServerClient
+    from grpo.training.pipeline import LaggedRollouts
+    from grpo.training.pipeline_server import ServerRollouts
+    from grpo.training.sources import RolloutSource, SyncRollouts
+
+    def members(protocol) -> set[str]:
+        return {n for n, v in vars(protocol).items() if inspect.isfunction(v) and not n.startswith("__")}
+
+    assert members(RolloutEngine) == {"generate", *CAPABILITIES}
+    for engine in (TransformersSampler, CPUSampler, WholeWeightsSampler, VLLMEngine, VLLMServerClient,
+                   ScriptedGenerator):
+        assert members(RolloutEngine) <= set(dir(engine)), engine
+    for backend in (TransformersBackend, CPUBackend):
+        assert members(UpdateBackend) | {"name"} <= set(dir(backend)), backend
+    for source in (SyncRollouts, LaggedRollouts, ServerRollouts):
+        assert members(RolloutSource) <= set(dir(source)), source  # (and `layout`, set in each __init__)
+
+    class Plain:  # a user's engine with generate alone, and one capability of its own
+        loaded = None
+
+        def generate(self, prompt_ids, params, seeds):
+            return ("generated", len(prompt_ids))
+
+        def update_weights(self, model):
+            self.loaded = model
+
+    plain = Plain()
+    engine = as_engine(plain)
+    assert engine.generate_together([[1], [2]], None, [0, 1]) == ("generated", 2)  # its own rows
+    engine.update_weights("weights")
+    assert plain.loaded == "weights" and engine.loaded == "weights"  # its own capability, and attributes
+    assert engine.sleep() is None and engine.wake() is None
+    assert as_engine(ScriptedGenerator(lambda p, g: [], [0])).__class__ is ScriptedGenerator

@@ -41,7 +41,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import torch
 
 from grpo.engines import vllm_weights
-from grpo.engines.base import Completions, SamplingParams
+from grpo.engines.base import Completions, EngineDefaults, SamplingParams
 
 
 @dataclasses.dataclass
@@ -148,7 +148,7 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
 
-class VLLMServerClient:
+class VLLMServerClient(EngineDefaults):
     """The rollout engine of a trainer process in server mode.
 
     `generate` asks the server for this process's rows; `generate_together`, called by every process at once

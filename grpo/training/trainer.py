@@ -28,7 +28,7 @@ import torch
 from grpo.config.base import shipped_model
 from grpo.agents import make_agent_spec, make_rollout
 from grpo.core import sync_reference_
-from grpo.engines.base import SamplingParams, sleep
+from grpo.engines.base import SamplingParams
 from grpo.engines.policy import reference_view
 from grpo.engines.select import choose_engine, make_engine, make_vllm
 from grpo.training import run_dir, sharded_checkpoint as sharded_ckpt
@@ -351,7 +351,7 @@ class GRPOTrainer(TRLSurface):
             result = evaluate_prompts(self.generator, self.tokenizer, prompt_set, self.rewards, self.reward_names,
                                       params, seed=self.cfg.seed + 12345, k=self.cfg.eval_num_samples,
                                       batch_size=self.cfg.per_device_eval_batch_size, agent=self.rollouts.agent)
-        sleep(self.generator)  # (vLLM's sleep mode: the next update gets its memory, as after a rollout)
+        self.generator.sleep()  # (vLLM's sleep mode: the next update gets its memory, as after a rollout)
         return {k: v for k, v in result.items() if isinstance(v, (int, float))}
 
     def state_dict(self) -> dict[str, Any]:
