@@ -432,11 +432,11 @@ def test_a_float16_loss_scale_is_undone_before_clipping(tiny_model_dir, tmp_path
     hook = overflow.policy.model.norm.weight.register_hook(lambda g: g * math.inf)  # as a float16 overflow would
     metrics = overflow.train_step()
     hook.remove()
-    assert not math.isfinite(metrics["train/grad_norm"]) and overflow.nonfinite_in_a_row == 1
+    assert not math.isfinite(metrics["train/grad_norm"]) and overflow.loop.nonfinite_in_a_row == 1
     assert overflow.accel.scaler.get_scale() == 2.0**9  # lowered by the scaler's own step, which updated nothing
     assert all(torch.equal(v, before[k]) for k, v in overflow.policy.state_dict().items())
     overflow.step += 1
-    assert math.isfinite(overflow.train_step()["train/grad_norm"]) and overflow.nonfinite_in_a_row == 0
+    assert math.isfinite(overflow.train_step()["train/grad_norm"]) and overflow.loop.nonfinite_in_a_row == 0
 
 
 @pytest.mark.parametrize("reward", [count_a, "rewards_for_tests:count_a"])

@@ -94,7 +94,7 @@ def test_a_loaded_reward_model_with_its_processing_class(tiny_model_dir, tmp_pat
     # As TRL scores a text pair: the model's logit on prompt + completion (without special tokens)
     with torch.inference_mode():
         want = [float(model(**tokenizer(s["prompt"] + s["completion"], return_tensors="pt",
-                                        add_special_tokens=False)).logits[0, 0]) for s in trainer._last_samples]
+                                        add_special_tokens=False)).logits[0, 0]) for s in trainer.loop.last_samples]
     assert len(want) == 4
     assert metrics[f"reward/{trainer.reward_names[0]}"] == pytest.approx(sum(want) / 4, rel=1e-5)
 

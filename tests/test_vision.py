@@ -258,7 +258,7 @@ def test_a_checkpoint_inside_a_rollout_keeps_its_rows_pixels_and_resumes_exactly
     resumed = GRPOTrainer(args=vision_config(tmp_path / "b", **settings), reward_funcs=larger_answer,
                           train_dataset=data)
     resumed.train(resume_from_checkpoint=True)
-    assert resumed.pending is not None and resumed.pending[0].images is not None  # (the kept rollout fed step 2)
+    assert resumed.loop.pending is not None and resumed.loop.pending[0].images is not None  # (the kept rollout fed step 2)
     straight, again = (load_file(str(tmp_path / d / "run" / "final" / "model.safetensors")) for d in "ab")
     assert straight.keys() == again.keys() and all(torch.equal(straight[k], again[k]) for k in straight)
 

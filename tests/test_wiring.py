@@ -397,7 +397,7 @@ def test_each_optimizer_step_logs_the_entropy_of_its_own_pass(tiny_model_dir, tm
     first = t.train_step()["policy/entropy"]
     middle = weights(t)
     second = t.train_step()["policy/entropy"]
-    batch = t.pending[0]
+    batch = t.loop.pending[0]
     mask = batch.completion_mask.bool()
     with torch.no_grad():
         want = [float(token_entropy(forward_logits(fresh_model(tiny_model_dir, w), batch))[mask].mean())

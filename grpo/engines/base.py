@@ -1,8 +1,9 @@
 """The rollout interface: prompt token ids, sampling settings and per-row seeds in; completions out.
 
-Every rollout engine (`grpo.engines.sampling.TransformersSampler`, the CPU engine's `CPUSampler`, a scripted one
-for tests, vLLM later) implements `generate`, and `update_weights` when it holds a copy of the policy's weights
-that must follow the optimizer. Each row draws from its own random stream, seeded by the caller from the run seed,
+Every rollout engine (`grpo.engines.sampling.TransformersSampler`, the CPU engine's `CPUSampler`, vLLM colocated or
+through a server, a scripted one for tests) implements `RolloutEngine`: `generate`, and the capabilities the
+trainer calls around it (`update_weights` when it holds a copy of the policy's weights that must follow the
+optimizer, `sleep` / `wake`, `generate_together`). Each row draws from its own random stream, seeded by the caller from the run seed,
 the step and the row's global index, so a completion does not depend on which other rows share its batch or process:
 1 and N processes sample the same completions, and a resumed run needs no generator state.
 """
@@ -41,25 +42,74 @@ class Completions:
 
 
 class RolloutEngine(Protocol):
+    """Every capability the trainer uses of a rollout engine, declared (no `getattr` probe anywhere):
+
+    generate           this process's rows
+    generate_together  every process's rows in one request, called by every process at once (a server's client);
+                       an engine in this process generates its own rows
+    update_weights     after an optimizer step, for an engine that samples from its own copy of the weights (vLLM)
+    sleep / wake       free the engine's device memory while the update runs, and take it back (vLLM's sleep mode)
+
+    `EngineDefaults` gives an engine that samples from the policy itself the four beyond `generate`; `as_engine`
+    completes a user's engine that has `generate` alone."""
+
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seeds: list[int]) -> Completions: ...
 
+    def generate_together(self, prompt_ids: list[list[int]], params: SamplingParams,
+                          seeds: list[int]) -> Completions: ...
 
-def update_weights(engine, model) -> None:
-    """Tell `engine` the policy's weights changed (after an optimizer step): an engine that samples from its own copy
-    of the weights (vLLM) loads them; one that samples from the policy itself has no `update_weights`."""
-    update = getattr(engine, "update_weights", None)
-    if update is not None:
-        update(model)
+    def update_weights(self, model) -> None: ...
 
+    def sleep(self) -> None: ...
 
-def sleep(engine) -> None:
-    """Let `engine` free its device memory while the update runs (vLLM's sleep mode), where it can."""
-    getattr(engine, "sleep", lambda: None)()
+    def wake(self) -> None: ...
 
 
-def wake(engine) -> None:
-    """Take back what `sleep` freed, before the next rollout."""
-    getattr(engine, "wake", lambda: None)()
+CAPABILITIES = ("generate_together", "update_weights", "sleep", "wake")
+
+
+class EngineDefaults:
+    """The capabilities beyond `generate` of an engine that samples from the policy itself, in this process: one
+    request is its own rows, there is no copy of the weights to load, no memory to lend the update."""
+
+    def generate_together(self, prompt_ids, params, seeds, **rows) -> Completions:
+        return self.generate(prompt_ids, params, seeds, **rows)
+
+    def update_weights(self, model) -> None:
+        pass
+
+    def sleep(self) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass
+
+
+class _Completed(EngineDefaults):
+    """A user's engine (`GRPOTrainer(generator=...)`) with the capabilities it lacks taken from EngineDefaults; those
+    it has, and its other attributes, are its own."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        for name in CAPABILITIES:
+            if callable(getattr(engine, name, None)):
+                setattr(self, name, getattr(engine, name))
+
+    def generate(self, prompt_ids, params, seeds, **rows) -> Completions:
+        return self.engine.generate(prompt_ids, params, seeds, **rows)
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["engine"], name)
+
+
+def as_engine(engine) -> RolloutEngine:
+    """`engine` itself when it declares every capability (grpo's engines do), else completed (`_Completed`)."""
+    if not callable(getattr(engine, "generate", None)):
+        raise TypeError(f"generator: {type(engine).__name__} has no generate(prompt_ids, params, seeds) method; a "
+                        "rollout engine needs one (grpo.engines.base.RolloutEngine).")
+    if all(callable(getattr(engine, name, None)) for name in CAPABILITIES):
+        return engine
+    return _Completed(engine)
 
 
 def row_seed(seed: int, step: int, row: int) -> int:
@@ -67,7 +117,7 @@ def row_seed(seed: int, step: int, row: int) -> int:
     return (seed * 1_000_003 + step * 65_537 + row) % (2**63 - 1)
 
 
-class ScriptedGenerator:
+class ScriptedGenerator(EngineDefaults):
     """Completions from a function `complete(prompt_ids, rng) -> list[int]`, for tests and dry runs.
 
     The function sees the prompt ids and the row's own seeded generator; a row that ends with an id in `eos_ids`

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -41,6 +41,28 @@ class MicroBatch:
 LossFn = Callable[[torch.Tensor, slice, "torch.Tensor | None"], LossOutput]
 """loss_fn(logp (rows, width), rows, entropy or None) -> LossOutput: the step's loss over those rows of the
 micro-batch (the trainer's `grpo.core.policy_loss` with the run's settings)."""
+
+
+class UpdateBackend(Protocol):
+    """The update half of an engine: every call the trainer makes of it (grpo.training.update, the trainer).
+    `TransformersBackend` runs any model on any device; the CPU engine's `CPUBackend` extends it."""
+
+    name: str
+
+    def packing(self, model, enabled: bool) -> tuple[Packing | None, str]: ...
+
+    def prepare(self) -> None: ...
+
+    def release(self) -> None: ...
+
+    def logprobs(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int,
+                 temperature: float, packed: PackedRows | None = None,
+                 images: list | None = None) -> torch.Tensor: ...
+
+    def loss_and_backward(self, micro: MicroBatch, temperature: float, loss_fn: LossFn, with_entropy: bool,
+                          entropy_in_loss: bool = False) -> tuple[torch.Tensor, LossOutput]: ...
+
+    def after_optimizer_step(self, stepped: bool) -> None: ...
 
 
 class TransformersBackend:

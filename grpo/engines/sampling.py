@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from grpo.engines.base import Completions, SamplingParams
+from grpo.engines.base import Completions, EngineDefaults, SamplingParams
 from grpo.engines.images import own_positions
 from grpo.engines.kv_cache import (cache_args, distinct_rows, expand_cache, keep_cache_rows, positions,
                                    preallocated_cache, returned_cache)
@@ -145,7 +145,7 @@ def process_logits(logits: torch.Tensor, seen: torch.Tensor | None, p: SamplingP
 
 
 
-class TransformersSampler:
+class TransformersSampler(EngineDefaults):
     """Sample from a `transformers` causal LM with its KV cache, on the model's device.
 
     `batch_size` bounds the rows sampled together (memory); `eos_ids` are the token ids that end a completion.

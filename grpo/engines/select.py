@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo.config import ConfigError
+from grpo.engines.base import as_engine
 from grpo.engines.images import is_vision_config
 from grpo.engines.policy import TransformersBackend
 from grpo.engines.sampling import TransformersSampler
@@ -76,7 +77,8 @@ def make_engine(choice: EngineChoice, model, policy, accelerator, tokenizer, par
     the unwrapped module; `generator` a rollout engine of the caller's that replaces the built one; `sp`: this
     process's sequence-parallel group (grpo.engines.ulysses.SequenceGroup), or None; `offload`: the update's saved
     activations in host memory (grpo.engines.offload; the CPU engine's are there already)."""
-    generator = generator or make_sampler(choice, policy, tokenizer, model, gather_for_generation)
+    generator = as_engine(generator) if generator is not None else make_sampler(choice, policy, tokenizer, model,
+                                                                                 gather_for_generation)
     if choice.name == "cpu":
         from grpo.engines.cpu import CPUBackend
 

@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from grpo.engines.base import EngineDefaults
+
 
 def _is_dtensor(t) -> bool:
     from torch.distributed.tensor import DTensor
@@ -116,7 +118,7 @@ def _zero3_gathered(engine):
             offload._register_deepspeed_module(offload.module)
 
 
-class WholeWeightsSampler:
+class WholeWeightsSampler(EngineDefaults):
     """A rollout engine whose `generate` runs `sampler` on whole weights gathered for the call and released after
     (`ds3_gather_for_generation`). `model` is the policy as accelerate prepared it. Collective."""
 

@@ -15,7 +15,7 @@ import socket
 
 import torch
 
-from grpo.engines.base import Completions, SamplingParams
+from grpo.engines.base import Completions, EngineDefaults, SamplingParams
 from grpo.engines.sharding import hf_weights
 
 INSTALL_HINT = ('vLLM is not installed: `pip install "grpo[vllm]"` on a GPU machine, or `bash scripts/vllm_env.sh` '
@@ -56,7 +56,7 @@ def launcher_environment():
             os.environ.pop(key, None)
 
 
-class VLLMEngine:
+class VLLMEngine(EngineDefaults):
     """A colocated vLLM engine for rollouts.
 
     `model_name_or_path` is what vLLM loads its architecture and first weights from; `model`, when given, is the

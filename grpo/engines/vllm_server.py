@@ -42,7 +42,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import torch
 
 from grpo.engines import vllm_weights
-from grpo.engines.base import Completions, SamplingParams
+from grpo.engines.base import Completions, EngineDefaults, SamplingParams
 
 
 @dataclasses.dataclass
@@ -219,7 +219,7 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
 
-class VLLMServerClient:
+class VLLMServerClient(EngineDefaults):
     """The rollout engine of a trainer process in server mode.
 
     `generate` asks the server for this process's rows; `generate_together`, called by every process at once

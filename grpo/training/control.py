@@ -10,6 +10,7 @@ callback's `on_*` method with the config, the state and a `TrainerControl`; the 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 EVENTS = ("on_init_end", "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_step_begin",
@@ -133,25 +134,23 @@ class RunControl:
         self.control.should_log = False
         self.event("on_log", logs=logs, **kwargs)
 
-    def after_step(self, trainer, metrics: dict[str, float], logger, display) -> None:
-        """After optimizer step `trainer.step`: our cadence and then the callbacks set the flags; evaluate, log,
-        write samples and save as they say (a callback's should_training_stop ends the loop)."""
-        from grpo.training.summary import log_step
-
-        step = trainer.step
-        control = self.step_done(step, trainer.eval_set is not None, metrics=metrics)
+    def after_step(self, step: int, metrics: dict[str, float], report, *, has_eval: bool,
+                   evaluate: Callable[[], dict[str, float]], samples: list | None,
+                   save: Callable[[], Any]) -> None:
+        """After optimizer step `step`: our cadence and then the callbacks set the flags; evaluate, log (`report`,
+        a grpo.training.summary.StepLog), write samples and save (`save()`) as they say (a callback's
+        should_training_stop ends the loop)."""
+        control = self.step_done(step, has_eval, metrics=metrics)
         if control.should_evaluate:
-            evaluated = trainer.evaluate(loss=False)  # (rewards only: the loss would sample the set again)
+            evaluated = evaluate()  # (rewards only: the loss would sample the set again)
             metrics.update(evaluated)
             control.should_evaluate = False
             self.event("on_evaluate", metrics=evaluated)
         if control.should_log or any(k.startswith("eval/") for k in metrics):
-            log_step(trainer, logger, display, step, metrics)
+            report(step, metrics)
         if self.cadence.samples(step):
-            logger.log_samples(step, trainer._last_samples, print_rows=self.cfg.num_completions_to_print)
+            report.logger.log_samples(step, samples, print_rows=self.cfg.num_completions_to_print)
         if control.should_save:
-            path = trainer.save_checkpoint()
+            save()
             control.should_save = False
             self.event("on_save")
-            if trainer.hub is not None and path is not None:
-                trainer.hub.saved(path, step)

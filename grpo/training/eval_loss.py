@@ -16,6 +16,7 @@ import torch
 from grpo.core import aggregation_normalizer
 from grpo.engines.policy import completion_logprobs, reference_view
 from grpo.training.objective import MicroInputs, Objective
+from grpo.training.rollout import Rollouts
 
 
 class _InOrder:
@@ -26,22 +27,20 @@ class _InOrder:
 
 
 @torch.no_grad()
-def eval_loss(trainer, prompt_set) -> float:
+def eval_loss(train: Rollouts, objective: Objective, reference, accel, prompt_set) -> float:
     """The objective's value on `prompt_set` (module docstring), summed over this process's micro-batches and every
-    process, as the training loss is."""
-    from grpo.training.rollout import Rollouts
-
-    cfg, procs = trainer.cfg, trainer.procs
-    rollouts = Rollouts(cfg, trainer.generator, trainer.policy, trainer.tokenizer, prompt_set, _InOrder(),
-                        trainer.rewards, trainer.step_rewards, procs, len(prompt_set), cfg.num_generations,
-                        trainer.params, trainer.rollouts.agent)
-    rollouts.trainer_state = trainer.state
-    rollouts.engine_stale = trainer.rollouts.engine_stale
-    with trainer.accel.autocast():
+    process, as the training loss is. `train` is the run's rollout, whose engine, rewards and sampling settings the
+    eval rollout shares; `objective` the run's (its adaptive entropy coefficient included)."""
+    cfg, procs, policy = train.cfg, train.procs, train.policy
+    rollouts = Rollouts(cfg, train.generator, policy, train.tokenizer, prompt_set, _InOrder(), train.rewards,
+                        train.step_rewards, procs, len(prompt_set), cfg.num_generations, train.params, train.agent)
+    rollouts.trainer_state = train.trainer_state
+    rollouts.engine_stale = train.engine_stale
+    with accel.autocast():
         batch = rollouts.make(0)
-    objective = Objective(cfg, procs)
-    objective.load_state_dict(trainer.objective.state_dict())
-    device, width, rows = trainer.accel.device, batch.completion_width, batch.input_ids.shape[0]
+    run_objective, objective = objective, Objective(cfg, procs)
+    objective.load_state_dict(run_objective.state_dict())
+    device, width, rows = accel.device, batch.completion_width, batch.input_ids.shape[0]
     size = max(1, cfg.per_device_eval_batch_size)
     chunks = [torch.arange(s, min(s + size, rows)) for s in range(0, rows, size)]
     tokens = float(procs.gather(batch.completion_mask.sum().reshape(1)).sum())
@@ -49,10 +48,10 @@ def eval_loss(trainer, prompt_set) -> float:
     for chunk in chunks:
         ids, att = batch.input_ids[chunk].to(device), batch.attention_mask[chunk].to(device)
         mask = batch.completion_mask[chunk].to(device)
-        logp, entropy = completion_logprobs(trainer.policy, ids, att, width, cfg.temperature, with_entropy=True)
+        logp, entropy = completion_logprobs(policy, ids, att, width, cfg.temperature, with_entropy=True)
         ref = None
         if cfg.beta > 0:
-            with reference_view(trainer.policy, trainer.reference) as reference:
+            with reference_view(policy, reference) as reference:
                 ref = completion_logprobs(reference, ids, att, width, cfg.temperature)
         normalizer = aggregation_normalizer(cfg.loss_aggregation, step_tokens=tokens, step_rows=rows * procs.world,
                                             micro_tokens=float(mask.sum()), micro_batches=len(chunks),

@@ -164,14 +164,14 @@ def nonfinite_messages(step: int, grad_norm: float, saved, in_a_row: int, limit:
     return warning, stop
 
 
-def report_nonfinite(trainer, batch, grad_norm: float, stopped: type) -> None:
-    """A skipped non-finite step: its inputs saved, a warning printed, the run stopped (raising `stopped`) after
-    max_nonfinite_steps in a row."""
+def report_nonfinite(cfg, loop, rank: int, batch, grad_norm: float, deepspeed: bool, stopped: type) -> None:
+    """A skipped non-finite step (loop.step + 1): its inputs saved, a warning printed, the run stopped (raising
+    `stopped`) after max_nonfinite_steps in a row."""
     from grpo.training import checkpoint as ckpt
 
-    saved = ckpt.save_nonfinite_inputs(trainer.cfg.output_dir, trainer.step + 1, trainer.rank, batch)
-    warning, stop = nonfinite_messages(trainer.step + 1, grad_norm, saved, trainer.nonfinite_in_a_row,
-                                       trainer.cfg.max_nonfinite_steps, trainer.accel.distributed_type == "DEEPSPEED")
+    saved = ckpt.save_nonfinite_inputs(cfg.output_dir, loop.step + 1, rank, batch)
+    warning, stop = nonfinite_messages(loop.step + 1, grad_norm, saved, loop.nonfinite_in_a_row,
+                                       cfg.max_nonfinite_steps, deepspeed)
     print(warning)
     if stop:
         raise stopped(stop)

@@ -31,6 +31,7 @@ import time
 import traceback
 
 from grpo.config import ConfigError
+from grpo.engines.base import EngineDefaults
 from grpo.training.pipeline import Answers, LaggedRollouts
 from grpo.training.rollout import RolloutBatch, Rollouts
 
@@ -107,7 +108,7 @@ class ServerRollouts(LaggedRollouts):
         return batch
 
 
-class _InOrder:
+class _InOrder(EngineDefaults):
     """The engine the trainer's process sees (`Rollouts.generator`) while the client thread owns the server's
     request order: `ready_engine` (before an evaluation) waits for the thread's requests, then pushes the current
     weights unless the server holds them (`update_weights` after an optimizer step) — so an evaluation never runs
@@ -124,7 +125,7 @@ class _InOrder:
             self.source.worker.drain()
 
 
-class _Pinned:
+class _Pinned(EngineDefaults):
     """The client thread's engine: each request names the step of the weights it must be sampled with, and the
     server's reply says which it used."""
 

@@ -16,7 +16,7 @@ import torch
 
 from grpo.agents.metrics import agent_metrics, sample_stats
 from grpo.core import decoupled_advantages, group_advantages, mix_advantages, process_advantages
-from grpo.engines.base import SamplingParams, row_seed, sleep, update_weights, wake
+from grpo.engines.base import SamplingParams, row_seed
 from grpo.engines.images import RowImages
 from grpo.engines.sampling import left_pad
 from grpo.training.faults import engine_faults
@@ -221,9 +221,9 @@ class Rollouts:
         """Hand the rollout engine the policy's weights if an optimizer step changed them, and wake it (a sleeping
         vLLM engine loads them as it wakes, between taking back its weights' memory and its KV cache's)."""
         if self.engine_stale:
-            update_weights(self.generator, self.policy)
+            self.generator.update_weights(self.policy)
             self.engine_stale = False
-        wake(self.generator)
+        self.generator.wake()
 
     def _begin(self) -> None:
         self.times = {"generation": 0.0, "scoring": 0.0}
@@ -237,7 +237,7 @@ class Rollouts:
             sampled, sampling_metrics = self._sample_dynamic(index)
         else:
             sampled, sampling_metrics = self._sample(self.prompts.next(self.B), index), {}
-        sleep(self.generator)  # (vLLM's sleep mode: its memory is the update's until the next rollout)
+        self.generator.sleep()  # (vLLM's sleep mode: its memory is the update's until the next rollout)
         return self.finish(sampled, sampling_metrics, index)
 
     def finish(self, sampled: Sampled, sampling_metrics: dict[str, float], index: int) -> RolloutBatch:
@@ -262,7 +262,7 @@ class Rollouts:
             extra = {"sampling": sampling, "prompts": self.prompts.state_dict()}
         else:
             sampled, extra = self._generate(request), {}
-        sleep(self.generator)
+        self.generator.sleep()
         return sampled, {"metrics": self._logged_metrics, "columns": self._logged_columns, "times": self.times,
                          **extra}
 
@@ -306,8 +306,7 @@ class Rollouts:
                 out = self.generator.generate(prompt_ids, self.params, seeds, images=images)
             elif self.agent is None:
                 # (a server engine sends every process's rows in one request, all processes calling at once)
-                out = getattr(self.generator, "generate_together", self.generator.generate)(prompt_ids, self.params,
-                                                                                             seeds)
+                out = self.generator.generate_together(prompt_ids, self.params, seeds)
             else:  # tools, environments or a rollout_func: the prompts may come back extended
                 out = agent = self.agent.generate(prompts, prompt_ids, columns, self.params, seeds)
         if agent is not None:

@@ -3,7 +3,7 @@
 `train()` into an output_dir that holds a run's files (config.yaml, metrics.jsonl, checkpoint-*/, final/, ...) is
 refused unless it resumes (resume, --resume, resume_from_checkpoint) or `overwrite_output_dir` is set, which deletes
 those files first (only those: a file grpo does not write is left alone). A resumed run compares its resolved
-config (grpo.training.summary.resolved_config, kept in each checkpoint) with the checkpoint's:
+config (grpo.training.summary.RunFiles.resolved, kept in each checkpoint) with the checkpoint's:
 
 - what makes it another run is refused: the model, the data, the rewards, the group size, the seed, the batch
   layout of a rollout (prompts per rollout, optimizer steps per rollout, passes), LoRA, the dtype;
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,8 @@ import yaml
 from grpo.config import ConfigError
 from grpo.training import lock
 from grpo.training.checkpoint import PREFIX
+from grpo.training.loop_state import LoopState
 from grpo.training.state import checkpoint_to_resume
-from grpo.training.summary import resolved_config
 
 FINISHED = "finished.json"  # the step at which final/ was written
 RUN_FILES = ("config.yaml", "layout.yaml", "metrics.jsonl", "samples", "tensorboard", "final", "final.tmp",
@@ -58,51 +59,52 @@ def run_files(out: Path) -> list[str]:
     return sorted(p.name for p in out.iterdir() if p.name in RUN_FILES or p.name.startswith(PREFIX))
 
 
-def prepare(trainer, requested: Any) -> bool:
+def prepare(cfg, procs, loop: LoopState, requested: Any, total_steps: int,
+            current: Callable[[], tuple[dict, dict]], resume: Callable[[Path, set[str]], None]) -> bool:
     """At the start of train(): the run directory's lock (grpo.training.lock) and rules, then the checkpoint to
-    continue from (if any) restored, with the changes the config may make. True: a resume of a run that is finished
-    (nothing to do; said in a line). The main process decides; every process raises the same ConfigError and
-    applies the same changes. Collective."""
-    cfg, main, out = trainer.cfg, trainer.accel.is_main_process, Path(trainer.cfg.output_dir)
+    continue from (if any) handed to `resume(path, changed keys)`, after comparing the checkpoint's config with
+    `current()` (this run's resolved config and layout). True: a resume of a run that is finished (nothing to do;
+    said in a line; `loop.step` set to its step). The main process decides; every process raises the same
+    ConfigError and applies the same changes. Collective."""
+    main, out = procs.accel.is_main_process, Path(cfg.output_dir)
     resuming = bool(requested if requested is not None else (cfg.resume_from_checkpoint or cfg.resume))
     verdict = [None, None]  # (refusal, the step a finished run ended at)
     if main:
         try:
             lock.take(out)
             if resuming and (requested is True or (requested is None and not cfg.resume_from_checkpoint)):
-                verdict[1] = _finished(trainer, out)
+                verdict[1] = _finished(out, total_steps)
         except ConfigError as err:
             verdict[0] = str(err)
-    _agree(trainer, verdict)
+    _agree(procs.accel, verdict)
     if verdict[1]:
-        trainer.step = verdict[1]
-        release(trainer)
+        loop.step = verdict[1]
+        release(out, main)
         return True
     try:
-        path = checkpoint_to_resume(cfg, requested, trainer.procs)
+        path = checkpoint_to_resume(cfg, requested, procs)
         decision = [None, []]  # (refusal, changes)
         if main:
             try:
                 if path is not None:
-                    decision[1] = compare_with_checkpoint(trainer, path)
-                elif not resuming and not getattr(trainer, "owns_output_dir", False):
+                    decision[1] = compare_with_checkpoint(cfg, path, *current())
+                elif not resuming and not loop.owns_output_dir:
                     claim(out, cfg.overwrite_output_dir)
             except ConfigError as err:
                 decision[0] = str(err)
-        _agree(trainer, decision)
+        _agree(procs.accel, decision)
         if path is not None:
-            trainer._resume(path)
-            apply_changes(trainer, {k for k, _, _ in decision[1]})
+            resume(path, {k for k, _, _ in decision[1]})
     except BaseException:
-        release(trainer)  # (a refused run leaves the directory free)
+        release(out, main)  # (a refused run leaves the directory free)
         raise
-    trainer.owns_output_dir = True  # (a second train() of this trainer continues in it)
+    loop.owns_output_dir = True  # (a second train() of this trainer continues in it)
     return False
 
 
-def _agree(trainer, decision: list) -> None:
+def _agree(accel, decision: list) -> None:
     """The main process's decision to every process; its refusal (decision[0]) raised on all. Collective."""
-    if trainer.accel.num_processes > 1:  # (every process, sequence-parallel ones included)
+    if accel.num_processes > 1:  # (every process, sequence-parallel ones included)
         from accelerate.utils import broadcast_object_list
 
         broadcast_object_list(decision)
@@ -110,7 +112,7 @@ def _agree(trainer, decision: list) -> None:
         raise ConfigError(decision[0])
 
 
-def _finished(trainer, out: Path) -> int | None:
+def _finished(out: Path, total_steps: int) -> int | None:
     """The step the run in `out` ended at (final/ written), if at this run's max steps or beyond: said in a line.
     A run that is to go further is no longer finished."""
     done = out / FINISHED
@@ -118,7 +120,7 @@ def _finished(trainer, out: Path) -> int | None:
         step = int(json.loads(done.read_text())["step"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if step < trainer.total_steps:
+    if step < total_steps:
         done.unlink()
         return None
     print(f"resume: the run in {out} finished at step {step} (final/ written): nothing to do; raise max_steps above "
@@ -126,17 +128,17 @@ def _finished(trainer, out: Path) -> int | None:
     return step
 
 
-def finished(trainer) -> None:
-    """After final/ is written: the run is complete at this step (a later --resume does nothing unless max_steps
+def finished(out: Path, step: int, main: bool) -> None:
+    """After final/ is written: the run is complete at `step` (a later --resume does nothing unless max_steps
     grows)."""
-    if trainer.accel.is_main_process:
-        (Path(trainer.cfg.output_dir) / FINISHED).write_text(json.dumps({"step": trainer.step}) + "\n")
+    if main:
+        (out / FINISHED).write_text(json.dumps({"step": step}) + "\n")
 
 
-def release(trainer) -> None:
+def release(out: Path, main: bool) -> None:
     """When train() ends, however it ends: the directory's lock given back (main process)."""
-    if trainer.accel.is_main_process:
-        lock.release(Path(trainer.cfg.output_dir))
+    if main:
+        lock.release(out)
 
 
 def claim(out: Path, overwrite: bool) -> None:
@@ -166,14 +168,13 @@ def saved_files(path: Path, cfg) -> tuple[dict | None, dict | None]:
     return read("config.yaml"), read("layout.yaml")
 
 
-def compare_with_checkpoint(trainer, path: Path) -> list[tuple[str, Any, Any]]:
-    """Refuse (ConfigError) a resume whose config makes it another run; return the other changes (key, old, new)
-    and print them."""
-    saved, saved_layout = saved_files(path, trainer.cfg)
+def compare_with_checkpoint(cfg, path: Path, now: dict, layout: dict) -> list[tuple[str, Any, Any]]:
+    """Refuse (ConfigError) a resume whose config makes it another run than the one `path` belongs to (`now`: this
+    run's resolved config, `layout` its batch layout); return the other changes (key, old, new) and print them."""
+    saved, saved_layout = saved_files(path, cfg)
     if saved is None:
         print(f"resume: {path} has no config.yaml to compare this run's config with.")
         return []
-    now, layout = resolved_config(trainer), trainer.layout.to_dict()
     refused = [(k, saved[k], now[k]) for k in IDENTITY if k in saved and k in now and saved[k] != now[k]]
     refused += [(f"layout.{k}", saved_layout[k], layout[k]) for k in LAYOUT_IDENTITY
                 if saved_layout and k in saved_layout and saved_layout[k] != layout[k]]
@@ -190,19 +191,18 @@ def compare_with_checkpoint(trainer, path: Path) -> list[tuple[str, Any, Any]]:
     return changed
 
 
-def apply_changes(trainer, changed: set[str]) -> None:
+def apply_changes(cfg, optimizer, scheduler, changed: set[str]) -> None:
     """After the checkpoint's optimizer and schedule are restored: the config's learning_rate, AdamW settings and
     schedule replace theirs (restored, they would silently keep the checkpoint's)."""
     import torch
 
-    cfg, scheduler = trainer.cfg, trainer.scheduler
     if not changed & {"learning_rate", "adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay", "max_steps",
                       "num_train_epochs", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio"}:
         return
     if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):  # (a user's own scheduler keeps its state)
         return
     scheduler.base_lrs = [cfg.learning_rate] * len(scheduler.base_lrs)
-    for group, factor in zip(trainer.optimizer.param_groups, scheduler.lr_lambdas):
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
         group.update(lr=cfg.learning_rate * factor(scheduler.last_epoch), weight_decay=cfg.weight_decay,
                      betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
-    scheduler._last_lr = [group["lr"] for group in trainer.optimizer.param_groups]
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]

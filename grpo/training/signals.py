@@ -19,7 +19,9 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -65,26 +67,26 @@ class StopSignals:
         return int(flag.item())
 
 
-def stop_if_signalled(trainer, signals: StopSignals) -> None:
-    """After an optimizer step: when a stop signal came to any process, write this step's checkpoint (unless the
-    cadence just did) and raise TrainingInterrupted saying how to resume. Collective."""
+def stop_if_signalled(signals: StopSignals, cfg, accel, step: int, total_steps: int,
+                      save: Callable[[], Any]) -> None:
+    """After optimizer step `step`: when a stop signal came to any process, write this step's checkpoint (`save()`,
+    unless the cadence just did) and raise TrainingInterrupted saying how to resume. Collective."""
     number = signals.agreed()
     if not number:
         return
-    if not _saved_now(trainer):
-        trainer.save_checkpoint()
-    path = Path(trainer.cfg.output_dir) / f"{PREFIX}{trainer.step}"
-    note = " (model only: save_only_model is set, so it cannot be resumed)" if trainer.cfg.save_only_model else ""
-    raise TrainingInterrupted(f"{signal.Signals(number).name} after step {trainer.step} of "
-                              f"{trainer.total_steps}; wrote {path}{note}. Resume: {resume_hint()}")
+    if not _saved_now(cfg.output_dir, step, accel):
+        save()
+    path = Path(cfg.output_dir) / f"{PREFIX}{step}"
+    note = " (model only: save_only_model is set, so it cannot be resumed)" if cfg.save_only_model else ""
+    raise TrainingInterrupted(f"{signal.Signals(number).name} after step {step} of {total_steps}; wrote {path}{note}. "
+                              f"Resume: {resume_hint()}")
 
 
-def _saved_now(trainer) -> bool:
+def _saved_now(output_dir: str, step: int, accel) -> bool:
     """Whether this step's checkpoint is complete on disk already (the cadence wrote it): the main process looks,
     every process takes its answer."""
-    found = [trainer.step in dict(complete_checkpoints(trainer.cfg.output_dir))] if trainer.accel.is_main_process \
-        else [False]
-    if trainer.accel.num_processes > 1:  # (every process, sequence-parallel ones included)
+    found = [step in dict(complete_checkpoints(output_dir))] if accel.is_main_process else [False]
+    if accel.num_processes > 1:  # (every process, sequence-parallel ones included)
         from accelerate.utils import broadcast_object_list
 
         broadcast_object_list(found)

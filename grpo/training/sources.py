@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from grpo.agents import AgentRollout
@@ -15,6 +17,30 @@ from grpo.config import ConfigError
 from grpo.training.pipeline import LaggedRollouts
 from grpo.training.pipeline_server import ServerRollouts
 from grpo.training.rollout import RolloutBatch, Rollouts
+
+
+class RolloutSource(Protocol):
+    """What the loop calls of its rollout source, whichever mode the run is in (the three below)."""
+
+    layout: str  # one line for the start of the run: how rollouts are made
+
+    def start(self) -> None:  # when train() begins (a lag: the worker or client thread starts)
+        ...
+
+    def stepped(self, step: int) -> None:  # after optimizer step `step` (a lag: the next rollout may start)
+        ...
+
+    def next(self, index: int) -> RolloutBatch:  # rollout `index` of the run
+        ...
+
+    def close(self) -> None:  # when train() ends, however it ends
+        ...
+
+    def state_dict(self) -> dict | None:  # the rollouts generated ahead, for a checkpoint (Stateful)
+        ...
+
+    def load_state_dict(self, state: dict | None) -> None:
+        ...
 
 
 class SyncRollouts:
@@ -47,7 +73,7 @@ class SyncRollouts:
 
 
 def make_source(cfg, rollouts: Rollouts, policy, device, rollout_steps: int, total_steps: int, distributed: str,
-                reference=None):
+                reference=None) -> RolloutSource:
     """The run's rollout source; a lag where the worker cannot run is a ConfigError saying why. `reference(batch)`:
     the reference's log-probs of a batch's rows, which the worker takes too where it can: the reference never
     changes (no sync_ref_model) and planning the passes needs no other process (no token budget over several)."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from grpo.engines.sharding import whole_numel
 from grpo.training.sharded import describe
@@ -20,42 +22,60 @@ class TrainResult(dict):
         self.metrics = {**metrics, **(summary or {})}
 
 
-def resolved_config(trainer) -> dict:
-    """The config that runs: the keys as given, with what the trainer resolved in place of what it was not told
-    (the task's or the given reward functions and weights, a given model's name, the task left out when a
-    train_dataset was given). A valid recipe: `grpo train config.yaml` reads it."""
-    values = trainer.cfg.to_dict()
-    specs = trainer.rewards.specs
-    values["reward_funcs"] = [s if isinstance(s, (str, dict)) else str(s) for s in specs]
-    values["reward_weights"] = list(trainer.rewards.weights[:len(specs)])
-    values["model_name_or_path"] = getattr(trainer.policy, "name_or_path", None) or values["model_name_or_path"]
-    values["prefill"] = trainer.prefill
-    if trainer.task is None:
-        values["task"] = None
-    return values
+@dataclass
+class RunFiles:
+    """The run's config.yaml (the resolved config) and layout.yaml (the resolved batch layout), in the run directory
+    and in each checkpoint."""
+
+    cfg: Any
+    rewards: Any  # grpo.rewards.runner.RewardRunner: the reward functions and weights that run
+    model_name: str | None  # a given model's name (the config's otherwise)
+    prefill: str
+    has_task: bool
+    layout: Any  # grpo.training.steps.Layout
+
+    def resolved(self) -> dict:
+        """The config that runs: the keys as given, with what the trainer resolved in place of what it was not told
+        (the task's or the given reward functions and weights, a given model's name, the task left out when a
+        train_dataset was given). A valid recipe: `grpo train config.yaml` reads it."""
+        values = self.cfg.to_dict()
+        specs = self.rewards.specs
+        values["reward_funcs"] = [s if isinstance(s, (str, dict)) else str(s) for s in specs]
+        values["reward_weights"] = list(self.rewards.weights[:len(specs)])
+        values["model_name_or_path"] = self.model_name or values["model_name_or_path"]
+        values["prefill"] = self.prefill
+        if not self.has_task:
+            values["task"] = None
+        return values
+
+    def write(self, out: Path) -> None:
+        import yaml
+
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(yaml.safe_dump(self.resolved(), sort_keys=False))
+        (out / "layout.yaml").write_text(yaml.safe_dump(self.layout.to_dict(), sort_keys=False))
 
 
-def write_run_files(trainer, out: Path) -> None:
-    """The run directory's config.yaml (the resolved config) and layout.yaml (the resolved batch layout); a
-    checkpoint keeps both too."""
-    import yaml
+@dataclass
+class StepLog:
+    """Where a logged step's metrics go: every sink (`logger`), the display, the callbacks (`control`), under the
+    names metric_names asks for; the end-of-training summary then carries only the steps after it."""
 
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(yaml.safe_dump(resolved_config(trainer), sort_keys=False))
-    (out / "layout.yaml").write_text(yaml.safe_dump(trainer.layout.to_dict(), sort_keys=False))
+    logger: Any
+    display: Any
+    control: Any  # grpo.training.control.RunControl
+    summary: Any  # grpo.training.trl_surface.TrainingSummary
+    metric_names: str
+    reward_names: list[str]
 
+    def __call__(self, step: int, metrics: dict[str, float]) -> None:
+        from grpo.training.metric_names import named
 
-def log_step(trainer, logger, display, step: int, metrics: dict[str, float]) -> None:
-    """Log one step's metrics under the names metric_names asks for, show them, and tell the callbacks."""
-    from grpo.training.metric_names import named
-
-    logs = named(metrics, trainer.cfg.metric_names, trainer.reward_names)
-    summary = getattr(trainer, "_summary", None)
-    if summary is not None:
-        summary.logged()  # (the end-of-training entry carries only the steps after this one)
-    logger.log(step, logs)
-    display.update(step, metrics)
-    trainer.control.logged(step, logs)
+        logs = named(metrics, self.metric_names, self.reward_names)
+        self.summary.logged()
+        self.logger.log(step, logs)
+        self.display.update(step, metrics)
+        self.control.logged(step, logs)
 
 
 def _count(n: int) -> str:
@@ -69,44 +89,48 @@ def _prompts(train_set) -> str:
     return "streamed prompts" if count is None else f"{count} prompts"
 
 
-def start_lines(trainer) -> list[str]:
-    cfg, policy = trainer.cfg, trainer.policy
+def start_lines(cfg, policy, *, has_task: bool, train_set, eval_set, rewards, reward_names: list[str], accel, procs,
+                agents, engine, passes: str, rollouts: str, step: int, total_steps: int, layout) -> list[str]:
+    """What the run is about to do, one line per part: model, data, rewards, agents, engine, device, passes, rollouts,
+    steps, output."""
     total = sum(whole_numel(p) for p in policy.parameters())
     trained = sum(whole_numel(p) for p in policy.parameters() if p.requires_grad)
     params = _count(total) + ("" if trained == total else f", {_count(trained)} trained (LoRA)")
-    data = (f"task {cfg.task}" if trainer.task is not None else cfg.dataset_name or "the given train_dataset")
-    evals = f", {len(trainer.eval_set)} eval" if trainer.eval_set is not None else ""
-    weights = trainer.rewards.weights
-    rewards = ", ".join(f"{n} x{w:g}" for n, w in zip(trainer.reward_names, weights))
-    count = trainer.accel.num_processes
-    device = f"{trainer.accel.device}, {count} process" + ("es" if count > 1 else "")
-    if trainer.procs.sp_size > 1:
-        device += f" ({trainer.world} data-parallel groups of {trainer.procs.sp_size})"
-    device += describe(trainer.accel, cfg)
+    data = (f"task {cfg.task}" if has_task else cfg.dataset_name or "the given train_dataset")
+    evals = f", {len(eval_set)} eval" if eval_set is not None else ""
+    weights = rewards.weights
+    shown = ", ".join(f"{n} x{w:g}" for n, w in zip(reward_names, weights))
+    count = accel.num_processes
+    device = f"{accel.device}, {count} process" + ("es" if count > 1 else "")
+    if procs.sp_size > 1:
+        device += f" ({procs.world} data-parallel groups of {procs.sp_size})"
+    device += describe(accel, cfg)
     return [f"model    {cfg.model_name_or_path} ({params} parameters)",
-            f"data     {data}: {_prompts(trainer.train_set)}{evals}",
-            f"rewards  {rewards}",
-            *([f"agents   {trainer.agents.describe()}"] if trainer.agents else []),
-            f"engine   {trainer.engine.name} ({trainer.engine.reason})"
+            f"data     {data}: {_prompts(train_set)}{evals}",
+            f"rewards  {shown}",
+            *([f"agents   {agents.describe()}"] if agents else []),
+            f"engine   {engine.name} ({engine.reason})"
             + (f"; rollouts from vLLM ({cfg.vllm_mode})" if cfg.use_vllm else ""),
             f"device   {device}",
-            f"passes   {trainer.micro.describe()}",
-            f"rollouts {trainer.source.layout}",
-            f"steps    {trainer.total_steps} optimizer steps from step {trainer.step}; rollouts of {trainer.B} prompts "
-            f"x {trainer.G} completions, each feeding {trainer.layout.rollout_steps} step(s) of "
-            f"{trainer.layout.step_completions} completions",
+            f"passes   {passes}",
+            f"rollouts {rollouts}",
+            f"steps    {total_steps} optimizer steps from step {step}; rollouts of {layout.prompts_per_rollout} prompts "
+            f"x {cfg.num_generations} completions, each feeding {layout.rollout_steps} step(s) of "
+            f"{layout.step_completions} completions",
             f"output   {cfg.output_dir}"]
 
 
-def end_lines(trainer, last: dict[str, float], seconds: float) -> list[str]:
+def end_lines(step: int, last: dict[str, float], seconds: float, failures: list[str], output_dir: str,
+              vision: bool) -> list[str]:
+    """What the run did: its steps and time, the last step's headline metrics, a line per kind of failure counted
+    (rewards, health alarms), and where the final model is."""
     minutes, secs = divmod(int(round(seconds)), 60)
     shown = [k for k in ("reward/total", "eval/accuracy", "policy/kl_divergence") if k in last]
     metrics = ", ".join(f"{k} {last[k]:.3f}" for k in shown)
-    failures = [*trainer.rewards.failure_summary(), *trainer.health.summary()]  # (one line each, not per failure)
-    auto = "AutoModelForImageTextToText" if getattr(trainer, "images", None) is not None else "AutoModelForCausalLM"
-    return [f"done     {trainer.step} steps in {minutes}m{secs:02d}s" + (f"; {metrics}" if metrics else ""),
+    auto = "AutoModelForImageTextToText" if vision else "AutoModelForCausalLM"
+    return [f"done     {step} steps in {minutes}m{secs:02d}s" + (f"; {metrics}" if metrics else ""),
             *(f"WARNING  {line}" for line in failures),
-            f"model    {trainer.cfg.output_dir}/final ({auto}.from_pretrained loads it)"]
+            f"model    {output_dir}/final ({auto}.from_pretrained loads it)"]
 
 
 def finish_run(out) -> None:

@@ -28,7 +28,7 @@ import torch
 from grpo.config.base import shipped_model
 from grpo.agents import make_agent_spec, make_rollout
 from grpo.core import sync_reference_
-from grpo.engines.base import SamplingParams, sleep
+from grpo.engines.base import SamplingParams
 from grpo.engines.policy import reference_view
 from grpo.engines.select import choose_engine, make_engine, make_vllm
 from grpo.training import run_dir, sharded_checkpoint as sharded_ckpt
@@ -36,6 +36,7 @@ from grpo.training.control import RunControl
 from grpo.training.data import build_prompt_set
 from grpo.training.health import HealthMonitor, report_nonfinite
 from grpo.training.hub import start_hub
+from grpo.training.loop_state import LoopState
 from grpo.training.memory import peak_memory_metrics, reset_peak_memory
 from grpo.training.micro_batches import MicroBatches
 from grpo.training.model import load_model, prepare_model, save_final
@@ -47,14 +48,14 @@ from grpo.training.sharded import check_sharded_images, check_sharding, place_re
 from grpo.training.errors import TrainingStopped
 from grpo.training.faults import engine_faults
 from grpo.training.signals import StopSignals, stop_if_signalled
-from grpo.training.state import restore, save_checkpoint, trainer_state
+from grpo.training.state import Checkpointing
 from grpo.training.setup import (check_inputs, check_reward_columns, check_sequence_parallel, check_sizes, config_of,
                                  configure_process, fill_deepspeed_auto, load_task, make_accelerator, make_datasets,
                                  make_optimizer, make_reward_runner, make_schedule, make_step_rewards, seed_everything,
                                  tokenizer_for, warn_low_precision_training)
 from grpo.training.stream import epochs_done, make_prompts, prompt_count
 from grpo.training.steps import StepPlan, resolve_layout
-from grpo.training.summary import TrainResult, end_lines, finish_run, log_step, start_lines, write_run_files
+from grpo.training.summary import RunFiles, StepLog, TrainResult, end_lines, finish_run, start_lines
 from grpo.training.trl_surface import (TRLSurface, TrainingSummary, data_without_dataset, eval_sets,
                                        warn_as_trl, with_prompt_column)
 from grpo.training.update import Update, apply_step, clip_gradients
@@ -168,9 +169,26 @@ class GRPOTrainer(TRLSurface):
         self.rollouts.trainer_state = self.control.state
         self.health = HealthMonitor(accuracy=self.reward_names[0],
                                     format=next((n for n in self.reward_names if "format" in n), None))
-        self.step = self.rollout_count = self.nonfinite_in_a_row = self.nonfinite_total = 0
-        self.num_tokens, self.pending = 0.0, None  # pending: (rollout, its optimizer steps still to take)
+        self.loop = LoopState()  # the step, counters, the rollout still feeding steps (grpo.training.loop_state)
+        self.run_files = RunFiles(cfg, self.rewards, getattr(self.policy, "name_or_path", None), self.prefill,
+                                  self.task is not None, self.layout)
+        self.checkpoints = Checkpointing(
+            cfg, self.accel, self.procs, self.model, self.policy, self.optimizer, self.tokenizer, self.sharded,
+            self.loop, parts={"scheduler": self.scheduler, "sampler": self.sampler, "objective": self.objective,
+                              **({"reference": self.reference} if cfg.sync_ref_model else {})},
+            own_parts={"pipeline": self.source}, rollout_steps=self.layout.rollout_steps, replan=self.updates.plan,
+            control=self.control, write_run_files=self.run_files.write)
+        self._summary = TrainingSummary()
         self.control.event("on_init_end")
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken (TRL: state.global_step)."""
+        return self.loop.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.loop.step = value
 
     # ---- the loop ----------------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: Any = None) -> TrainResult:
@@ -178,22 +196,23 @@ class GRPOTrainer(TRLSurface):
         from grpo.training.tracking import NullLogger, RunLogger
 
         cfg, out, main = self.cfg, Path(self.cfg.output_dir), self.accel.is_main_process
-        if run_dir.prepare(self, resume_from_checkpoint):  # one run per directory (locked); restores a checkpoint
+        if run_dir.prepare(cfg, self.procs, self.loop, resume_from_checkpoint, self.total_steps,
+                           lambda: (self.run_files.resolved(), self.layout.to_dict()), self._resume):
             return TrainResult({}, global_step=self.step)  # (a resume of a finished run: nothing to do)
         try:
             if main:
-                write_run_files(self, out)
-                print("\n".join(start_lines(self)))
+                self.run_files.write(out)
+                print("\n".join(self._start_lines()))
             logger = RunLogger(out, cfg.report_to, cfg.to_dict(), run_name=cfg.run_name, resume_step=self.step,
                                options=cfg) if main else NullLogger()
         except BaseException:
-            run_dir.release(self)  # (a full disk, a tracker that fails to start: the directory is left free)
+            run_dir.release(out, main)  # (a full disk, a tracker that fails to start: the directory is left free)
             raise
         display = LiveDisplay(self.total_steps) if main and not cfg.disable_tqdm else NullDisplay()
         last: dict[str, float] = {}
         started = time.perf_counter()
-        self._summary = TrainingSummary()
         self._summary.start(self.step)
+        report = StepLog(logger, display, self.control, self._summary, cfg.metric_names, self.reward_names)
         self.backend.prepare()  # (again, when train() is called a second time)
         self.control.event("on_train_begin")
         # Installed until train() returns: a signal after the last step lets the run finish (it is then complete).
@@ -202,61 +221,68 @@ class GRPOTrainer(TRLSurface):
             try:
                 self.source.start()  # (a rollout worker with max_staleness > 0: forked from the model as it now is)
                 if self.step == 0 and self.control.cadence.evaluate_first(self.eval_set is not None):
-                    log_step(self, logger, display, 0, self.evaluate(loss=False))
+                    report(0, self.evaluate(loss=False))
                 while self.step < self.total_steps and not self.control.control.should_training_stop:
                     with engine_faults(cfg, "update"):
-                        last = self._step_and_report(logger, display)
-                    stop_if_signalled(self, signals)  # a stop signal: this step's checkpoint, then TrainingInterrupted
+                        last = self._step_and_report(report)
+                    # a stop signal: this step's checkpoint, then TrainingInterrupted
+                    stop_if_signalled(signals, cfg, self.accel, self.step, self.total_steps, self.save_checkpoint)
             finally:
                 display.close()
                 logger.close()
                 self.source.close()
                 self.backend.release()  # the model goes back as it was loaded
             self.save_model(out / "final")
-            run_dir.finished(self)
+            run_dir.finished(out, self.step, main)
             if main:
                 finish_run(out)
-                print("\n".join(end_lines(self, last, time.perf_counter() - started)))
-            summary = self._summary.metrics(self)
+                print("\n".join(end_lines(self.step, last, time.perf_counter() - started,
+                                           [*self.rewards.failure_summary(), *self.health.summary()],
+                                           cfg.output_dir, vision=self.images is not None)))
+            summary = self._summary.metrics(self.step, self.layout.step_completions, self.reward_names,
+                                            getattr(self.control.state, "total_flos", 0.0))
             self.control.logged(self.step, summary)  # (transformers' last log_history entry)
             self.control.event("on_train_end")
             if self.hub is not None:
                 self.hub.finished(out / "final", self.step)
         finally:
             signals.restore()
-            run_dir.release(self)
+            run_dir.release(out, main)
         return TrainResult(last, global_step=self.step, summary=summary)
 
-    def _step_and_report(self, logger, display) -> dict[str, float]:
+    def _step_and_report(self, report: StepLog) -> dict[str, float]:
         """One optimizer step, its health alarms, then what the cadence and the callbacks ask for."""
         self.control.event("on_step_begin")
         metrics = self.train_step()
-        self.step += 1
+        self.loop.step += 1
         self.source.stepped(self.step)  # (with a lag, the worker may start the next rollout now)
         health, alarms = self.health.check(metrics)
         metrics.update(health)
         self._summary.add(metrics)
         for name, message in alarms:
-            display.alarm(name, message)
-        self.control.after_step(self, metrics, logger, display)  # eval, log, samples, checkpoint, as flagged
+            report.display.alarm(name, message)
+        self.control.after_step(self.step, metrics, report, has_eval=self.eval_set is not None,  # eval, log, samples,
+                                evaluate=lambda: self.evaluate(loss=False),  # checkpoint, as flagged
+                                samples=self.loop.last_samples, save=self._checkpoint_and_upload)
         return metrics
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step, with a rollout first when the last one has fed all its steps."""
         t0 = time.perf_counter()
         reset_peak_memory(self.accel.device)  # (memory/peak_gib: this step's, rollout and update)
-        fresh = self.pending is None or not self.pending[1]
+        loop = self.loop
+        fresh = loop.pending is None or not loop.pending[1]
         if fresh:
             batch = self.rollout()
-            self.pending = (batch, list(batch.plans))
-        batch, plans = self.pending
+            loop.pending = (batch, list(batch.plans))
+        batch, plans = loop.pending
         t1 = time.perf_counter()
         metrics = self._optimize(batch, [plans.pop(0)])
         if fresh:
             metrics.update(batch.metrics)
-            self.num_tokens += batch.metrics.get("completion/tokens", 0.0)
-            self._last_samples = batch.samples
-        metrics.update({"train/num_tokens": self.num_tokens,
+            loop.num_tokens += batch.metrics.get("completion/tokens", 0.0)
+            loop.last_samples = batch.samples
+        metrics.update({"train/num_tokens": loop.num_tokens,
                         "train/epoch": epochs_done(self.train_set, self.step + 1, self.layout.steps_per_epoch),
                         "time/update": time.perf_counter() - t1, "time/step": time.perf_counter() - t0,
                         **peak_memory_metrics(self.accel.device)})
@@ -265,8 +291,8 @@ class GRPOTrainer(TRLSurface):
     # ---- rollout: generate, score, advantages; old and reference log-probs -------------------------------------
     def rollout(self) -> RolloutBatch:
         with self.accel.autocast():
-            batch = self.source.next(self.rollout_count)
-        self.rollout_count += 1
+            batch = self.source.next(self.loop.rollout_count)
+        self.loop.rollout_count += 1
         t0 = time.perf_counter()
         batch.plans = self.updates.plan(batch)  # its optimizer steps and their micro-batches
         self._score_logprobs(batch)
@@ -295,7 +321,7 @@ class GRPOTrainer(TRLSurface):
 
     def _optimize(self, batch: RolloutBatch, plans: list[StepPlan]) -> dict[str, float]:
         out = self.updates.run(batch, plans, self.optimizer, self.scheduler, self._optimizer_step)
-        out["health/nonfinite_steps"] = float(self.nonfinite_total)
+        out["health/nonfinite_steps"] = float(self.loop.nonfinite_total)
         return out
 
     def _optimizer_step(self, batch: RolloutBatch) -> float:
@@ -304,7 +330,7 @@ class GRPOTrainer(TRLSurface):
         if not finite:
             self._skip_nonfinite_step(batch, grad_norm)
             return grad_norm
-        self.nonfinite_in_a_row = 0
+        self.loop.nonfinite_in_a_row = 0
         apply_step(self.optimizer, self.scheduler)
         self.backend.after_optimizer_step(stepped=True)
         self.rollouts.engine_stale = True
@@ -319,8 +345,10 @@ class GRPOTrainer(TRLSurface):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.backend.after_optimizer_step(stepped=False)
-        self.nonfinite_total, self.nonfinite_in_a_row = self.nonfinite_total + 1, self.nonfinite_in_a_row + 1
-        report_nonfinite(self, batch, grad_norm, TrainingStopped)
+        self.loop.nonfinite_total += 1
+        self.loop.nonfinite_in_a_row += 1
+        report_nonfinite(self.cfg, self.loop, self.rank, batch, grad_norm, self.accel.distributed_type == "DEEPSPEED",
+                         TrainingStopped)
 
     # ---- eval, save, resume ---------------------------------------------------------------------------------
     def _score_eval_set(self, prompt_set) -> dict[str, float]:
@@ -333,18 +361,32 @@ class GRPOTrainer(TRLSurface):
             result = evaluate_prompts(self.generator, self.tokenizer, prompt_set, self.rewards, self.reward_names,
                                       params, seed=self.cfg.seed + 12345, k=self.cfg.eval_num_samples,
                                       batch_size=self.cfg.per_device_eval_batch_size, agent=self.rollouts.agent)
-        sleep(self.generator)  # (vLLM's sleep mode: the next update gets its memory, as after a rollout)
+        self.generator.sleep()  # (vLLM's sleep mode: the next update gets its memory, as after a rollout)
         return {k: v for k, v in result.items() if isinstance(v, (int, float))}
 
     def state_dict(self) -> dict[str, Any]:
-        return trainer_state(self)
+        return self.checkpoints.state()
 
     def save_checkpoint(self) -> Path | None:
-        return save_checkpoint(self)  # (collective: every process calls it)
+        return self.checkpoints.save()  # (collective: every process calls it)
 
-    def _resume(self, path: Path) -> None:
-        restore(self, path)
+    def _checkpoint_and_upload(self) -> None:
+        path = self.save_checkpoint()
+        if self.hub is not None and path is not None:
+            self.hub.saved(path, self.step)
+
+    def _resume(self, path: Path, changed: set[str]) -> None:
+        self.checkpoints.restore(path)
+        self.rollouts.engine_stale = True  # (the engine holds the weights it was loaded with)
+        run_dir.apply_changes(self.cfg, self.optimizer, self.scheduler, changed)  # (the config's rate, schedule)
         print(f"resume: continuing from {path} (step {self.step}).")
+
+    def _start_lines(self) -> list[str]:
+        return start_lines(self.cfg, self.policy, has_task=self.task is not None, train_set=self.train_set,
+                           eval_set=self.eval_set, rewards=self.rewards, reward_names=self.reward_names,
+                           accel=self.accel, procs=self.procs, agents=self.agents, engine=self.engine,
+                           passes=self.micro.describe(), rollouts=self.source.layout, step=self.step,
+                           total_steps=self.total_steps, layout=self.layout)
 
     def save_model(self, path: str | Path) -> None:
         self.accel.wait_for_everyone()

@@ -73,7 +73,7 @@ class TRLSurface:
     def _logs(self) -> dict[str, Any]:
         """TRL's record of the last logged rollout: prompts, completions, rewards per function, advantages, and the
         columns reward functions added with log_extra."""
-        rows = getattr(self, "_last_samples", None) or []
+        rows = self.loop.last_samples or []
         return {"prompt": [r["prompt"] for r in rows], "completion": [r["completion"] for r in rows],
                 "rewards": {n: [r.get(f"reward/{n}") for r in rows] for n in self.reward_names},
                 "advantages": [r["advantage"] for r in rows], "extra": dict(self.rollouts._logged_columns)}
@@ -122,7 +122,7 @@ class TRLSurface:
             started = time.perf_counter()
             result = self._score_eval_set(prompt_set)
             if loss:
-                result["loss"] = eval_loss(self, prompt_set)
+                result["loss"] = eval_loss(self.rollouts, self.objective, self.reference, self.accel, prompt_set)
             ours = "eval/" if name is None else f"eval/{name}/"
             theirs = f"{metric_key_prefix}_" if name is None else f"{metric_key_prefix}_{name}_"
             out.update({ours + k: v for k, v in result.items()})
@@ -179,21 +179,22 @@ class TrainingSummary:
     def logged(self) -> None:
         self.unlogged = []
 
-    def metrics(self, trainer) -> dict[str, float]:
+    def metrics(self, step: int, step_completions: int, reward_names: list[str],
+                total_flos: float) -> dict[str, float]:
         from grpo.training.metric_names import named
 
         runtime = time.perf_counter() - self.started
-        steps = trainer.step - self.first_step
-        samples = steps * trainer.layout.step_completions
+        steps = step - self.first_step
+        samples = steps * step_completions
         # (when every step was logged, the last step's: TRL's entry would have none, but code reads log_history[-1])
-        pending = [named(m, "trl", trainer.reward_names) for m in self.unlogged or self.last]
+        pending = [named(m, "trl", reward_names) for m in self.unlogged or self.last]
         means = {k: sum(p[k] for p in pending if k in p) / sum(k in p for p in pending)
                  for k in {k for p in pending for k in p}}
         return {**means,
                 "train_runtime": round(runtime, 4),
                 "train_samples_per_second": round(samples / runtime, 3) if runtime > 0 else 0.0,
                 "train_steps_per_second": round(steps / runtime, 3) if runtime > 0 else 0.0,
-                "total_flos": float(getattr(trainer.control.state, "total_flos", 0.0) or 0.0),
+                "total_flos": float(total_flos or 0.0),
                 "train_loss": self.loss_sum / self.steps if self.steps else 0.0}
 
 
