@@ -275,15 +275,20 @@ def check_sizes(cfg: GRPOConfig, n_prompts: int | None, B: int, prompt_ids: list
 
 
 def check_vocabulary(tokenizer, model_config, name: str, prompt_ids: list[list[int]]) -> None:
-    """A tokenizer with more tokens than the model has embeddings, whose extra ids the run would use (in a prompt,
-    or as the EOS or pad token): they index past the embedding table (an IndexError deep in a forward pass; on a
-    GPU a device-side assert). Extra tokens no prompt holds are left alone: the model never samples them."""
+    """A tokenizer with more tokens than the model has embeddings, whose extra ids the run would feed the model (in
+    a prompt, or the pad token where rows differ in length): they index past the embedding table (an IndexError deep
+    in a forward pass; on a GPU a device-side assert). An EOS past the table is never sampled, so no completion ends
+    early (said in a line; the benchmark uses this to fix completion lengths); then, with prompts of one length,
+    nothing is ever padded. Extra tokens no prompt holds are left alone: the model never samples them."""
     vocab = getattr(model_config, "vocab_size", None) or getattr(getattr(model_config, "text_config", None),
                                                                  "vocab_size", None)
     if tokenizer is None or vocab is None or len(tokenizer) <= vocab:
         return
-    used = {"a prompt": max((max(p) for p in prompt_ids if p), default=-1), "the EOS token": tokenizer.eos_token_id,
-            "the pad token": tokenizer.pad_token_id}
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    eos_past = eos is not None and eos >= vocab
+    padded = len({len(p) for p in prompt_ids}) > 1 or not eos_past  # (rows of different lengths meet pad)
+    used = {"a prompt": max((max(p) for p in prompt_ids if p), default=-1),
+            "the pad token": pad if padded else None}
     past = [(what, i) for what, i in used.items() if i is not None and i >= vocab]
     if past:
         what, i = past[0]
@@ -291,6 +296,9 @@ def check_vocabulary(tokenizer, model_config, name: str, prompt_ids: list[list[i
                           f"has {vocab} embeddings (config.json vocab_size), and {what} uses id {i} "
                           f"({tokenizer.convert_ids_to_tokens(i)!r}); use the model's own tokenizer, or resize the "
                           "model's embeddings (model.resize_token_embeddings(len(tokenizer))) and save it.")
+    if eos_past:
+        print(f"warning: the EOS token's id {eos} is past the model's {vocab} embeddings: the model cannot sample it, "
+              "so every completion runs to max_completion_length.")
 
 
 def make_schedule(cfg: GRPOConfig, total: int) -> Callable[[int], float]:
