@@ -21,6 +21,7 @@ request must then bear (`Authorization: Bearer <token>`, the openai client's `ap
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hmac
 import itertools
@@ -56,8 +57,9 @@ class EngineBatcher:
     """One thread calls the engine; requests that arrive within `window_s` of the first of a batch (or until
     `expected()` requests wait) go to it together, one engine call per distinct sampling settings."""
 
-    def __init__(self, engine, window_s: float = 0.02, expected=lambda: 0):
-        self.engine, self.window_s, self.expected = engine, window_s, expected
+    def __init__(self, engine, window_s: float = 0.02, expected=lambda: 0, context=contextlib.nullcontext):
+        # `context()`: entered around each engine call, in this thread (autocast is per thread: the trainer's)
+        self.engine, self.window_s, self.expected, self.context = engine, window_s, expected, context
         self.queue: queue.Queue = queue.Queue()
         self.engine_calls = 0
         self.thread = threading.Thread(target=self._serve, name="grpo-endpoint-engine", daemon=True)
@@ -100,8 +102,10 @@ class EngineBatcher:
     def _generate(self, settings: SamplingParams, items: list[_Pending]) -> None:
         try:
             longest = max(i.params.max_new_tokens for i in items)
-            out = self.engine.generate([i.prompt_ids for i in items],
-                                       dataclasses.replace(settings, max_new_tokens=longest), [i.seed for i in items])
+            with self.context():
+                out = self.engine.generate([i.prompt_ids for i in items],
+                                           dataclasses.replace(settings, max_new_tokens=longest),
+                                           [i.seed for i in items])
             self.engine_calls += 1
             for k, item in enumerate(items):
                 # (each row draws from its own seeded stream: cutting at its max_tokens gives what it would sample)
@@ -122,12 +126,14 @@ class Endpoint:
     settings are used whatever the request asks (the trainer's log-probs assume them), its max_tokens aside."""
 
     def __init__(self, engine, tokenizer, params: SamplingParams, host: str = "127.0.0.1", port: int = 0,
-                 token: str | None = None, window_s: float = 0.02, model_name: str = "policy"):
+                 token: str | None = None, window_s: float = 0.02, model_name: str = "policy",
+                 context=contextlib.nullcontext):
         if host not in LOCAL and not token:
             raise ConfigError(f"endpoint: bound to {host}, every request must bear a token; give token=... (the "
                               "agents' api_key), or bind to 127.0.0.1.")
         self.engine, self.tokenizer, self.params = engine, tokenizer, params
         self.host, self.port, self.token, self.window_s, self.model_name = host, port, token, window_s, model_name
+        self.context = context  # entered around each engine call (the trainer's autocast)
         self.eos = tokenizer.eos_token_id
         self.episodes: dict[str, Episode] = {}
         self.waiting = 0  # episodes running (the batcher waits for as many requests, or window_s)
@@ -150,7 +156,7 @@ class Endpoint:
     def start(self) -> "Endpoint":
         if self.server is not None:
             return self
-        self.batcher = EngineBatcher(self.engine, self.window_s, lambda: self.waiting)
+        self.batcher = EngineBatcher(self.engine, self.window_s, lambda: self.waiting, self.context)
         handler = type("Handler", (_Handler,), {"endpoint": self})
         self.server = ThreadingHTTPServer((self.host, self.port), handler)
         self.server.daemon_threads = True

@@ -58,7 +58,8 @@ class Episodes:
 
     def rollout(self, trainer) -> "EpisodeRollout":
         endpoint = Endpoint(trainer.generator, trainer.tokenizer, trainer.params, self.host, self.port, self.token,
-                            self.window_s, str(trainer.cfg.model_name_or_path))
+                            self.window_s, str(getattr(trainer.cfg, "model_name_or_path", None) or "policy"),
+                            trainer.accel.autocast)
         return EpisodeRollout(self, endpoint, trainer.cfg.max_completion_length)
 
     def __call__(self, prompts, trainer):  # (the rollout_func shape; the trainer takes `rollout` instead)
@@ -88,11 +89,11 @@ class EpisodeRollout:
     def generate(self, prompts: list, prompt_ids, columns: dict[str, list], params, seeds: list[int]) -> Trajectories:
         endpoint = self.endpoint
         endpoint.params = params
-        endpoint.start()
         keys = [endpoint.open_episode(seed, self.budget) for seed in seeds]
         rows = [{**{k: v[i] for k, v in columns.items()}, "prompt": p} for i, p in enumerate(prompts)]
-        outcomes = _run_in_thread(self._all(rows, keys))
-        records = [endpoint.close_episode(k) for k in keys]
+        with endpoint:  # (serving while the episodes run: no port open between rollouts)
+            outcomes = _run_in_thread(self._all(rows, keys))
+            records = [endpoint.close_episode(k) for k in keys]
         return self._trajectories(prompts, prompt_ids, records, outcomes)
 
     async def _all(self, rows: list[dict], keys: list[str]) -> list[tuple[object, str | None]]:
