@@ -268,3 +268,21 @@ def test_an_episode_replays_exactly_from_its_seed(tiny):
     runs = {seed: run(seed) for seed in range(4)}
     assert run(2) == runs[2]
     assert len({json.dumps([ids for _, ids, _ in r]) for r in runs.values()}) > 1  # the seed matters
+
+
+def test_many_clients_at_once_are_all_served():
+    """120 connections at once (an asyncio agent's G episodes per prompt): none refused (http.server's default
+    listen backlog of 5 refused a third of 200)."""
+    import asyncio
+
+    tokenizer = AutoTokenizer.from_pretrained(ASSET, local_files_only=True)
+    with Endpoint(scripted(tokenizer, [[7, 8]]), tokenizer, SamplingParams(16)) as endpoint:
+        async def one():
+            async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key="-", max_retries=0) as c:
+                return (await c.chat.completions.create(model="m", messages=QUESTION)).choices[0].message.content
+
+        async def all_of_them():
+            return await asyncio.gather(*(one() for _ in range(120)), return_exceptions=True)
+
+        answers = asyncio.run(all_of_them())
+    assert answers == [tokenizer.decode([7, 8])] * 120

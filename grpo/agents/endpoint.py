@@ -158,7 +158,7 @@ class Endpoint:
             return self
         self.batcher = EngineBatcher(self.engine, self.window_s, lambda: self.waiting, self.context)
         handler = type("Handler", (_Handler,), {"endpoint": self})
-        self.server = ThreadingHTTPServer((self.host, self.port), handler)
+        self.server = _Server((self.host, self.port), handler)
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, name="grpo-endpoint", daemon=True).start()
@@ -279,6 +279,10 @@ class Endpoint:
             raise ApiError(400, f"messages: the chat template cannot render them ({type(err).__name__}: {err})",
                            param="messages") from None
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 1024  # (the default, 5, refuses connections when many episodes call at once)
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -126,8 +126,10 @@ class EpisodeRollout:
             return None, "raised"
         finally:
             self.endpoint.waiting -= 1
-            if not spec.is_async:
-                client.close()  # (an async client's connections go with the event loop)
+            if spec.is_async:
+                await client.close()  # (before its event loop ends)
+            else:
+                client.close()
 
     def _trajectories(self, prompts, prompt_ids, records, outcomes) -> Trajectories:
         ids, masks, logprobs, truncated, completions, stats, rewards, extra = [], [], [], [], [], [], [], []
