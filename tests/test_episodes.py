@@ -4,6 +4,7 @@ the endpoint serving the policy, trained on token-exactly; faults counted; an ep
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -120,6 +121,7 @@ def test_faults_are_counted_and_the_run_goes_on(tmp_path):
     assert {k: batch.metrics[f"episodes/{k}"] for k in ("raised", "timeout", "no_calls", "bad_return")} == {
         "raised": 1.0, "timeout": 1.0, "no_calls": 1.0, "bad_return": 1.0}
     assert batch.completion_mask.sum() == 0  # nothing of a failed episode is trained
+    assert all(math.isnan(r["reward"]) for r in batch.samples)  # (None: the silent one's 1.0 is not taken)
     assert batch.advantages.abs().sum() == 0
 
 

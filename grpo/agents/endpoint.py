@@ -197,6 +197,7 @@ class Endpoint:
             return 200, self._handle(path, body, authorization)
         except ApiError as err:
             self._count_error()
+            logger.warning("endpoint: %d on %s: %s", err.status, path, err.message)
             return err.status, err.body()
         except Exception as err:  # noqa: BLE001 - a request never stops the server or the run
             self._count_error()

@@ -139,7 +139,7 @@ class EpisodeRollout:
             if fault is None:
                 reward, logged, fault = _reward(value)
             if fault is None and not record.calls:
-                fault = "no_calls"
+                reward, fault = None, "no_calls"
             if fault is not None and fault != "raised":
                 logger.warning("episode %s: %s", record.key, fault)
             rows = assemble(record.calls)
