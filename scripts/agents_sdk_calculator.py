@@ -82,12 +82,15 @@ def evaluate(model_dir: str, n: int, seed: int = 1234) -> dict:
             finally:
                 endpoint.waiting -= 1
 
-        return await asyncio.gather(*(one(i, r) for i, r in enumerate(rows)))
+        return await asyncio.gather(*(one(i, r) for i, r in enumerate(rows)), return_exceptions=True)
 
     with endpoint:
         results = asyncio.run(run_all())
-    called = [any(c.tool_calls for c in record.calls) for _, record in results]
-    return {"accuracy": sum(r for r, _ in results) / n, "tool_call_rate": sum(called) / n, "n": n}
+    failed = [f"{type(r).__name__}: {r}" for r in results if isinstance(r, BaseException)]
+    done = [r for r in results if not isinstance(r, BaseException)]
+    called = [any(c.tool_calls for c in record.calls) for _, record in done]
+    return {"accuracy": sum(r for r, _ in done) / n, "tool_call_rate": sum(called) / n, "n": n,
+            "failed": len(failed), **({"first_failure": failed[0]} if failed else {})}
 
 
 def train(out: str, steps: int) -> str:
