@@ -137,7 +137,8 @@ def test_an_episodes_separate_chains_are_rows_with_its_advantage(tmp_path):
                           rollout_func=Episodes(episode))
     batch = trainer.rollout()
     assert batch.input_ids.shape[0] == 8 and batch.metrics["episodes/extra_rows"] == 4
-    # Rewards (1, 0), (0, 0). (r - mean) / (std + eps) with rewards (1, 0): mean 0.5, unbiased std 0.7071 -> +-0.7070; (0, 0) -> 0
+    # Rewards (1, 0) and (0, 0); (r - mean) / (std + eps): for (1, 0) mean 0.5, unbiased std 0.70711, eps 1e-4 ->
+    # +-0.5 / 0.70721 = +-0.70700; for (0, 0) 0.
     expected = torch.tensor([0.70700, -0.70700, 0.0, 0.0])
     assert torch.allclose(batch.advantages, torch.cat([expected, expected]), atol=1e-4)
     assert (batch.completion_mask.sum(1) > 0).all()
