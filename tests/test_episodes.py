@@ -181,3 +181,24 @@ def test_an_openai_agents_sdk_agent_trains_through_the_endpoint(tmp_path):
     assert batch.input_ids.shape[0] == 8 and batch.metrics["episodes/extra_rows"] == 0
     assert batch.metrics["episodes/drift"] == 0 and batch.metrics["episodes/raised"] == 0
     assert batch.metrics["episodes/model_calls"] >= 8 and batch.completion_mask.sum() > 0
+
+
+def test_the_engines_logprobs_are_the_update_passes_on_every_trained_token(tmp_path):
+    """The log-probs the endpoint recorded (the engine's, as it sampled) equal the update pass's log-probs of the
+    same tokens at the same weights, on every row, extra rows included: the ids trained are the ids sampled, at the
+    same positions. Float32 on both sides; 1e-4 is the tolerance tests/test_tiny_tools_model.py holds the CPU engine
+    and the transformers sampler to."""
+    async def episode(client, row):
+        await client.chat.completions.create(model="policy", messages=messages(row), tools=TOOLS)
+        await client.chat.completions.create(model="policy", messages=messages(row) + [
+            {"role": "user", "content": "Again."}], tools=TOOLS)
+        return float("/episodes/e0/" in str(client.base_url))
+
+    trainer = GRPOTrainer(model=ASSET, args=config(tmp_path), train_dataset=problems(), reward_funcs=[],
+                          rollout_func=Episodes(episode))
+    batch = trainer.rollout()
+    assert batch.input_ids.shape[0] == 8 and batch.sampling_logp is not None
+    update = trainer.updates.score(trainer.policy, batch)
+    mask = batch.completion_mask.bool()
+    assert mask.sum() > 0 and (batch.sampling_logp[mask] < 0).all()
+    assert torch.allclose(update.cpu()[mask], batch.sampling_logp[mask], atol=1e-4, rtol=0)
