@@ -6,6 +6,8 @@
 - `environments.py`: `environment_factory` (TRL 1.16's shape)
 - `template.py`: tool answers as the chat template renders them, appended token-exactly
 - `loop.py`: the multi-turn loop over any rollout engine; `custom.py`: a user's `rollout_func`
+- `endpoint.py` (`api.py`): an OpenAI-compatible endpoint on the rollout engine; `recording.py`: its calls,
+  token-exact, and the training rows made of them; `episodes.py`: a user's `episode(client, row)` as the rollout
 - `spec.py`: what a run's rollouts use, settled before the model loads
 
 See docs/agents.md.
@@ -13,17 +15,22 @@ See docs/agents.md.
 
 from __future__ import annotations
 
+from grpo.agents.endpoint import Endpoint
+from grpo.agents.episodes import Episodes
 from grpo.agents.loop import AgentRollout, Trajectories, turn_seed
 from grpo.agents.spec import AgentSpec, make_agent_spec
 from grpo.agents.tools import BUILTIN_TOOLS, ToolError, calculator
 
-__all__ = ["AgentRollout", "AgentSpec", "BUILTIN_TOOLS", "ToolError", "Trajectories", "calculator",
+__all__ = ["AgentRollout", "AgentSpec", "BUILTIN_TOOLS", "Endpoint", "Episodes", "ToolError", "Trajectories",
+           "calculator",
            "make_agent_spec", "make_rollout", "turn_seed"]
 
 
 def make_rollout(spec: AgentSpec, trainer):
     """The multi-turn rollout of a trainer's run: `spec`'s tools over its rollout engine, prompts an environment
     extends rendered as its training prompts are; or the user's rollout_func, which is handed the trainer."""
+    if isinstance(spec.rollout_func, Episodes):  # an agent's episodes through the endpoint
+        return spec.rollout_func.rollout(trainer)
     if spec.rollout_func is not None:
         from grpo.agents.custom import CustomRollout
 

@@ -48,6 +48,8 @@ class Trajectories:
     completions: list  # what reward functions get: the completion as chat messages (assistant, tool, ...)
     stats: list[dict[str, int]]  # per row: turns, calls, and errors by kind (grpo.agents.tools.ERROR_KINDS)
     columns: dict[str, list] = field(default_factory=dict)  # extra keywords for the rewards (environments)
+    # more training rows of some rows' episodes (grpo.agents.episodes): (row, prompt_ids, ids, model_mask, logprobs)
+    extra_rows: list[tuple] = field(default_factory=list)
 
 
 @dataclass

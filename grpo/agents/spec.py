@@ -35,11 +35,15 @@ class AgentSpec:
     def needed_columns(self, columns: dict[str, list]) -> dict[str, list]:
         """The dataset columns the rollout itself reads, kept when `remove_unused_columns` drops the others: the
         `environment` column that picks each row's environment from a dict of factories."""
+        if getattr(self.rollout_func, "reads_rows", False):  # an agent's episode gets its whole row
+            return columns
         envs = self.environments
         return {COLUMN: columns[COLUMN]} if envs is not None and envs.multi and COLUMN in columns else {}
 
     def reward_funcs(self) -> list[tuple[str, Callable]]:
-        """The environments' `get_reward`, as extra reward functions (weight 1)."""
+        """The environments' `get_reward`, or an agent's episode return, as extra reward functions (weight 1)."""
+        if hasattr(self.rollout_func, "reward_funcs"):  # (grpo.agents.episodes.Episodes)
+            return self.rollout_func.reward_funcs()
         return self.environments.reward_funcs() if self.environments is not None else []
 
     def reward_columns(self) -> list[str] | None:
@@ -102,6 +106,10 @@ def make_agent_spec(cfg, tools=None, environment_factory=None, rollout_func=None
     if cfg.step_reward_funcs:
         raise ConfigError("step_reward_funcs: process supervision is not built for multi-turn rollouts (tools, "
                           "environments, rollout_func); remove one of them.")
+    if getattr(rollout, "reads_rows", False) and accelerator is not None and accelerator.num_processes > 1:
+        raise ConfigError("rollout_func: Episodes (an agent through the endpoint) runs on one process for now (an "
+                          "episode may make several training rows, and processes would then step differently); "
+                          "launch one process.")
     if rollout is None and accelerator is not None and accelerator.num_processes > 1 and _sharded(accelerator):
         raise ConfigError("tools: multi-turn rollouts with sharded weights (FSDP2, ZeRO-3) on several processes are "
                           "not built yet (each turn's generation is collective there, and processes take different "

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from grpo.agents.metrics import agent_metrics, sample_stats
+from grpo.agents.recording import concat_extra_rows, select_extra_rows
 from grpo.core import decoupled_advantages, group_advantages, mix_advantages, process_advantages
 from grpo.engines.base import SamplingParams, row_seed
 from grpo.engines.images import RowImages
@@ -95,12 +96,16 @@ class Sampled:
     model_mask: list[list[int]] | None = None  # multi-turn: 1 on the model's own completion tokens, 0 on tools'
     agent_stats: list[dict[str, int]] | None = None  # multi-turn: turns, tool calls and errors of each row
     images: list | None = None  # each row's image features (grpo.training.vision.RowImages), with image data
+    # an agent's episodes (grpo.agents.episodes): more training rows, (row, prompt_ids, ids, model_mask, logprobs)
+    extra_rows: list[tuple] | None = None
 
     def select(self, rows: list[int]) -> "Sampled":
         values = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if value is None or f.name in _COUNTS:
+            if f.name == "extra_rows" and value is not None:
+                values[f.name] = select_extra_rows(value, rows)
+            elif value is None or f.name in _COUNTS:
                 values[f.name] = value
             elif f.name in _PER_ROW_MAPS:
                 values[f.name] = {k: [v[i] for i in rows] for k, v in value.items()}
@@ -115,6 +120,8 @@ class Sampled:
             each = [getattr(p, f.name) for p in parts]
             if f.name in _COUNTS:
                 values[f.name] = {k: sum(v.get(k, 0) for v in each) for k in each[0]}
+            elif f.name == "extra_rows":
+                values[f.name] = concat_extra_rows(each, [len(p.total) for p in parts])
             elif any(v is None for v in each):
                 values[f.name] = None
             elif f.name in _PER_ROW_MAPS:
@@ -320,7 +327,8 @@ class Rollouts:
         self.times["scoring"] += time.perf_counter() - t1
         return Sampled(prompts, prompt_ids, columns, out.ids, out.truncated, texts, completions, scored.total,
                        scored.per_func, scored.errors, scored.timeouts, out.logprobs,
-                       *((agent.model_mask, agent.stats) if agent is not None else ()), images=images)
+                       *((agent.model_mask, agent.stats) if agent is not None else ()), images=images,
+                       extra_rows=getattr(agent, "extra_rows", None))
 
     def _sample_dynamic(self, index: int) -> tuple[Sampled, dict[str, float]]:
         """DAPO dynamic sampling: drop groups whose rewards are all equal, sample more prompts until the step has
@@ -356,6 +364,8 @@ class Rollouts:
             outcome = group_advantages(rewards, scale=cfg.scale_rewards, eps=cfg.advantage_eps,
                                        unbiased=cfg.unbiased_std).view(-1)[mine]
         input_ids, attention, cmask = self.tensors(s)
+        if s.extra_rows:  # an episode's calls that did not extend its first row: rows of their own, its advantage
+            outcome = torch.cat([outcome, outcome[[e[0] for e in s.extra_rows]]])
         advantages, step_metrics = outcome, {}
         if self.step_rewards:
             ids = [strip_eos(c, self.eos_ids) for c in s.completion_ids]
@@ -365,7 +375,7 @@ class Rollouts:
         if s.images is not None:
             check_image_tokens_masked(input_ids, cmask, self.policy.config.image_token_id)
         if s.logprobs is not None:
-            batch.sampling_logp = pad_rows(s.logprobs, cmask.shape[1])
+            batch.sampling_logp = pad_rows(s.logprobs + [e[4] for e in s.extra_rows or []], cmask.shape[1])
         self.times["scoring"] += time.perf_counter() - t0
         batch.metrics = {**self._metrics(s, rewards, outcome), **step_metrics}
         if s.agent_stats is not None:
@@ -375,10 +385,12 @@ class Rollouts:
 
     def tensors(self, s: Sampled) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The rows as the update takes them: ids (N, P+T), attention (N, P+T), loss mask (N, T)."""
-        keep = [not (self.cfg.mask_truncated_completions and t) for t in s.truncated]
-        input_ids, attention, cmask = pack(s.prompt_ids, s.completion_ids, self.tokenizer.pad_token_id, keep)
+        extra = s.extra_rows or []
+        keep = [not (self.cfg.mask_truncated_completions and t) for t in s.truncated] + [True] * len(extra)
+        input_ids, attention, cmask = pack(s.prompt_ids + [e[1] for e in extra],
+                                           s.completion_ids + [e[2] for e in extra], self.tokenizer.pad_token_id, keep)
         if s.model_mask is not None:  # tool answers take part in the forward pass, not in the loss
-            cmask *= pad_rows(s.model_mask, cmask.shape[1])
+            cmask *= pad_rows(s.model_mask + [e[3] for e in extra], cmask.shape[1])
         return input_ids, attention, cmask
 
     def _samples(self, s: Sampled, outcome) -> list[dict]:

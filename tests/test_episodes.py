@@ -1,0 +1,204 @@
+"""Agents as rollouts (grpo.agents.episodes): a user's `episode(client, row)` with the real `openai` client against
+the endpoint serving the policy, trained on token-exactly; faults counted; an episode's separate chains as rows."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+
+from datasets import Dataset  # noqa: E402
+
+from grpo import GRPOConfig, GRPOTrainer  # noqa: E402
+from grpo.agents import Episodes  # noqa: E402
+from grpo.agents.tools import calculator  # noqa: E402
+from grpo.config import ConfigError  # noqa: E402
+from grpo.tasks import calculator as calculator_task  # noqa: E402
+
+ASSET = str(Path(__file__).resolve().parents[1] / "grpo" / "assets" / "tiny-tools")
+TOOLS = [{"type": "function", "function": {
+    "name": "calculator", "description": "Exact arithmetic.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+
+
+def config(tmp_path, **overrides) -> GRPOConfig:
+    values = dict(output_dir=str(tmp_path / "run"), task=None, num_generations=2, prompts_per_step=2,
+                  max_completion_length=96, max_steps=1, report_to=[], save_steps=0, learning_rate=1e-3,
+                  log_completions_steps=0, beta=0.0, seed=3, temperature=1.0)
+    values.update(overrides)
+    return GRPOConfig(**values)
+
+
+def problems(n: int = 8) -> Dataset:
+    return Dataset.from_list(calculator_task.rows("train", n, seed=0))
+
+
+def messages(row) -> list[dict]:
+    return [{"role": "user", "content": row["prompt"]}] if isinstance(row["prompt"], str) else list(row["prompt"])
+
+
+def calculator_agent(seen: list | None = None):
+    """The calculator task as an agent of the openai client: the model may call the calculator, then answers."""
+    def episode(client, row):
+        history = messages(row)
+        for _ in range(3):
+            reply = client.chat.completions.create(model="policy", messages=history, tools=TOOLS,
+                                                   extra_body={"return_token_ids": True})
+            if seen is not None:
+                seen.append((str(client.base_url), reply.prompt_token_ids, reply.choices[0].token_ids))
+            message = reply.choices[0].message
+            history.append(message.model_dump(exclude_none=True))
+            if not message.tool_calls:
+                break
+            for call in message.tool_calls:
+                arguments = json.loads(call.function.arguments)
+                try:
+                    answer = calculator(**arguments)
+                except Exception as err:  # noqa: BLE001 - the model's bad call is answered, as a tool loop does
+                    answer = f"Error: {err}"
+                history.append({"role": "tool", "tool_call_id": call.id, "content": str(answer)})
+        text = history[-1].get("content") or ""
+        return {"reward": float(f"<answer>{row['answer']}</answer>" in text), "turns": len(history)}
+    return episode
+
+
+def test_an_agent_trains_through_the_endpoint_on_exactly_the_ids_it_was_served(tmp_path):
+    seen = []
+    trainer = GRPOTrainer(model=ASSET, args=config(tmp_path), train_dataset=problems(), reward_funcs=[],
+                          rollout_func=Episodes(calculator_agent(seen)))
+    batch = trainer.rollout()
+    T = batch.completion_width
+    episodes = {}  # the calls of each episode as the endpoint reported them to the agent, by its base_url
+    for url, prompt_ids, ids in seen:
+        episodes.setdefault(url, []).append((prompt_ids, ids))
+    assert batch.input_ids.shape[0] == len(episodes) == 4  # (each episode's calls extend its last: one row each)
+    for row, url in enumerate(sorted(episodes, key=lambda u: int(u.split("/episodes/e")[1].split("/")[0]))):
+        calls = episodes[url]
+        full = batch.input_ids[row][batch.attention_mask[row].bool()].tolist()
+        trained = batch.input_ids[row, -T:][batch.completion_mask[row].bool()].tolist()
+        assert full == calls[-1][0] + calls[-1][1]  # the last call's prompt and sampled ids, as served
+        assert trained == [t for _, ids in calls for t in ids]  # every call's sampled ids, and nothing else
+    assert batch.metrics["episodes/model_calls"] == len(seen) and batch.metrics["episodes/raised"] == 0
+    assert 0 <= batch.metrics["reward/episode"] <= 1 and batch.metrics["episode/turns"] >= 2
+
+    # The same run again samples the same trajectories (seeds from the row and the call's index).
+    again = GRPOTrainer(model=ASSET, args=config(tmp_path / "again"), train_dataset=problems(), reward_funcs=[],
+                        rollout_func=Episodes(calculator_agent()))
+    assert torch.equal(again.rollout().input_ids, batch.input_ids)
+
+
+def test_a_short_training_run_through_the_endpoint(tmp_path):
+    trainer = GRPOTrainer(model=ASSET, args=config(tmp_path, max_steps=2), train_dataset=problems(),
+                          reward_funcs=[], rollout_func=Episodes(calculator_agent()))
+    metrics = trainer.train()
+    assert trainer.step == 2 and "reward/episode" in metrics and metrics["episodes/no_calls"] == 0
+
+
+def test_faults_are_counted_and_the_run_goes_on(tmp_path):
+    """Of four episodes: one raises, one overruns its deadline, one never calls the model, one returns a string."""
+    def episode(client, row):
+        kind = ["raise", "slow", "silent", "bad"][episode.count % 4]
+        episode.count += 1
+        client.chat.completions.create(model="policy", messages=messages(row), max_tokens=3) if kind != "silent" \
+            else None
+        if kind == "raise":
+            raise ValueError("the agent's own bug")
+        if kind == "slow":
+            time.sleep(5)
+            client.chat.completions.create(model="policy", messages=messages(row), max_tokens=3)  # refused: 404
+        return "not a number" if kind == "bad" else 1.0
+
+    episode.count = 0
+    trainer = GRPOTrainer(model=ASSET, args=config(tmp_path, num_generations=4, prompts_per_step=1),
+                          train_dataset=problems(), reward_funcs=[], rollout_func=Episodes(episode, timeout_s=1.0))
+    batch = trainer.rollout()
+    assert {k: batch.metrics[f"episodes/{k}"] for k in ("raised", "timeout", "no_calls", "bad_return")} == {
+        "raised": 1.0, "timeout": 1.0, "no_calls": 1.0, "bad_return": 1.0}
+    assert batch.completion_mask.sum() == 0  # nothing of a failed episode is trained
+    assert all(math.isnan(r["reward"]) for r in batch.samples)  # (None: the silent one's 1.0 is not taken)
+    assert batch.advantages.abs().sum() == 0
+
+
+def test_an_episodes_separate_chains_are_rows_with_its_advantage(tmp_path):
+    """An async agent that asks twice without history makes two chains: two rows, one advantage."""
+    async def episode(client, row):
+        for turn in range(2):
+            await client.chat.completions.create(model="policy", messages=messages(row) + [
+                {"role": "user", "content": f"Attempt {turn}."}], max_tokens=4)
+        return float("/episodes/e0/" in str(client.base_url))  # (episodes open in row order: row 0 gets 1)
+
+    trainer = GRPOTrainer(model=ASSET, args=config(tmp_path), train_dataset=problems(), reward_funcs=[],
+                          rollout_func=Episodes(episode))
+    batch = trainer.rollout()
+    assert batch.input_ids.shape[0] == 8 and batch.metrics["episodes/extra_rows"] == 4
+    # Rewards (1, 0) and (0, 0); (r - mean) / (std + eps): for (1, 0) mean 0.5, unbiased std 0.70711, eps 1e-4 ->
+    # +-0.5 / 0.70721 = +-0.70700; for (0, 0) 0.
+    expected = torch.tensor([0.70700, -0.70700, 0.0, 0.0])
+    assert torch.allclose(batch.advantages, torch.cat([expected, expected]), atol=1e-4)
+    assert (batch.completion_mask.sum(1) > 0).all()
+
+
+def test_episodes_refuse_what_they_cannot_do(tmp_path):
+    with pytest.raises(ConfigError, match="^Episodes: timeout_s must be > 0"):
+        Episodes(lambda client, row: 1.0, timeout_s=0)
+    with pytest.raises(ConfigError, match="^Episodes: episode must be a function"):
+        Episodes("not a function")
+
+
+def test_dynamic_sampling_keeps_a_kept_episodes_extra_rows_with_it(tmp_path):
+    """Groups whose rewards are all equal are dropped with their episodes' extra rows (Sampled.select / concat)."""
+    async def episode(client, row):
+        for turn in range(2):
+            await client.chat.completions.create(model="policy", messages=messages(row) + [
+                {"role": "user", "content": f"Attempt {turn}."}], max_tokens=4)
+        return float("/episodes/e0/" in str(client.base_url))  # round 1: (1, 0), (0, 0); round 2: all 0
+
+    trainer = GRPOTrainer(model=ASSET, args=config(tmp_path, dynamic_sampling=True, max_generation_rounds=2),
+                          train_dataset=problems(), reward_funcs=[], rollout_func=Episodes(episode))
+    batch = trainer.rollout()
+    assert batch.metrics["sampling/kept_groups"] == 1 and batch.input_ids.shape[0] == 4
+    assert torch.allclose(batch.advantages, torch.tensor([0.70700, -0.70700, 0.70700, -0.70700]), atol=1e-4)
+    first_rows = batch.input_ids[:2, :]
+    assert not torch.equal(first_rows, batch.input_ids[2:, :])  # the extra rows are the second chains
+
+
+def test_an_openai_agents_sdk_agent_trains_through_the_endpoint(tmp_path):
+    """scripts/agents_sdk_calculator.py's agent (an Agents SDK Agent with a function tool, unchanged): its calls
+    extend one another, so each episode is one row, and nothing drifted from what was sampled."""
+    pytest.importorskip("agents")
+    from conftest import load_script
+
+    script = load_script("agents_sdk_calculator")
+    trainer = GRPOTrainer(model=ASSET, args=config(tmp_path, num_generations=4, max_completion_length=128),
+                          train_dataset=problems(), reward_funcs=[], rollout_func=Episodes(script.episode))
+    batch = trainer.rollout()
+    assert batch.input_ids.shape[0] == 8 and batch.metrics["episodes/extra_rows"] == 0
+    assert batch.metrics["episodes/drift"] == 0 and batch.metrics["episodes/raised"] == 0
+    assert batch.metrics["episodes/model_calls"] >= 8 and batch.completion_mask.sum() > 0
+
+
+def test_the_engines_logprobs_are_the_update_passes_on_every_trained_token(tmp_path):
+    """The log-probs the endpoint recorded (the engine's, as it sampled) equal the update pass's log-probs of the
+    same tokens at the same weights, on every row, extra rows included: the ids trained are the ids sampled, at the
+    same positions. Float32 on both sides; 1e-4 is the tolerance tests/test_tiny_tools_model.py holds the CPU engine
+    and the transformers sampler to."""
+    async def episode(client, row):
+        await client.chat.completions.create(model="policy", messages=messages(row), tools=TOOLS)
+        await client.chat.completions.create(model="policy", messages=messages(row) + [
+            {"role": "user", "content": "Again."}], tools=TOOLS)
+        return float("/episodes/e0/" in str(client.base_url))
+
+    trainer = GRPOTrainer(model=ASSET, args=config(tmp_path), train_dataset=problems(), reward_funcs=[],
+                          rollout_func=Episodes(episode))
+    batch = trainer.rollout()
+    assert batch.input_ids.shape[0] == 8 and batch.sampling_logp is not None
+    update = trainer.updates.score(trainer.policy, batch)
+    mask = batch.completion_mask.bool()
+    assert mask.sum() > 0 and (batch.sampling_logp[mask] < 0).all()
+    assert torch.allclose(update.cpu()[mask], batch.sampling_logp[mask], atol=1e-4, rtol=0)
