@@ -299,3 +299,22 @@ def test_the_record_is_one_byte_per_token_layer_and_expert():
     out, _ = rollout_and_micro_batch(model)
     for prompt, ids, routes in zip([3, 3, 2, 2], out.ids, out.routes):
         assert routes.dtype == torch.uint8 and routes.shape == (prompt + len(ids), 2, 2)
+
+
+def test_the_tiny_moe_build_script_is_deterministic_at_miniature_size(tmp_path):
+    """scripts/build_tiny_moe_model.py --tiny: the same weights twice, a Qwen3-MoE checkpoint that loads, and a
+    PROVENANCE.md that names the command and the experts."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from conftest import load_script
+
+    script = load_script("build_tiny_moe_model")
+    script.main(["--out", str(tmp_path / "a"), "--tiny"])
+    script.main(["--out", str(tmp_path / "b"), "--tiny"])
+    first, second = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "a")
+    assert type(model).__name__ == "Qwen3MoeForCausalLM" and model.config.num_experts == script.TINY["experts"]
+    text = (tmp_path / "a" / "PROVENANCE.md").read_text()
+    assert "python scripts/build_tiny_moe_model.py --out" in text and "4 experts of width 16, top-2" in text

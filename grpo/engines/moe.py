@@ -189,6 +189,9 @@ class RoutingPass:
         self.handles: list = []
 
     def __enter__(self) -> "RoutingPass":
+        if self.replay and self.routes is not None and not self.routers:
+            raise RuntimeError(f"routing replay: {type(self.model).__name__} has no router grpo hooks "
+                               f"({', '.join(ROUTER_RULES)}).")
         self.handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.routers)]
         return self
 
