@@ -10,6 +10,11 @@ decoder layer's MLP is a sparse block of `experts` experts (SwiGLU, `expert_inte
 picks `top_k` per token (softmax over all experts, then the top-k, renormalised: `norm_topk_prob`), tied
 embeddings, and the load-balancing loss of the model's own (`router_aux_loss_coef`) added during pre-training so
 that no expert goes unused.
+
+The shipped checkpoint: `--steps 600 --batch-size 32 --warmup 50` (a quarter of tiny-arith's training: it was built
+on a CPU shared with other jobs), 1,085,696 parameters (4.3 MB), 14.5 min. Measured at build time on 500 held-out
+problems (PROVENANCE.md): sampled at temperature 1.0, accuracy 0.108 and format rate 0.874; greedy, 0.092 and 1.0.
+It writes the task's format; its arithmetic is what GRPO has to improve.
 """
 
 from __future__ import annotations
