@@ -292,6 +292,9 @@ def test_what_cannot_combine_is_refused_by_name(moe_dirs, tiny_model_dir, tmp_pa
         train(tiny_model_dir, tmp_path / "b", router_aux_loss_coef=0.01)
     with pytest.raises(ConfigError, match="router_replay"):
         GRPOConfig(output_dir=str(tmp_path / "c"), router_replay="R2")
+    # YAML and the command line read `off` as false; NeMo-RL's `enabled: true` is R3
+    assert GRPOConfig.from_dict({"router_replay": False}).router_replay == "off"
+    assert GRPOConfig.from_dict({"router_replay": True}).router_replay == "R3"
 
 
 def test_the_record_is_one_byte_per_token_layer_and_expert():
