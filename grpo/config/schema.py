@@ -154,8 +154,8 @@ class GRPOConfig:
     router_replay: str = _f("off", "Mixture-of-Experts routing replay (docs/moe.md): R3 forces, in every training "
                             "pass, the experts each token was routed to in the rollout, the routing weights "
                             "recomputed from the live router (verl's router_replay.mode R3, NeMo-RL's "
-                            "router_replay.enabled: true and false; disabled and r3 are aliases). off: the update routes itself, and "
-                            "moe/routing_mismatch logs the share of tokens routed otherwise than in the rollout.",
+                            "router_replay.enabled: true and false; disabled and r3 are aliases). off: the "
+                            "update routes itself, and moe/routing_mismatch logs the share of tokens routed otherwise than in the rollout.",
                             ("off", "R3", "disabled", "r3"))
     router_aux_loss_coef: float | None = _f(None, "Weight of an MoE model's load-balancing loss added to the "
                                             "training loss, as TRL adds it (logged as moe/aux_loss); null: the "
