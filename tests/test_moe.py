@@ -321,3 +321,47 @@ def test_the_tiny_moe_build_script_is_deterministic_at_miniature_size(tmp_path):
     assert type(model).__name__ == "Qwen3MoeForCausalLM" and model.config.num_experts == script.TINY["experts"]
     text = (tmp_path / "a" / "PROVENANCE.md").read_text()
     assert "python scripts/build_tiny_moe_model.py --out" in text and "4 experts of width 16, top-2" in text
+
+
+def test_r3_refuses_what_it_cannot_combine_with():
+    """make_routing refuses R3, by name, beside a rollout engine that is not grpo's sampler (vLLM), padded passes,
+    sequence parallelism and a rollout worker (max_staleness)."""
+    from types import SimpleNamespace
+
+    model = tiny_moe("qwen3_moe")
+    sampler, packing = TransformersSampler(model, 1, [0]), choose_packing(model)[0]
+    cfg = dict(router_replay="R3", router_aux_loss_coef=None, sequence_parallel_size=1, max_staleness=0)
+    cases = [(dict(), object(), packing, "not vLLM's; set use_vllm: false"),
+             (dict(), sampler, None, "replays through the padding-free passes"),
+             (dict(sequence_parallel_size=2), sampler, packing, "set sequence_parallel_size: 1"),
+             (dict(max_staleness=1), sampler, packing, "set max_staleness: 0")]
+    for overrides, generator, packs, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            moe.make_routing(SimpleNamespace(**{**cfg, **overrides}), model, generator, packs, lambda t: t)
+    routing = moe.make_routing(SimpleNamespace(**cfg), model, sampler, packing, lambda t: t)
+    assert routing.replay and routing.coef == model.config.router_aux_loss_coef  # (null: the model's own)
+    assert isinstance(sampler.routes, moe.RouteRecorder)
+
+
+def test_the_scoring_passes_replay_too():
+    """The no-gradient passes (old policy, reference) run under R3 with the rollout's experts: a reference whose
+    routers differ from the policy's still sends every token to the rollout's experts."""
+    import copy
+
+    model = tiny_moe("qwen3_moe")
+    _, micro = rollout_and_micro_batch(model)
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for router in moe.routers(reference):
+            router.weight.add_(torch.randn_like(router.weight))
+    seen = {}
+    handles = [layer.mlp.experts.register_forward_hook(
+        lambda m, args, out, i=i: seen.__setitem__(i, args[1].clone())) for i, layer in enumerate(reference.model.layers)]
+    routing = moe.Routing(True, 0.0, lambda t: t)
+    with torch.no_grad(), routing.score_pass(reference, micro):
+        completion_logprobs(reference, micro.input_ids, micro.attention_mask, micro.width, 1.0, packed=micro.packed)
+    for h in handles:
+        h.remove()
+    known = micro.packed.source >= 0
+    for layer, experts in seen.items():
+        assert torch.equal(experts[known].sort(-1).values, micro.routes[known, layer].long().sort(-1).values)
