@@ -355,8 +355,8 @@ def test_the_scoring_passes_replay_too():
         for router in moe.routers(reference):
             router.weight.add_(torch.randn_like(router.weight))
     seen = {}
-    handles = [layer.mlp.experts.register_forward_hook(
-        lambda m, args, out, i=i: seen.__setitem__(i, args[1].clone())) for i, layer in enumerate(reference.model.layers)]
+    handles = [layer.mlp.experts.register_forward_hook(lambda m, args, out, i=i: seen.__setitem__(i, args[1].clone()))
+               for i, layer in enumerate(reference.model.layers)]
     routing = moe.Routing(True, 0.0, lambda t: t)
     with torch.no_grad(), routing.score_pass(reference, micro):
         completion_logprobs(reference, micro.input_ids, micro.attention_mask, micro.width, 1.0, packed=micro.packed)
