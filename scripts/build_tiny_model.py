@@ -341,14 +341,17 @@ def write_checkpoint(out: Path, model, tokenizer, provenance_text: str) -> None:
     (out / "PROVENANCE.md").write_text(provenance_text)
 
 
-def build(out: Path, cfg: BuildConfig, argv: list[str], log=print) -> dict:
-    """Tokenizer, data, training, evaluation, and the checkpoint with its PROVENANCE.md in `out`; returns metrics."""
+def build(out: Path, cfg: BuildConfig, argv: list[str], log=print, train_and_evaluate=None, describe=None) -> dict:
+    """Tokenizer, data, training, evaluation, and the checkpoint with its PROVENANCE.md in `out`; returns metrics.
+    `train_and_evaluate(cfg, log)` and `describe` (provenance's signature) replace this script's, for another model
+    (build_tiny_moe_model.py)."""
     start = time.time()
     with deterministic(cfg):
-        tokenizer, model, metrics, losses = _train_and_evaluate(cfg, log)
+        tokenizer, model, metrics, losses = (train_and_evaluate or _train_and_evaluate)(cfg, log)
     seconds = time.time() - start
     n_params = sum(p.numel() for p in model.parameters())
-    write_checkpoint(out, model, tokenizer, provenance(cfg, metrics, losses, n_params, seconds, argv))
+    text = (describe or provenance)(cfg, metrics, losses, n_params, seconds, argv)
+    write_checkpoint(out, model, tokenizer, text)
     log(f"wrote {out} in {seconds / 60:.1f} min")
     return metrics
 

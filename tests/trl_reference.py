@@ -38,9 +38,10 @@ def trl_loss(logp, entropy, old_logp, ref_logp, advantages, mask, *, loss_type="
              use_bias_correction_kl=True, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
              sampling_logp=None, entropy_coef=0.0, use_adaptive_entropy=False, last_world_entropy=float("inf"),
              entropy_target=0.2, gradient_accumulation_steps=1, steps_per_generation=1, num_items_in_batch=None,
-             max_completion_length=None, sapo=(1.0, 1.05), vespo=(2.0, 3.0, 3.0, 2.0)):
+             max_completion_length=None, sapo=(1.0, 1.05), vespo=(2.0, 3.0, 3.0, 2.0), aux=None):
     """(loss, metrics) of TRL's `_compute_loss` for one micro-batch whose log-probs are `logp` (N, T) and entropies
-    `entropy` (N, T) (both may carry gradients), `advantages` (N,)."""
+    `entropy` (N, T) (both may carry gradients), `advantages` (N,); `aux`: (an MoE model's aux loss as its pass
+    returns it, router_aux_loss_coef)."""
     from trl import GRPOTrainer
 
     args = SimpleNamespace(use_bias_correction_kl=use_bias_correction_kl, delta=delta,
@@ -59,9 +60,9 @@ def trl_loss(logp, entropy, old_logp, ref_logp, advantages, mask, *, loss_type="
         _entropy_bonus_enabled=entropy_coef != 0.0 or use_adaptive_entropy, entropy_coef=entropy_coef,
         use_adaptive_entropy=use_adaptive_entropy, _last_world_entropy=last_world_entropy,
         _entropy_window_stats=None, _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
-        aux_loss_enabled=False, get_off_policy_mask=GRPOTrainer.get_off_policy_mask,
-        get_gamma_weights=GRPOTrainer.get_gamma_weights,
-        _get_per_token_logps_and_entropies=lambda *a, **k: (logp, entropy, None))
+        aux_loss_enabled=aux is not None, router_aux_loss_coef=aux[1] if aux else 0.0,
+        get_off_policy_mask=GRPOTrainer.get_off_policy_mask, get_gamma_weights=GRPOTrainer.get_gamma_weights,
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logp, entropy, aux[0] if aux else None))
     trainer.get_high_entropy_mask = types.MethodType(GRPOTrainer.get_high_entropy_mask, trainer)
     n, width = logp.shape
     inputs = {"prompt_ids": torch.zeros(n, 1, dtype=torch.long), "prompt_mask": torch.ones(n, 1, dtype=torch.long),

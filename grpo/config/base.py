@@ -8,7 +8,7 @@ from typing import Any
 
 ASSETS = Path(__file__).parent.parent / "assets"
 DEFAULT_MODEL = str(ASSETS / "tiny-arith")
-SHIPPED_MODELS = ("tiny-arith", "tiny-tools", "tiny-vision")
+SHIPPED_MODELS = ("tiny-arith", "tiny-tools", "tiny-vision", "tiny-moe")
 """Models shipped in the package, which `model_name_or_path` (and `grpo eval --model`) may name by their name alone."""
 
 

@@ -23,7 +23,8 @@ from grpo.tasks import TASKS
 class GRPOConfig:
     # ---- model -------------------------------------------------------------------------------------------------
     model_name_or_path: str = _f(DEFAULT_MODEL, "Model to train: a local Hugging Face directory, a hub name, or a "
-                                 "model shipped in the package by name (tiny-arith, tiny-tools, tiny-vision). Default: tiny-arith.")
+                                 "model shipped in the package by name (tiny-arith, tiny-tools, tiny-vision, "
+                                 "tiny-moe). Default: tiny-arith.")
     model_revision: str = _f("main", "Revision (branch, tag or commit) of a hub model (TRL ModelConfig).")
     model_init_kwargs: dict | None = _f(None, "Further keyword arguments for from_pretrained (TRL's), e.g. "
                                         "{device_map: auto}; dtype, revision and attn_implementation here win.")
@@ -151,6 +152,16 @@ class GRPOConfig:
                                      "ulysses_sequence_parallel_size, accelerate's parallelism_config.sp_size): "
                                      "launch a multiple of it; each group of that many processes is one "
                                      "data-parallel rank (docs/long.md).")
+    router_replay: str = _f("off", "Mixture-of-Experts routing replay (docs/moe.md): R3 forces, in every training "
+                            "pass, the experts each token was routed to in the rollout, the routing weights "
+                            "recomputed from the live router (verl's router_replay.mode R3, NeMo-RL's "
+                            "router_replay.enabled: true and false; disabled and r3 are aliases). off: the "
+                            "update routes itself, and moe/routing_mismatch logs the share of tokens routed otherwise than in the rollout.",
+                            ("off", "R3", "disabled", "r3"))
+    router_aux_loss_coef: float | None = _f(None, "Weight of an MoE model's load-balancing loss added to the "
+                                            "training loss, as TRL adds it (logged as moe/aux_loss); null: the "
+                                            "model config's own router_aux_loss_coef; 0: none. Refused for a dense "
+                                            "model.")
     gradient_accumulation_steps: int | None = _f(None, "Micro-batches per optimizer step on each process. Default: "
                                                  "what prompts_per_step needs, else 1.")
     steps_per_generation: int | None = _f(None, "Micro-batch passes one rollout feeds (TRL's): a multiple of "

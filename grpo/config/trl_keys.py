@@ -111,6 +111,7 @@ TABLE: list[TRLKey] = [
     *_rows("trl", "field",
            ("model_init_kwargs", None), ("ds3_gather_for_generation", True, "FSDP2 too (docs/distributed.md)"),
            ("trust_remote_code", False), ("disable_dropout", False),
+           ("router_aux_loss_coef", None, "over the tokens of grpo's padding-free passes (docs/moe.md)"),
            ("cast_lm_head_to_fp32", False, "tied embeddings too, their outputs cast back (as TRL's code does)"),
            ("num_generations", 8), ("max_completion_length", 512), ("shuffle_dataset", True),
            ("generation_batch_size", None), ("steps_per_generation", None), ("temperature", 1.0), ("top_p", 1.0),
@@ -141,8 +142,6 @@ TABLE: list[TRLKey] = [
            ("num_generations_eval", "eval_num_samples", None), ("vllm_importance_sampling_cap",
                                                                 "vllm_importance_sampling_clip_max", None)),
     *_rows("trl", "default",
-           ("router_aux_loss_coef", None, "no MoE load-balancing loss is added (at the default, TRL adds an MoE "
-            "model's own coefficient; grpo does not)"),
            ("cache_implementation", None, "grpo's samplers keep their own KV cache"),
            ("vllm_structured_outputs_regex", None, "regex-guided decoding is not built"),
            ("log_multimodal", True, "grpo trains text models"),

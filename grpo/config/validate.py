@@ -26,9 +26,12 @@ def resolve_and_validate(cfg) -> None:
 
 
 def _trl_forms(cfg) -> None:
-    """TRL's spellings of our values: scale_rewards true/false, report_to 'none'/'all', bf16 null."""
+    """TRL's spellings of our values: scale_rewards true/false, report_to 'none'/'all', bf16 null; router_replay
+    true/false (NeMo-RL's router_replay.enabled; YAML reads `off` as false)."""
     if isinstance(cfg.scale_rewards, bool):
         cfg.scale_rewards = "group" if cfg.scale_rewards else "none"
+    if isinstance(cfg.router_replay, bool):
+        cfg.router_replay = "R3" if cfg.router_replay else "off"
     if isinstance(cfg.report_to, str):
         cfg.report_to = [cfg.report_to]
     if cfg.report_to is None:

@@ -39,6 +39,8 @@ class Completions:
     ids: list[list[int]]
     truncated: list[bool]  # True when the row hit max_new_tokens without EOS
     logprobs: list[list[float]] | None = None  # per token, under the distribution actually sampled from
+    # an MoE model's experts per token (prompt + completion tokens, layers, top-k) uint8 (grpo.engines.moe)
+    routes: list[torch.Tensor] | None = None
 
 
 class RolloutEngine(Protocol):

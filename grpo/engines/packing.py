@@ -214,6 +214,7 @@ class PackedRows:
     cu_seq_lens: torch.Tensor | None = None  # with Packing.mask "varlen": (sequences + 1,) int32 boundaries, flat
     max_length: int = 0  # with Packing.mask "varlen": the longest sequence (a Python int: no host sync to read)
     host: "PackedRows | None" = None  # after `to`: the CPU original, for index arithmetic without host syncs
+    source: torch.Tensor | None = None  # (R*L,): each position's flat index into the padded (n, P+W), -1 on padding
 
     def to(self, device) -> "PackedRows":
         return dataclasses.replace(self, host=self.host or self, **{
@@ -374,6 +375,8 @@ def _layout(input_ids, plen, clen, prompt_width, width, units, sizes, rows, pack
     is_pad = torch.ones(n_rows * length, dtype=torch.bool)
     is_pad[dest] = False
     positions[dest] = torch.repeat_interleave(pos0, lens) + within
+    source = torch.full((n_rows * length,), -1, dtype=torch.long)
+    source[dest] = torch.repeat_interleave(sources, lens) + within
     positions = torch.where(is_pad, _pad_positions(is_pad.view(n_rows, length)).reshape(-1), positions)
     # Scoring: a row's first completion token is predicted by its prompt's last position, token j > 0 by token j-1.
     scored = torch.tensor(clen, dtype=torch.long)
@@ -389,7 +392,7 @@ def _layout(input_ids, plen, clen, prompt_width, width, units, sizes, rows, pack
     cu_seq_lens, max_length = _boundaries(positions) if packing.mask == "varlen" else (None, 0)
     return PackedRows(ids.view(n_rows, length), positions.view(n_rows, length), segments.view(n_rows, length),
                       branch.view(n_rows, length), score_index, targets, layout, keep, kept_index, packing, prefix,
-                      cu_seq_lens, max_length)
+                      cu_seq_lens, max_length, source)
 
 
 def _boundaries(positions: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -36,6 +36,7 @@ class MicroBatch:
     sampling_logp: torch.Tensor | None = None  # (n, width): the rollout engine's own log-probs, where it gave them
     packed: PackedRows | None = None
     images: list | None = None  # (n,) each row's image features (grpo.engines.images.RowImages), on the CPU
+    routes: torch.Tensor | None = None  # (R*L, layers, k): an MoE rollout's experts per packed position (engines.moe)
 
 
 LossFn = Callable[[torch.Tensor, slice, "torch.Tensor | None"], LossOutput]
@@ -70,6 +71,7 @@ class TransformersBackend:
 
     name = "transformers"
     tile_kernels = None  # (dtype, device) -> compiled kernels for the head's tiles, or None: the CPU engine's
+    extra_loss = None  # () -> a term added to the loss before backward, or None (grpo.engines.moe: the aux loss)
 
     def __init__(self, model, accelerator, sp=None, offload: bool = False):
         self.model, self.accel = model, accelerator
@@ -144,6 +146,8 @@ class TransformersBackend:
                                    images=images)
 
     def backward(self, loss: torch.Tensor) -> None:
+        extra = self.extra_loss() if self.extra_loss is not None else None
+        loss = loss if extra is None else loss + extra
         # DDP averages gradients over processes; the loss is already a share of the global sum, so undo the mean.
         self.accel.backward(loss * self.accel.num_processes)
 

@@ -155,6 +155,8 @@ class TransformersSampler(EngineDefaults):
     each forward is collective (sharded weights: `grpo.engines.sharding.all_processes_stopped`).
     """
 
+    routes = None  # an MoE model's grpo.engines.moe.RouteRecorder: each token's experts recorded (Completions.routes)
+
     def __init__(self, model, pad_id: int, eos_ids: list[int], batch_size: int | None = None,
                  all_stopped: Callable[[torch.Tensor], bool] | None = None):
         self.model, self.pad_id, self.eos_ids, self.batch_size = model, pad_id, list(eos_ids), batch_size
@@ -168,6 +170,7 @@ class TransformersSampler(EngineDefaults):
         ids: list[list[int]] = []
         truncated: list[bool] = []
         logprobs: list[list[float]] = []
+        routes: list[torch.Tensor] = []
         was_training = self.model.training
         self.model.eval()
         try:
@@ -178,10 +181,13 @@ class TransformersSampler(EngineDefaults):
                 ids += part.ids
                 truncated += part.truncated
                 logprobs += part.logprobs
+                routes += part.routes or []
         finally:
+            if self.routes is not None:
+                self.routes.close()  # (hooks left by a batch that raised)
             if was_training:
                 self.model.train()
-        return Completions(ids, truncated, logprobs)
+        return Completions(ids, truncated, logprobs, routes if self.routes is not None else None)
 
     def _decode_step(self, cache, rows: int, mask: torch.Tensor, p: SamplingParams):
         """A function (tokens (N, 1), positions (N, 1), t) -> next logits (N, V) that replaces the model's own
@@ -212,10 +218,14 @@ class TransformersSampler(EngineDefaults):
             out = self.model(input_ids=ids[pick], attention_mask=mask[pick], position_ids=pos[pick],
                              use_cache=True, **cache_args(self.model, cache), logits_to_keep=1)
             copies = torch.tensor(copies, device=ids.device)
+            if self.routes is not None:
+                self.routes.prefill(copies)
             expand_cache(cache, copies)
             return out, out.logits[:, -1, :].index_select(0, copies), pos
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                          **cache_args(self.model, cache), logits_to_keep=1)
+        if self.routes is not None:
+            self.routes.prefill(None)
         return out, out.logits[:, -1, :], pos
 
     def _sample_batch(self, prompt_ids: list[list[int]], p: SamplingParams, rngs: list[torch.Generator],
@@ -228,6 +238,8 @@ class TransformersSampler(EngineDefaults):
         eos = torch.tensor(self.eos_ids, device=device)
         cache = preallocated_cache(self.model, ids.shape[1] + p.max_new_tokens)
         vision, banned = _vision_inputs(self.model, images, ids)
+        if self.routes is not None:
+            self.routes.begin(n, ids.shape[1], p.max_new_tokens, device)
         out, logits, pos = self._prefill(prompt_ids, ids, mask, pos, cache, vision)
         vocab = logits.shape[-1]
         step = self._decode_step(cache, n, mask, p) if cache is not None and vision is None else None
@@ -283,6 +295,8 @@ class TransformersSampler(EngineDefaults):
                 out = self.model(input_ids=token[:, None], attention_mask=mask[:, :width + t + 1], position_ids=pos,
                                  **cache_args(self.model, returned_cache(out)), use_cache=True)
                 logits = out.logits[:, -1, :]
+                if self.routes is not None:
+                    self.routes.step(row, t)
         ended[torch.arange(n, device=device)[row][done]] = True
         # One synchronisation for the whole rollout: everything comes to the host here.
         rows, lps, length, ended = new_tokens.cpu(), new_logprobs.cpu(), length.cpu(), ended.cpu().tolist()
@@ -290,8 +304,9 @@ class TransformersSampler(EngineDefaults):
         if bool(bad.any()):
             _raise_no_mass(int(bad.any(1).nonzero()[0]))
         rows, lps, lengths = rows.tolist(), lps.tolist(), length.tolist()
+        routes = None if self.routes is None else self.routes.finish([len(q) for q in prompt_ids], lengths)
         return Completions([r[:k] for r, k in zip(rows, lengths)], [not e for e in ended],
-                           [lp[:k] for lp, k in zip(lps, lengths)])
+                           [lp[:k] for lp, k in zip(lps, lengths)], routes)
 
 
 def _vision_inputs(model, images: list | None, ids: torch.Tensor):

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo.engines.moe import packed_routes
 from grpo.engines.packing import Packing, PackedRows, pack
 from grpo.engines.policy import MicroBatch
 
@@ -55,7 +56,9 @@ class Plan:
                           self.width, old_logp=self.take(batch.old_logp, device),
                           sampling_logp=self.take(batch.sampling_logp, device),
                           packed=None if self.packed is None else self.packed.to(device),
-                          images=None if batch.images is None else [batch.images[r] for r in self.rows.tolist()])
+                          images=None if batch.images is None else [batch.images[r] for r in self.rows.tolist()],
+                          routes=None if batch.routes is None or self.packed is None else
+                          packed_routes(batch.routes[self.rows, :end], self.packed.source).to(device))
 
 
 class MicroBatches:

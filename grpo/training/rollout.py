@@ -19,6 +19,7 @@ from grpo.agents.recording import concat_extra_rows, select_extra_rows
 from grpo.core import decoupled_advantages, group_advantages, mix_advantages, process_advantages
 from grpo.engines.base import SamplingParams, row_seed
 from grpo.engines.images import RowImages
+from grpo.engines.moe import batch_routes
 from grpo.engines.sampling import left_pad
 from grpo.training.faults import engine_faults
 from grpo.training.processes import Processes
@@ -42,6 +43,7 @@ class RolloutBatch:
     index: int = 0  # which rollout of the run (seeds its sampling and the order of its optimizer steps)
     plans: list | None = None  # its optimizer steps (grpo.training.steps.StepPlan), planned on the CPU; not saved
     images: list | None = None  # (N,) each row's image features (grpo.training.vision.RowImages), with image data
+    routes: torch.Tensor | None = None  # (N, P+T, layers, k) uint8: an MoE model's experts per token (engines.moe)
 
     def __post_init__(self):
         if self.images is not None:  # (a checkpoint keeps each row's features as a dict)
@@ -55,7 +57,7 @@ class RolloutBatch:
     def tensors(self) -> dict:
         """What a checkpoint taken while this rollout still feeds optimizer steps keeps of it."""
         names = ("input_ids", "attention_mask", "completion_mask", "advantages", "old_logp", "sampling_logp",
-                 "ref_logp")
+                 "ref_logp", "routes")
         return {**{n: None if getattr(self, n) is None else getattr(self, n).cpu() for n in names},
                 "metrics": self.metrics, "samples": self.samples, "index": self.index,
                 **({"images": [{"features": r.features, "token_types": list(r.token_types)} for r in self.images]}
@@ -98,6 +100,7 @@ class Sampled:
     images: list | None = None  # each row's image features (grpo.training.vision.RowImages), with image data
     # an agent's episodes (grpo.agents.episodes): more training rows, (row, prompt_ids, ids, model_mask, logprobs)
     extra_rows: list[tuple] | None = None
+    routes: list | None = None  # an MoE model's experts per token of each row (grpo.engines.moe.RouteRecorder)
 
     def select(self, rows: list[int]) -> "Sampled":
         values = {}
@@ -328,7 +331,8 @@ class Rollouts:
         return Sampled(prompts, prompt_ids, columns, out.ids, out.truncated, texts, completions, scored.total,
                        scored.per_func, scored.errors, scored.timeouts, out.logprobs,
                        *((agent.model_mask, agent.stats) if agent is not None else ()), images=images,
-                       extra_rows=getattr(agent, "extra_rows", None))
+                       extra_rows=getattr(agent, "extra_rows", None),
+                       routes=out.routes if agent is None else None)
 
     def _sample_dynamic(self, index: int) -> tuple[Sampled, dict[str, float]]:
         """DAPO dynamic sampling: drop groups whose rewards are all equal, sample more prompts until the step has
@@ -376,6 +380,9 @@ class Rollouts:
             check_image_tokens_masked(input_ids, cmask, self.policy.config.image_token_id)
         if s.logprobs is not None:
             batch.sampling_logp = pad_rows(s.logprobs + [e[4] for e in s.extra_rows or []], cmask.shape[1])
+        if s.routes is not None:  # (laid out as input_ids)
+            batch.routes = batch_routes(s.routes, [len(q) for q in s.prompt_ids], attention.shape[1] - cmask.shape[1],
+                                        attention.shape[1])
         self.times["scoring"] += time.perf_counter() - t0
         batch.metrics = {**self._metrics(s, rewards, outcome), **step_metrics}
         if s.agent_stats is not None:

@@ -29,6 +29,7 @@ from grpo.config.base import shipped_model
 from grpo.agents import make_agent_spec, make_rollout
 from grpo.core import sync_reference_
 from grpo.engines.base import SamplingParams
+from grpo.engines.moe import make_routing
 from grpo.engines.policy import reference_view
 from grpo.engines.select import choose_engine, make_engine, make_vllm
 from grpo.training import run_dir, sharded_checkpoint as sharded_ckpt
@@ -165,6 +166,7 @@ class GRPOTrainer(TRLSurface):
                                   why, split=cfg.sequence_parallel_size)
         self.updates = Update(cfg, self.accel, self.model, self.backend, self.objective, self.procs, self.layout,
                               self.micro)
+        self.updates.routing = make_routing(cfg, self.policy, self.generator, packing, self.procs.gather)  # (MoE)
         self.control = RunControl(cfg, callbacks, self.layout, self.accel.is_main_process)
         self.rollouts.trainer_state = self.control.state
         self.health = HealthMonitor(accuracy=self.reward_names[0],

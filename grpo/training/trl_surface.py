@@ -23,7 +23,11 @@ _SENTINEL = -1e9  # entropies are >= 0: pads the gathered entropies across proce
 class TRLSurface:
     """Mixed into GRPOTrainer: TRL's attribute and method names over grpo's trainer."""
 
-    aux_loss_enabled = False  # no MoE load-balancing loss is added (router_aux_loss_coef: docs/from_trl.md)
+    @property
+    def aux_loss_enabled(self) -> bool:
+        """Whether an MoE load-balancing loss is added (router_aux_loss_coef; grpo.engines.moe)."""
+        routing = self.updates.routing
+        return routing is not None and routing.coef != 0.0
 
     @property
     def args(self):

@@ -35,6 +35,8 @@ LOSS_METRIC_NAMES = {"policy_loss": "policy/loss", "kl": "policy/kl_divergence"}
 class Update:
     """The passes of the update for the model `model` (as accelerate prepared it) through `backend`."""
 
+    routing = None  # an MoE model's grpo.engines.moe.Routing: routes replayed or measured, the aux loss
+
     def __init__(self, cfg, accel, model, backend, objective: Objective, procs, layout: Layout, micro: MicroBatches):
         self.cfg, self.accel, self.model, self.backend = cfg, accel, model, backend
         self.objective, self.procs, self.layout, self.micro = objective, procs, layout, micro
@@ -54,9 +56,10 @@ class Update:
             for step in batch.plans or self.plan(batch):
                 for m in step.micro_batches if step.iteration == 0 else ():
                     x = m.inputs(batch, device)
-                    out[m.rows, :m.width] = self.backend.logprobs(model, x.input_ids, x.attention_mask, m.width,
-                                                                  self.cfg.temperature, x.packed,
-                                                                  **({"images": x.images} if x.images else {}))
+                    with self.routing.score_pass(model, x) if self.routing else contextlib.nullcontext():
+                        out[m.rows, :m.width] = self.backend.logprobs(
+                            model, x.input_ids, x.attention_mask, m.width, self.cfg.temperature, x.packed,
+                            **({"images": x.images} if x.images else {}))
         return out
 
     def run(self, batch: RolloutBatch, plans: list[StepPlan], optimizer, scheduler,
@@ -73,6 +76,7 @@ class Update:
             out["train/learning_rate"] = scheduler.get_last_lr()[0]  # the rate this step takes
             out["train/grad_norm"] = optimizer_step(batch)
             out.update(self.objective.end_step())
+            out.update(self.routing.step_metrics() if self.routing else {})
         means = sums.means(skip="advantage", gather_objects=self.procs.gather_objects)  # (advantages: per rollout)
         out.update({LOSS_METRIC_NAMES.get(k, k if "/" in k else f"policy/{k}"): v for k, v in means.items()})
         return out
@@ -112,10 +116,14 @@ class Update:
         normalizer = aggregation_normalizer(self.cfg.loss_aggregation, micro_tokens=tokens, **counts)
         inputs = MicroInputs(mask, adv, micro.old_logp, micro.sampling_logp, ref, normalizer, counts["micro_batches"])
         in_loss = self.objective.entropy_in_loss
+        share = 1.0 / (counts["micro_batches"] * counts["processes"])  # (an MoE aux loss's: TRL's, grpo's scaling)
         # (the backend runs the forward and the loss under the run's autocast, the backward outside it)
-        logp, out = self.backend.loss_and_backward(
-            micro, self.cfg.temperature, lambda lp, sub=slice(None), entropy=None:
-            self.objective.loss(lp, entropy, inputs, sub), True, entropy_in_loss=in_loss)  # (entropy: TRL's metric)
+        routing = (self.routing.update_pass(self.backend, self.model, micro, share) if self.routing
+                   else contextlib.nullcontext())
+        with routing:
+            logp, out = self.backend.loss_and_backward(
+                micro, self.cfg.temperature, lambda lp, sub=slice(None), entropy=None:
+                self.objective.loss(lp, entropy, inputs, sub), True, entropy_in_loss=in_loss)  # (entropy: TRL's)
         return logp, out, tokens
 
 
