@@ -217,7 +217,7 @@ class PackedRows:
     source: torch.Tensor | None = None  # (R*L,): each position's flat index into the padded (n, P+W), -1 on padding
 
     def to(self, device) -> "PackedRows":
-        return dataclasses.replace(self, host=self.host or self, **{
+        return dataclasses.replace(self, host=self if self.host is None else self.host, **{
             f.name: getattr(self, f.name).to(device, non_blocking=True) for f in dataclasses.fields(self)
             if isinstance(getattr(self, f.name), (torch.Tensor, PrefixIndex))})
 
@@ -392,7 +392,7 @@ def _layout(input_ids, plen, clen, prompt_width, width, units, sizes, rows, pack
     cu_seq_lens, max_length = _boundaries(positions) if packing.mask == "varlen" else (None, 0)
     return PackedRows(ids.view(n_rows, length), positions.view(n_rows, length), segments.view(n_rows, length),
                       branch.view(n_rows, length), score_index, targets, layout, keep, kept_index, packing, prefix,
-                      cu_seq_lens, max_length, source)
+                      cu_seq_lens, max_length, source=source)
 
 
 def _boundaries(positions: torch.Tensor) -> tuple[torch.Tensor, int]:
