@@ -13,7 +13,7 @@ from grpo.training.data import PromptSet
 from grpo.engines.base import SamplingParams
 from grpo.rewards.math_accuracy import extract_answer
 from grpo.rewards.text import completion_text
-from grpo.training.rollout import as_completion, strip_eos
+from grpo.training.rollout_batch import as_completion, strip_eos
 
 
 def evaluate_prompts(generator, tokenizer, prompts: PromptSet, rewards, reward_names: list[str],

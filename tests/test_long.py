@@ -359,7 +359,7 @@ def test_stock_sampler_at_length_scores_like_the_update_and_is_masked_when_trunc
     -1 for them and mask_truncated_completions leaves them out of the loss."""
     from grpo.engines.base import SamplingParams
     from grpo.engines.sampling import TransformersSampler
-    from grpo.training.rollout import pack as pack_rows
+    from grpo.training.rollout_batch import pack as pack_rows
 
     model = tiny_model().eval()
     budget = 1500

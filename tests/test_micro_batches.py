@@ -13,7 +13,7 @@ from grpo.config import ConfigError
 from grpo.engines.base import ScriptedGenerator
 from grpo.engines.packing import Packing
 from grpo.training.micro_batches import MicroBatches
-from grpo.training.rollout import RolloutBatch, pack
+from grpo.training.rollout_batch import RolloutBatch, pack
 
 
 class OneProcess:

@@ -10,7 +10,7 @@ import torch
 from grpo.core import hidden_loss
 from grpo.engines.packing import Packing, choose_packing, pack
 from grpo.engines.policy import completion_logprobs
-from grpo.training.rollout import pack as pad_rows
+from grpo.training.rollout_batch import pack as pad_rows
 
 SHARED = Packing(True, "bool", 1e-3)
 SEQUENCES = Packing(False, None, 1e-3)

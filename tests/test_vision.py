@@ -17,7 +17,7 @@ from grpo.engines.sampling import TransformersSampler
 from grpo.tasks import get_task
 from grpo.tasks.shapes import COLOURS, Scene, draw
 from grpo.training.data import render_prompt
-from grpo.training.rollout import pack
+from grpo.training.rollout_batch import pack
 from grpo.training.vision import (ImageProcessing, check_image_tokens_masked, load_image, vision_prompts,
                                   with_image_parts)
 from vision_families import microbatched_logprobs

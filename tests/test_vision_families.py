@@ -16,7 +16,7 @@ from grpo.engines.policy import completion_logprobs
 from grpo.engines.sampling import TransformersSampler
 from grpo.tasks import get_task
 from grpo.training.data import render_prompt
-from grpo.training.rollout import pack
+from grpo.training.rollout_batch import pack
 from grpo.training.vision import ImageProcessing, ProcessorImages, vision_prompts
 from vision_families import FAMILIES, build, microbatched_logprobs
 

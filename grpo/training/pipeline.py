@@ -36,7 +36,8 @@ from multiprocessing.connection import Connection
 import torch
 
 from grpo.config import ConfigError
-from grpo.training.rollout import RolloutBatch, Rollouts, SampleRequest, Sampled
+from grpo.training.rollout import Rollouts
+from grpo.training.rollout_batch import RolloutBatch, SampleRequest, Sampled
 
 
 class LaggedRollouts:

@@ -33,7 +33,8 @@ import traceback
 from grpo.config import ConfigError
 from grpo.engines.base import EngineDefaults
 from grpo.training.pipeline import Answers, LaggedRollouts
-from grpo.training.rollout import RolloutBatch, Rollouts
+from grpo.training.rollout import Rollouts
+from grpo.training.rollout_batch import RolloutBatch
 
 
 class ServerRollouts(LaggedRollouts):

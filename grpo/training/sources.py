@@ -16,7 +16,8 @@ from grpo.agents import AgentRollout
 from grpo.config import ConfigError
 from grpo.training.pipeline import LaggedRollouts
 from grpo.training.pipeline_server import ServerRollouts
-from grpo.training.rollout import RolloutBatch, Rollouts
+from grpo.training.rollout import Rollouts
+from grpo.training.rollout_batch import RolloutBatch
 
 
 class RolloutSource(Protocol):

@@ -17,7 +17,7 @@ from grpo.config import ConfigError
 from grpo.training import checkpoint as ckpt, sharded_checkpoint as sharded_ckpt
 from grpo.training.model import load_model_files, save_model_files
 from grpo.training.loop_state import LoopState, Stateful
-from grpo.training.rollout import RolloutBatch
+from grpo.training.rollout_batch import RolloutBatch
 
 
 def checkpoint_to_resume(cfg, requested: Any, processes=None) -> Path | None:

@@ -44,7 +44,8 @@ from grpo.training.model import load_model, prepare_model, save_final
 from grpo.training.objective import Objective
 from grpo.training.sources import make_source
 from grpo.training.processes import Processes
-from grpo.training.rollout import RolloutBatch, Rollouts
+from grpo.training.rollout import Rollouts
+from grpo.training.rollout_batch import RolloutBatch
 from grpo.training.sharded import check_sharded_images, check_sharding, place_reference, reduce_in_float32
 from grpo.training.errors import TrainingStopped
 from grpo.training.faults import engine_faults

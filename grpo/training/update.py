@@ -24,7 +24,7 @@ import torch
 from grpo.core import aggregation_normalizer
 from grpo.training.micro_batches import MicroBatches, Plan
 from grpo.training.objective import MicroInputs, Objective
-from grpo.training.rollout import RolloutBatch
+from grpo.training.rollout_batch import RolloutBatch
 from grpo.training.steps import Layout, StepPlan, rollout_plan
 from grpo.training.tracking import MetricSums
 
