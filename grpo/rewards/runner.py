@@ -36,19 +36,16 @@ values)` (a column of the sample completions) and `log_metric(name, value)` (a m
 as `extras`.
 """
 
-import asyncio
-import concurrent.futures
+import dataclasses
 import inspect
 import logging
 import math
 import numbers
-import signal
-import threading
 from collections.abc import Callable, Iterable
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from .calls import RewardTimeout, call_all, signature_of
 from .text import completion_text
 
 logger = logging.getLogger(__name__)
@@ -61,10 +58,6 @@ EXTRAS = ("trainer_state", "log_extra", "log_metric")
 
 class RewardError(ValueError):
     """A reward function broke the protocol or failed; the message names the function and, when known, the row."""
-
-
-class RewardTimeout(Exception):
-    """A reward function call overran `timeout_s`."""
 
 
 @dataclass
@@ -93,7 +86,7 @@ def column_requirements(func: Callable) -> list[tuple[str, ...]]:
     declared = getattr(func, "column_requirements", None)
     if declared is not None:
         return [tuple(names) for names in declared]
-    signature = _signature(func)
+    signature = signature_of(func)
     if signature is None:
         return []
     named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
@@ -184,7 +177,7 @@ class RewardRunner:
         errors = {name: 0 for name in self.names}
         timeouts = {name: 0 for name in self.names}
         per_func = {}
-        results = _call_all(self.funcs, batch, self.timeout_s)
+        results = call_all(self.funcs, batch, self.timeout_s)
         for name, func, result in zip(self.names, self.funcs, results):
             if isinstance(result, RewardTimeout):
                 values = self._timed_out(name, n, errors, timeouts)
@@ -216,7 +209,7 @@ class RewardRunner:
         failed = 0
         for row in range(len(batch["completions"])):
             single = {key: value if key in EXTRAS else value[row : row + 1] for key, value in batch.items()}
-            result = _call_all([func], single, self.timeout_s)[0]
+            result = call_all([func], single, self.timeout_s)[0]
             if not isinstance(result, Exception):
                 values.extend(_validate(name, result, 1))
                 continue
@@ -295,125 +288,6 @@ def _check_lengths(n: int, lists: dict[str, Any]) -> None:
     for key, value in lists.items():
         if len(value) != n:
             raise RewardError(f"'{key}' has {len(value)} entries for {n} completions; one per completion is needed")
-
-
-def _call_all(funcs: list[Callable], batch: dict, timeout_s: float | None = None) -> list[Any]:
-    """Call each function; await the async ones together. An exception is returned in place of the result."""
-    results: list[Any] = []
-    for func in funcs:
-        try:
-            results.append(_call(func, _arguments(func, batch), timeout_s))
-        except Exception as error:
-            results.append(error)
-    pending = [i for i, result in enumerate(results) if inspect.isawaitable(result)]
-    if pending:
-        awaitables = [_deadline(results[i], timeout_s) for i in pending]
-        for i, value in zip(pending, _run_awaitables(awaitables)):
-            results[i] = RewardTimeout() if isinstance(value, asyncio.TimeoutError) else value
-    return results
-
-
-class _Overrun(BaseException):
-    """Raised inside a reward function by the timeout signal (BaseException: `except Exception` does not catch it)."""
-
-
-_ARMED = threading.Event()  # set while a call on the main thread may be interrupted
-
-
-def _on_timeout_signal(signum, frame) -> None:
-    if _ARMED.is_set():
-        _ARMED.clear()
-        raise _Overrun()
-
-
-def _timeout_signal() -> int | None:
-    """The signal the watchdog sends the main thread: a real-time one nobody else uses (SIGALRM is math-verify's),
-    installed once with a handler that does nothing unless a call is armed. None where signals cannot be used."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_kill"):
-        return None
-    number = getattr(signal, "SIGRTMIN", None)
-    number = number + 3 if number is not None else signal.SIGUSR2
-    current = signal.getsignal(number)
-    if current is _on_timeout_signal:
-        return number
-    if current not in (signal.SIG_DFL, None):
-        return None  # someone else's handler: leave it, and use a thread
-    signal.signal(number, _on_timeout_signal)
-    return number
-
-
-def _call(func: Callable, kwargs: dict, timeout_s: float | None) -> Any:
-    """func(**kwargs) with a deadline (an async function returns its coroutine): on the main thread, interrupted by
-    a signal; elsewhere, run on a daemon thread that is abandoned when it overruns."""
-    if timeout_s is None or inspect.iscoroutinefunction(func):
-        return func(**kwargs)
-    number = _timeout_signal()
-    if number is None:
-        return _call_on_thread(func, kwargs, timeout_s)
-    main = threading.main_thread().ident
-    timer = threading.Timer(timeout_s, lambda: _ARMED.is_set() and signal.pthread_kill(main, number))
-    timer.daemon = True
-    _ARMED.set()
-    timer.start()
-    try:
-        return func(**kwargs)
-    except _Overrun:
-        raise RewardTimeout() from None
-    finally:
-        _ARMED.clear()  # first: a signal that arrives from here on does nothing
-        timer.cancel()
-        timer.join()
-
-
-def _call_on_thread(func: Callable, kwargs: dict, timeout_s: float) -> Any:
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = func(**kwargs)
-        except BaseException as error:  # noqa: BLE001 - handed back to the caller's thread below
-            box["error"] = error
-
-    thread = threading.Thread(target=target, daemon=True, name="grpo-reward")
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise RewardTimeout()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
-async def _deadline(awaitable, timeout_s: float | None):
-    return await (awaitable if timeout_s is None else asyncio.wait_for(awaitable, timeout_s))
-
-
-def _arguments(func: Callable, batch: dict) -> dict:
-    # TRL passes everything; a function without **kwargs gets only the names it declares instead of a TypeError.
-    signature = _signature(func)
-    if signature is None or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()):
-        return batch
-    return {key: value for key, value in batch.items() if key in signature.parameters}
-
-
-def _run_awaitables(awaitables: list) -> list:
-    async def gather():
-        return await asyncio.gather(*awaitables, return_exceptions=True)
-
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(gather())
-    # Called from inside a running loop (a notebook): run ours on a thread of its own.
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(asyncio.run, gather()).result()
-
-
-def _signature(func: Callable) -> inspect.Signature | None:
-    try:
-        return inspect.signature(func)
-    except (TypeError, ValueError):
-        return None
 
 
 def _validate(name: str, result: Any, n: int) -> list[float | None]:
