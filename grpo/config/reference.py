@@ -130,7 +130,17 @@ def from_trl_reference() -> str:
              "otherwise a ConfigError says why and what to use; **accepted, no effect**: any valid value is accepted "
              "and changes nothing here (the note says why). A `trl.GRPOConfig` passed as `args` keeps TRL's "
              "values; `preset: trl` (or `GRPOConfig(preset=\"trl\")`) gives TRL's defaults to every key not set.",
-             ""]
+             "", "## Scripts built on `TrlParser` / `HfArgumentParser`", "",
+             "`TrlParser((ScriptArguments, GRPOConfig, ModelConfig))` (TRL's trl/scripts/grpo.py, open-r1's grpo.py) "
+             "works with grpo's `GRPOConfig`: every field is annotated the parsers' way (`list[str]`, a mapping as "
+             "`dict | str | None` whose text is JSON, steps-or-ratio keys as `float`). The keys such scripts read "
+             "from `ScriptArguments` and `ModelConfig` (model, dataset, LoRA and quantization options) and the "
+             "scripts' `reward_funcs` are left to those dataclasses (`init=False` fields, which the parsers skip): "
+             "the script hands them to the trainer as TRL's does. A parser passes every field, defaults included; "
+             "a value at its field's default then counts as not set, so `--preset` and `--loss_type` act as in "
+             "`GRPOConfig(...)`. TRL keys that grpo accepts only at their default (the tables below) are not "
+             "parser options: a script's `--key` for one is an unknown argument. Torch dtypes and other objects in "
+             "values (`model_init_kwargs: {dtype: torch.bfloat16}`) are written to config.yaml by name.", ""]
     for source, title in titles.items():
         lines += [f"## {title}", "", "| key | TRL's default | grpo | note |", "|---|---|---|---|"]
         for row in TABLE:

@@ -41,7 +41,9 @@ def write_run_files(trainer, out: Path) -> None:
     import yaml
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(yaml.safe_dump(resolved_config(trainer), sort_keys=False))
+    from grpo.config.files import plain
+
+    (out / "config.yaml").write_text(yaml.safe_dump(plain(resolved_config(trainer)), sort_keys=False))
     (out / "layout.yaml").write_text(yaml.safe_dump(trainer.layout.to_dict(), sort_keys=False))
 
 

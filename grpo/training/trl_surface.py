@@ -44,6 +44,11 @@ class TRLSurface:
         self.control.state = value
         self.rollouts.trainer_state = value  # (what reward functions get as trainer_state)
 
+    def end(self) -> None:
+        """transformers 5.18's last call of a script (TRL's scripts make it): accelerate's end of training, which
+        finishes its trackers and destroys the process group. grpo's own sinks were closed when train() ended."""
+        self.accelerator.end_training()
+
     def add_callback(self, callback) -> None:
         self.control.add(callback)
 
