@@ -79,6 +79,25 @@ def test_checkpoints_load_with_from_pretrained_and_resume(tiny_model_dir, tmp_pa
         again.train(resume_from_checkpoint=str(tmp_path))
 
 
+def test_the_last_step_is_checkpointed_so_a_finished_run_resumes_at_its_end(tiny_model_dir, tmp_path):
+    """transformers' Trainer saves at the last step under a steps strategy (DefaultFlowCallback): save_steps 50
+    over a 2-step run still leaves checkpoint-2, and resuming the finished run trains nothing more."""
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=a_reward, args=config(tmp_path, save_steps=50),
+                          train_dataset=prompts())
+    trainer.train()
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-2"]
+    logged = [r["step"] for r in read_metrics(tmp_path / "run") if "reward" in r]
+    assert logged == [1, 2]
+
+    again = GRPOTrainer(model=tiny_model_dir, reward_funcs=a_reward, args=config(tmp_path, save_steps=50),
+                        train_dataset=prompts())
+    again.train(resume_from_checkpoint=True)
+    assert again.step == 2
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if "reward" in r] == logged  # no step redone
+    for k, v in trainer.policy.state_dict().items():
+        assert torch.equal(again.policy.state_dict()[k], v), k
+
+
 def test_a_loaded_reward_model_with_its_processing_class(tiny_model_dir, tmp_path):
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
 
@@ -153,7 +172,8 @@ def test_push_to_hub_uploads_each_save_and_the_final_model(tiny_model_dir, tmp_p
                             hub_private_repo=True, save_steps=1)).train()
     assert hub.calls[:2] == [("create_repo", "someone/tiny-grpo", True), ("create_branch", "someone/tiny-grpo", "exp1")]
     uploads = [c for c in hub.calls if c[0] == "upload"]
-    assert [c[3] for c in uploads] == ["grpo: checkpoint at step 1", "grpo: model after 2 steps"]
+    assert [c[3] for c in uploads] == ["grpo: checkpoint at step 1", "grpo: checkpoint at step 2",
+                                       "grpo: model after 2 steps"]  # (transformers: the last step saves too)
     assert all(c[1:3] == ("someone/tiny-grpo", "exp1") and "model.safetensors" in c[4] for c in uploads)
     assert "trainer_state.pt" in uploads[0][5]  # (left out: optimizer and RNG states stay local)
 

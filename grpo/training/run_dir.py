@@ -30,7 +30,7 @@ import yaml
 
 from grpo.config import ConfigError
 from grpo.training import lock
-from grpo.training.checkpoint import PREFIX
+from grpo.training.checkpoint import MANIFEST, PREFIX
 from grpo.training.state import checkpoint_to_resume
 from grpo.training.summary import resolved_config
 
@@ -65,18 +65,24 @@ def prepare(trainer, requested: Any) -> bool:
     applies the same changes. Collective."""
     cfg, main, out = trainer.cfg, trainer.accel.is_main_process, Path(trainer.cfg.output_dir)
     resuming = bool(requested if requested is not None else (cfg.resume_from_checkpoint or cfg.resume))
-    verdict = [None, None]  # (refusal, the step a finished run ended at)
+    verdict = [None, None, None]  # (refusal, the step a finished run ended at, its checkpoint at that step)
     if main:
         try:
             lock.take(out)
             if resuming and (requested is True or (requested is None and not cfg.resume_from_checkpoint)):
                 verdict[1] = _finished(trainer, out)
+                last = out / f"{PREFIX}{verdict[1]}"
+                verdict[2] = str(last) if verdict[1] and (last / MANIFEST).is_file() else None
         except ConfigError as err:
             verdict[0] = str(err)
     _agree(trainer, verdict)
     if verdict[1]:
+        try:  # the checkpoint of its last step (a steps or epoch strategy writes one): the trainer holds its weights
+            if verdict[2] is not None:
+                trainer._resume(checkpoint_to_resume(cfg, verdict[2], trainer.procs))
+        finally:
+            release(trainer)
         trainer.step = verdict[1]
-        release(trainer)
         return True
     try:
         path = checkpoint_to_resume(cfg, requested, trainer.procs)
