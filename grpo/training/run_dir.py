@@ -31,7 +31,7 @@ import yaml
 from grpo.config import ConfigError
 from grpo.training import lock
 from grpo.training.checkpoint import MANIFEST, PREFIX
-from grpo.training.state import checkpoint_to_resume
+from grpo.training.state import checkpoint_to_resume, restore
 from grpo.training.summary import resolved_config
 
 FINISHED = "finished.json"  # the step at which final/ was written
@@ -79,7 +79,7 @@ def prepare(trainer, requested: Any) -> bool:
     if verdict[1]:
         try:  # the checkpoint of its last step (a steps or epoch strategy writes one): the trainer holds its weights
             if verdict[2] is not None:
-                trainer._resume(checkpoint_to_resume(cfg, verdict[2], trainer.procs))
+                restore(trainer, checkpoint_to_resume(cfg, verdict[2], trainer.procs))  # (quietly: said above)
         finally:
             release(trainer)
         trainer.step = verdict[1]

@@ -204,7 +204,7 @@ class GRPOTrainer(TRLSurface):
                 logger.close()
                 self.source.close()
                 self.backend.release()  # the model goes back as it was loaded
-            self.save_model(out / "final")
+            self._write_model(out / "final", self.cfg.merge_lora_on_save, "adapter")  # (merged, adapter/ too)
             run_dir.finished(self)
             if main:
                 finish_run(out)
@@ -336,10 +336,15 @@ class GRPOTrainer(TRLSurface):
         restore(self, path)
         print(f"resume: continuing from {path} (step {self.step}).")
 
-    def save_model(self, path: str | Path) -> None:
+    def save_model(self, output_dir: str | Path | None = None, _internal_call: bool = False) -> None:
+        """TRL's (transformers'): the model where `from_pretrained` loads it (default: output_dir), its tokenizer
+        or processor beside; with LoRA the adapter there, as TRL saves it (`PeftModel.from_pretrained(base,
+        output_dir)`). The merged model is final/, which train() writes (merge_lora_on_save). Collective."""
+        self._write_model(output_dir or self.cfg.output_dir, merge=False, adapter_dir="")
+
+    def _write_model(self, path: str | Path, merge: bool, adapter_dir: str) -> None:
         self.accel.wait_for_everyone()
         if self.sharded:  # gathered on the main process
-            sharded_ckpt.save_final(self.accel, self.policy, self.images or self.tokenizer, path,
-                                    self.cfg.merge_lora_on_save)
+            sharded_ckpt.save_final(self.accel, self.policy, self.images or self.tokenizer, path, merge, adapter_dir)
         elif self.accel.is_main_process:
-            save_final(self.policy, self.images or self.tokenizer, path, merge=self.cfg.merge_lora_on_save)
+            save_final(self.policy, self.images or self.tokenizer, path, merge=merge, adapter_dir=adapter_dir)
