@@ -129,6 +129,36 @@ def test_metric_names(tiny_model_dir, tmp_path, mode):
     assert (trl_names <= set(row)) == (mode != "grpo") and (ours <= set(row)) == (mode != "trl")
 
 
+def test_tensorboard_holds_trls_keys_where_transformers_puts_them(tiny_model_dir, tmp_path):
+    """The dashboards get TRL's keys as transformers' Trainer.log writes them (train/<key>; its rewrite_logs), in
+    output_dir/runs/<date>_<host>/; a metric TRL does not have keeps our name, under train/ too."""
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    GRPOTrainer(model=tiny_model_dir, reward_funcs=a_reward, train_dataset=prompts(),
+                args=config(tmp_path, report_to=["tensorboard"])).train()
+    (events,) = (tmp_path / "run" / "runs").iterdir()
+    acc = accumulator.EventAccumulator(str(events))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/reward", "train/entropy", "train/rewards/a_reward/mean", "train/completions/mean_length",
+            "train/kl", "train/loss", "train/grad_norm", "train/learning_rate"} <= tags
+    assert not {"train/reward/total", "train/policy/entropy", "reward/total"} & tags  # (TRL's names only, once)
+    row = read_metrics(tmp_path / "run")[-2]  # metrics.jsonl keeps both names (metric_names: both)
+    assert [v for _, v in ((e.step, e.value) for e in acc.Scalars("train/reward"))] == pytest.approx(
+        [r["reward/total"] for r in read_metrics(tmp_path / "run") if "reward/total" in r])
+    assert "reward/total" in row and "reward" in row
+
+
+def test_dashboard_names_follow_transformers_rewrite_logs():
+    from grpo.training.metric_names import dashboard_names
+
+    logs = {"reward/total": 0.5, "reward": 0.5, "reward/f": 0.25, "rewards/f/mean": 0.25, "train/loss": 1.0,
+            "loss": 1.0, "health/x": 3.0, "eval/accuracy": 0.1, "eval_accuracy": 0.1}
+    assert dashboard_names(logs, "both", ["f"]) == {"train/reward": 0.5, "train/rewards/f/mean": 0.25,
+                                                    "train/loss": 1.0, "train/health/x": 3.0, "eval/accuracy": 0.1}
+    assert dashboard_names({"reward/total": 0.5, "eval/accuracy": 0.1}, "grpo", ["f"]) == {
+        "train/reward/total": 0.5, "eval/accuracy": 0.1}
+
+
 class FakeHub:
     """huggingface_hub.HfApi's calls the uploader makes, recorded."""
 

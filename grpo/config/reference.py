@@ -156,6 +156,19 @@ def from_trl_reference() -> str:
               "| key | grpo | TRL 1.16 | why |", "|---|---|---|---|"]
     for key, mine, theirs in differing_defaults():
         lines.append(f"| `{key}` | `{mine!r}` | `{theirs!r}` | {WHY_OURS.get(key, '')} |")
+    from grpo.training.metric_names import TRL_NAMES, dashboard_key
+
+    lines += ["", "## Metric names", "",
+              "metrics.jsonl and callbacks' `on_log` get ours, TRL's or both (`metric_names`, default both). "
+              "TensorBoard (`output_dir/runs/<date>_<host>/`, transformers' place, unless `logging_dir` or "
+              "`TENSORBOARD_LOGGING_DIR` says otherwise), W&B and trackio get TRL's name where TRL has the metric and "
+              "ours where it has none, each as transformers' Trainer writes them: `train/<name>`, and `eval_<name>` "
+              "as `eval/<name>` (its `rewrite_logs`); a name of ours that starts with `train/` or `eval/` stays. "
+              "With `metric_names: grpo`, ours alone, prefixed the same way.", "",
+              "| ours (metrics.jsonl) | TRL's | dashboards |", "|---|---|---|"]
+    lines += [f"| `{ours}` | `{theirs}` | `{dashboard_key(theirs)}` |" for ours, theirs in TRL_NAMES.items()]
+    lines += ["| `reward/<f>` | `rewards/<f>/mean` | `train/rewards/<f>/mean` |",
+              "| `reward/<f>/std` | `rewards/<f>/std` | `train/rewards/<f>/std` |"]
     lines += ["", "## `loss_type`", "", "| TRL loss_type | loss_aggregation | surrogate |", "|---|---|---|"]
     lines += [f"| `{t}` | `{a}` | `{s}` |" for t, (a, s) in LOSS_TYPES.items()]
     return "\n".join(lines) + "\n\n" + SUITE

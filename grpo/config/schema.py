@@ -331,14 +331,16 @@ class GRPOConfig:
     wandb_project: str | None = _f(None, "W&B project (null: WANDB_PROJECT, else grpo).")
     wandb_entity: str | None = _f(None, "W&B entity (team) of the run.")
     wandb_run_group: str | None = _f(None, "W&B group of the run.")
-    logging_dir: str | None = _f(None, "TensorBoard directory (null: output_dir/tensorboard).")
+    logging_dir: str | None = _f(None, "TensorBoard directory (null: TENSORBOARD_LOGGING_DIR, else "
+                                 "output_dir/runs/<date>_<host>/ as transformers).")
     log_level: str = _f("passive", "Log level of grpo's and transformers' loggers (passive: leave them).",
                         ("passive", "debug", "info", "warning", "error", "critical"))
     logging_strategy: str = _f("steps", "When metrics are logged: every logging_steps, each epoch's end, or "
                                "never (metrics.jsonl then holds evals only).", ("steps", "epoch", "no"))
     logging_steps: float = _f(1, "Print and log metrics every N optimizer steps (below 1: a fraction of them).")
     logging_first_step: bool = _f(False, "Also log the first optimizer step.")
-    metric_names: str = _f("both", "Metric names logged: grpo's (policy/kl_divergence), TRL's (kl), or both.",
+    metric_names: str = _f("both", "Metric names in metrics.jsonl and callbacks: grpo's (policy/kl_divergence), "
+                           "TRL's (kl), or both; dashboards get TRL's as train/kl (docs/from_trl.md).",
                            ("both", "grpo", "trl"))
     log_completions: bool | None = _f(None, "TRL's: true logs samples every logging_steps, false never "
                                       "(null: log_completions_steps decides).")

@@ -35,7 +35,7 @@ from grpo.training.state import checkpoint_to_resume, restore
 from grpo.training.summary import resolved_config
 
 FINISHED = "finished.json"  # the step at which final/ was written
-RUN_FILES = ("config.yaml", "layout.yaml", "metrics.jsonl", "samples", "tensorboard", "final", "plot.png",
+RUN_FILES = ("config.yaml", "layout.yaml", "metrics.jsonl", "samples", "runs", "tensorboard", "final", "plot.png",
              "nonfinite", "wandb_run_id", FINISHED)
 IDENTITY = ("model_name_or_path", "model_revision", "torch_dtype", "bf16", "fp16", "task", "task_difficulty",
             "task_train_size", "dataset_name", "dataset_config", "dataset_split", "prompt_column", "system_prompt",

@@ -171,6 +171,7 @@ class GRPOTrainer(TRLSurface):
     # ---- the loop ----------------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: Any = None) -> TrainResult:
         from grpo.training.display import LiveDisplay, NullDisplay
+        from grpo.training.metric_names import dashboard_names
         from grpo.training.tracking import NullLogger, RunLogger
 
         cfg, out, main = self.cfg, Path(self.cfg.output_dir), self.accel.is_main_process
@@ -179,8 +180,9 @@ class GRPOTrainer(TRLSurface):
         if main:
             write_run_files(self, out)
             print("\n".join(start_lines(self)))
+        shown = lambda logs: dashboard_names(logs, cfg.metric_names, self.reward_names)  # noqa: E731 - TRL's keys
         logger = RunLogger(out, cfg.report_to, cfg.to_dict(), run_name=cfg.run_name, resume_step=self.step,
-                           options=cfg) if main else NullLogger()
+                           options=cfg, sink_names=shown) if main else NullLogger()
         display = LiveDisplay(self.total_steps) if main and not cfg.disable_tqdm else NullDisplay()
         last: dict[str, float] = {}
         started = time.perf_counter()
