@@ -77,7 +77,8 @@ def test_trackio_gets_the_metrics(tiny_model_dir, tmp_path, monkeypatch):
     logged = []
     trl_keys = {"train/loss", "train/reward"}
     fake = types.SimpleNamespace(init=lambda **kw: logged.append(("init", kw["project"], kw["name"])) or
-                                 types.SimpleNamespace(log=lambda m, step: logged.append(("log", step, trl_keys <= set(m))),
+                                 types.SimpleNamespace(log=lambda m, step: logged.append(("log", step,
+                                                                                         trl_keys <= set(m))),
                                                        finish=lambda: logged.append(("finish",))))
     monkeypatch.setitem(sys.modules, "trackio", fake)
     trainer(tiny_model_dir, tmp_path, report_to="trackio", project="p", run_name="r").train()
