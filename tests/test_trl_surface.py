@@ -219,6 +219,64 @@ def test_hub_strategy_end_uploads_the_final_model_only(tiny_model_dir, tmp_path,
     assert hub.calls[0] == ("create_repo", "someone/run", None)  # default: the output directory's name
 
 
+class LocalHub:
+    """huggingface_hub.HfApi over a local directory (no network): upload_folder copies what the real one would
+    upload (its own ignore_patterns filter) to root/<repo_id>/, which from_pretrained then reads back."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def whoami(self):
+        return {"name": "someone"}
+
+    def create_repo(self, repo_id, private=None, exist_ok=False):
+        (self.root / repo_id).mkdir(parents=True, exist_ok=exist_ok)
+
+    def upload_folder(self, repo_id, folder_path, commit_message, revision=None, ignore_patterns=None,
+                      run_as_future=False):
+        import shutil
+
+        from huggingface_hub.utils import filter_repo_objects
+
+        folder = Path(folder_path)
+        files = [p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()]
+        for name in filter_repo_objects(files, ignore_patterns=ignore_patterns):
+            (self.root / repo_id / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(folder / name, self.root / repo_id / name)
+        return f"{repo_id}: {commit_message}"
+
+
+def test_push_to_hub_with_a_model_card_to_a_local_hub_and_back(tiny_model_dir, tmp_path, monkeypatch):
+    """TRL's script's last lines: train, save_model, push_to_hub(dataset_name=...) (push_to_hub not set in the
+    config: the repository is made then). The hub holds the model, its tokenizer and a model card with TRL's
+    fields; checkpoints and grpo's local files stay home."""
+    import huggingface_hub
+    from huggingface_hub import ModelCard
+    from transformers import AutoModelForCausalLM
+
+    hub = LocalHub(tmp_path / "hub")
+    monkeypatch.setattr(huggingface_hub, "HfApi", lambda token=None: hub)
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=a_reward, train_dataset=prompts(),
+                          args=config(tmp_path, hub_model_id="tiny-grpo"))
+    trainer.train()
+    trainer.policy.config._name_or_path = "Qwen/Qwen2-0.5B"  # (as a hub model would name its base)
+    assert trainer.push_to_hub(dataset_name="trl-lib/DeepMath-103K") == "someone/tiny-grpo: End of training"
+    assert trainer.hub_model_id == "someone/tiny-grpo"
+
+    repo = tmp_path / "hub" / "someone" / "tiny-grpo"
+    back = AutoModelForCausalLM.from_pretrained(repo)
+    for k, v in trainer.policy.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k
+    assert (repo / "tokenizer.json").exists() and (repo / "metrics.jsonl").exists()
+    assert not [p for p in repo.iterdir() if p.name.startswith(("checkpoint-", "final", "."))]
+    card = ModelCard.load(repo / "README.md")
+    assert card.data.base_model == "Qwen/Qwen2-0.5B" and card.data.datasets == "trl-lib/DeepMath-103K"  # (as TRL)
+    assert {"trl", "grpo", "generated_from_trainer"} <= set(card.data.tags) and card.data.model_name == "tiny-grpo"
+    assert "@article{shao2024deepseekmath" in card.text and "huggingface.co/papers/2402.03300" in card.text
+    last = [r for r in read_metrics(tmp_path / "run") if "reward" in r][-1]
+    assert f"| reward | {last['reward']:.6g} |" in card.text  # the last logged step's metrics, TRL's names
+
+
 # ---- the TRL loss settings through the trainer -------------------------------------------------------------------
 class Scripted:
     """Rows write these texts in turn (the byte tokenizer: a token per character), then EOS."""

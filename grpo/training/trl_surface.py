@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -82,6 +83,51 @@ class TRLSurface:
         return {"prompt": [r["prompt"] for r in rows], "completion": [r["completion"] for r in rows],
                 "rewards": {n: [r.get(f"reward/{n}") for r in rows] for n in self.reward_names},
                 "advantages": [r["advantage"] for r in rows], "extra": dict(self.rollouts._logged_columns)}
+
+    @property
+    def hub_model_id(self) -> str | None:
+        """The hub repository push_to_hub uploads to (`user/name` once the hub has answered), as TRL's."""
+        return self.hub.repo_id if getattr(self, "hub", None) is not None else self.cfg.hub_model_id
+
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
+                          tags: str | list[str] | None = None) -> None:
+        """TRL's: output_dir/README.md, a model card with the base model (a hub name; a local path is left out, as
+        TRL does), the dataset, tags (grpo's and TRL's: trl, grpo), the method's paper and citation, and the metrics
+        of the last logged step under TRL's names."""
+        from grpo.training.hub import model_card
+        from grpo.training.metric_names import named
+
+        if not self.accelerator.is_main_process:
+            return
+        base = getattr(self.policy.config, "_name_or_path", None)
+        base = base if base and not Path(base).is_dir() else None
+        tags = [tags] if isinstance(tags, str) else list(tags or [])
+        steps = [r for r in self.state.log_history
+                 if ("reward" in r or "reward/total" in r) and "train_runtime" not in r]  # (not the summary)
+        row = steps[-1] if steps else {}
+        metrics = named(row, "trl", self.reward_names) if "reward/total" in row else {  # (metric_names: trl)
+            k: v for k, v in row.items() if k not in ("step", "epoch")}
+        card = model_card(base, model_name or Path(self.cfg.output_dir).name, self.hub_model_id or model_name or "",
+                          dataset_name, list(dict.fromkeys(["trl", "grpo", *tags])), metrics)
+        card.save(str(Path(self.cfg.output_dir) / "README.md"))
+
+    def push_to_hub(self, commit_message: str = "End of training", blocking: bool = True, token: str | None = None,
+                    revision: str | None = None, **kwargs: Any):
+        """TRL's (transformers'): save_model into output_dir, write its model card (create_model_card's keywords:
+        model_name, dataset_name, tags), and upload output_dir (without checkpoints and grpo's local files) to
+        hub_model_id, made first if push_to_hub was not set. Collective: every process saves; the main uploads."""
+        from grpo.training.hub import PUSH_IGNORED, start_hub
+
+        if self.accelerator.is_main_process and getattr(self, "hub", None) is None:
+            self.hub = start_hub(self.cfg, token=token)
+        self.save_model()
+        if not self.accelerator.is_main_process:
+            return None
+        model_name = kwargs.pop("model_name", None) or (self.cfg.hub_model_id or self.cfg.output_dir).rstrip("/")
+        self.create_model_card(model_name=model_name.split("/")[-1], **kwargs)
+        return self.hub.api.upload_folder(repo_id=self.hub.repo_id, folder_path=str(self.cfg.output_dir),
+                                          commit_message=commit_message, revision=revision or self.cfg.hub_revision,
+                                          ignore_patterns=PUSH_IGNORED, run_as_future=not blocking)
 
     def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
         """(B, T) bool: tokens whose entropy is at least the `threshold` quantile of every process's completion-token
