@@ -157,6 +157,54 @@ def test_dashboard_names_follow_transformers_rewrite_logs():
                                                     "train/loss": 1.0, "train/health/x": 3.0, "eval/accuracy": 0.1}
     assert dashboard_names({"reward/total": 0.5, "eval/accuracy": 0.1}, "grpo", ["f"]) == {
         "train/reward/total": 0.5, "eval/accuracy": 0.1}
+    # TRL's tool metrics: calls per completion, failed calls per call (grpo.agents.metrics computes both)
+    from grpo.training.metric_names import named
+
+    assert named({"tools/calls_per_completion": 0.5, "tools/failure_frac": 0.25}, "trl", []) == {
+        "tools/call_frequency": 0.5, "tools/failure_frequency": 0.25}
+
+
+def test_dataloaders_as_trls(tiny_model_dir, tmp_path):
+    """get_train_dataloader: a rollout's rows per batch (per_device_train_batch_size x steps_per_generation), each
+    prompt num_generations times in a row, TRL's num_workers; get_eval_dataloader: the eval rows in order, G times
+    each, per_device_eval_batch_size per batch; an iterable eval set is read by one worker for that loader only."""
+    from datasets import IterableDataset
+
+    data = prompts(8)
+    evals = Dataset.from_dict({"prompt": ["e0\n", "e1\n", "e2\n"]})
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=a_reward, train_dataset=data, eval_dataset=evals,
+                          args=config(tmp_path, dataloader_num_workers=2, steps_per_generation=2,
+                                      per_device_eval_batch_size=6))
+    loader = trainer.get_train_dataloader()
+    assert loader.num_workers == 2 and trainer.args.dataloader_num_workers == 2
+    batch = next(iter(loader))
+    assert len(batch) == 8  # 4 per micro-batch x 2 steps_per_generation (one process)
+    assert [r["prompt"] for r in batch[:4]] == [batch[0]["prompt"]] * 4 and batch[4]["prompt"] != batch[0]["prompt"]
+    assert sorted({r["prompt"] for b in loader for r in b}) == sorted(data["prompt"])  # every prompt, once a group
+    (first, second) = list(trainer.get_eval_dataloader())
+    assert [r["prompt"] for r in first + second] == [p for p in evals["prompt"] for _ in range(4)]
+    stream = IterableDataset.from_generator(lambda: iter([{"prompt": "s\n"}]))
+    streamed = trainer.get_eval_dataloader(stream)
+    assert streamed.num_workers == 0 and [r["prompt"] for b in streamed for r in b] == ["s\n"] * 4
+    assert trainer.args.dataloader_num_workers == 2  # (scoped to that loader, as TRL)
+
+
+def test_an_iterable_train_set_with_dispatch_batches_gets_trls_error(tiny_model_dir, tmp_path):
+    from datasets import IterableDataset
+
+    stream = IterableDataset.from_generator(lambda: iter([{"prompt": f"q{i}\n"} for i in range(8)]))
+    with pytest.raises(ValueError, match="Iterable datasets require `dispatch_batches=False`, but it is set to"):
+        GRPOTrainer(model=tiny_model_dir, reward_funcs=a_reward, train_dataset=stream,
+                    args=config(tmp_path, accelerator_config={"dispatch_batches": True}))
+
+
+def test_accelerator_is_settable_and_reward_func_names(tiny_model_dir, tmp_path):
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=[a_reward, length_reward], train_dataset=prompts(),
+                          args=config(tmp_path))
+    assert trainer.reward_func_names == ["a_reward", "length_reward"]
+    other = SimpleNamespace(num_processes=1)
+    trainer.accelerator = other
+    assert trainer.accelerator is other
 
 
 class FakeHub:

@@ -40,6 +40,8 @@ TRL_NAMES = {
     "sampling/importance_ratio_mean": "sampling/importance_sampling_ratio/mean",
     "sampling/importance_ratio_min": "sampling/importance_sampling_ratio/min",
     "sampling/importance_ratio_max": "sampling/importance_sampling_ratio/max",
+    "tools/calls_per_completion": "tools/call_frequency",
+    "tools/failure_frac": "tools/failure_frequency",
 }
 
 

@@ -106,6 +106,7 @@ class GRPOTrainer(TRLSurface):
         given_eval = eval_dataset
         train_dataset, eval_dataset = make_datasets(cfg, self.task, train_dataset, eval_dataset)
         train_dataset = with_prompt_column(train_dataset, self.agents)  # (a dataset of environments only)
+        self.train_dataset = train_dataset  # (TRL's attribute; get_train_dataloader reads it)
         self.eval_dataset = given_eval if given_eval is not None else eval_dataset  # (TRL's attribute)
         check_reward_columns(self.rewards, train_dataset, self.agents)  # before any model load
 

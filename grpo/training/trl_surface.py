@@ -35,6 +35,15 @@ class TRLSurface:
     def accelerator(self):
         return self.accel
 
+    @accelerator.setter
+    def accelerator(self, value) -> None:  # (TRL's tests and subclasses set it; the trainer then uses that one)
+        self.accel = value
+
+    @property
+    def reward_func_names(self) -> list[str]:
+        """TRL's name of each reward function (a function's name, a reward model's, an environment's class)."""
+        return list(self.reward_names)
+
     @property
     def state(self):
         """The transformers.TrainerState callbacks and reward functions read (global_step, log_history, ...)."""
@@ -128,6 +137,41 @@ class TRLSurface:
         return self.hub.api.upload_folder(repo_id=self.hub.repo_id, folder_path=str(self.cfg.output_dir),
                                           commit_message=commit_message, revision=revision or self.cfg.hub_revision,
                                           ignore_patterns=PUSH_IGNORED, run_as_future=not blocking)
+
+    def get_train_dataloader(self):
+        """TRL's: a DataLoader over the training rows as TRL's yields them on this process: each prompt
+        num_generations times in a row (its RepeatSampler; seeded by data_seed or seed, shuffled as
+        shuffle_dataset says), one rollout's rows per batch, dataloader_num_workers workers (0 for a stream, as TRL
+        forces: its repeats are in the stream). For code that inspects or iterates the data as TRL hands it out;
+        train() does not read it (grpo's rollouts draw the prompts from their own sampler, in the same groups)."""
+        return self._rows_loader(self.train_dataset, self.layout.rollout_completions // self.layout.processes,
+                                 shuffle=self.cfg.shuffle_dataset)
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        """TRL's: the eval rows (`eval_dataset`, else the trainer's; a dict's entry by name), each prompt
+        num_generations times in a row, per_device_eval_batch_size rows per batch, in order; an iterable set is
+        read by one worker for this loader only, as TRL scopes it. evaluate() does not read it."""
+        data = self.eval_dataset if eval_dataset is None else eval_dataset
+        if isinstance(eval_dataset, str):
+            data = self.eval_dataset[eval_dataset]
+        if data is None:
+            raise ValueError("Trainer: evaluation requires an eval_dataset.")  # (transformers' words)
+        return self._rows_loader(data, self.cfg.per_device_eval_batch_size, shuffle=False)
+
+    def _rows_loader(self, data, batch_size: int, shuffle: bool):
+        from torch.utils.data import DataLoader
+
+        from grpo.training.stream import is_stream
+
+        G = self.cfg.num_generations
+        if is_stream(data):
+            rows = _Repeated(data, G)
+            return DataLoader(rows, batch_size=batch_size, num_workers=0, collate_fn=list)
+        generator = torch.Generator().manual_seed(self.cfg.seed if self.cfg.data_seed is None else self.cfg.data_seed)
+        order = torch.randperm(len(data), generator=generator).tolist() if shuffle else range(len(data))
+        indices = [i for i in order for _ in range(G)]
+        workers = int(getattr(self.cfg, "dataloader_num_workers", 0) or 0)
+        return DataLoader(data, batch_size=batch_size, sampler=indices, num_workers=workers, collate_fn=list)
 
     def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
         """(B, T) bool: tokens whose entropy is at least the `threshold` quantile of every process's completion-token
@@ -248,6 +292,18 @@ class TrainingSummary:
                 "train_loss": self.loss_sum / self.steps if self.steps else 0.0}
 
 
+class _Repeated(torch.utils.data.IterableDataset):
+    """A stream's rows, each `times` times in a row (TRL's repeat_iterable_dataset)."""
+
+    def __init__(self, data, times: int):
+        self.data, self.times = data, times
+
+    def __iter__(self):
+        for row in self.data:
+            for _ in range(self.times):
+                yield row
+
+
 def data_without_dataset(cfg, train_dataset, world: int, reward_funcs, tools, environment_factory, rollout_func):
     """(train_dataset, whether the config's task may supply the data) when GRPOTrainer got no train_dataset.
 
@@ -263,6 +319,9 @@ def data_without_dataset(cfg, train_dataset, world: int, reward_funcs, tools, en
 
         given = extras.get("accelerator_config") or {}
         given = dict(given) if isinstance(given, dict) else dataclasses.asdict(given)
+        if given.get("dispatch_batches"):  # (TRL's error, word for word)
+            raise ValueError("Iterable datasets require `dispatch_batches=False`, but it is set to `True` in "
+                             "`accelerator_config`. Please set it to `False`.")
         extras["accelerator_config"] = AcceleratorConfig(**{**given, "dispatch_batches": False})
         if extras.get("dataloader_num_workers"):
             extras["dataloader_num_workers"] = 0

@@ -32,9 +32,6 @@ SKIPS = {
     "TestGRPOTrainerVLM": "vision-language models: grpo trains text models (log_multimodal is refused)",
     "TestGRPOTrainerSlow": "GPU tests (Liger, bitsandbytes, vLLM, kernels): this suite runs on the CPU",
     "test_trust_remote_code": "needs the hub's remote-code model (tiny-RemoteForCausalLM); not built locally",
-    "test_iterable_eval_keeps_map_style_train_workers": _PRIVATE.format(what="get_train_dataloader/"
-                                                                              "get_eval_dataloader"),
-    "test_iterable_dataset_requires_dispatch_batches_false": _PRIVATE.format(what="DataLoader dispatch rule"),
     "test_compute_liger_loss_passes_vllm_is_ratio": "Liger kernels (GPU)",
     "test_entropy_bonus_flows_gradients": _PRIVATE.format(what="_get_per_token_logps_and_entropies"),
     "test_prepare_input_called_with_correct_data": _PRIVATE.format(what="training_step batching (patched)"),
