@@ -202,6 +202,7 @@ def test_accelerator_is_settable_and_reward_func_names(tiny_model_dir, tmp_path)
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=[a_reward, length_reward], train_dataset=prompts(),
                           args=config(tmp_path))
     assert trainer.reward_func_names == ["a_reward", "length_reward"]
+    assert trainer.reward_weights.tolist() == [1.0, 1.0] and trainer.reward_weights.dtype == torch.float32
     other = SimpleNamespace(num_processes=1)
     trainer.accelerator = other
     assert trainer.accelerator is other

@@ -168,6 +168,12 @@ def _resolve(cfg) -> None:
                                   f"{getattr(cfg, key)!r}; set one of them.")
             setattr(cfg, key, value)
     for key, value in (cfg.generation_kwargs or {}).items():
+        check(key != "num_beams" or value in (None, 1), "generation_kwargs",
+              f"num_beams={value} is beam search: it returns the beams' highest-scoring sequences, not samples of the "
+              "policy, which GRPO's group statistics and its ratio to the sampling policy assume; leave it out (TRL "
+              "hands it to generate).")
+        if key == "num_beams":
+            continue  # (1: sampling, as without it)
         check(key in SAMPLING_KWARGS or (key == "do_sample" and value is True), "generation_kwargs",
               f"{key!r} is not a setting of grpo's samplers; use {', '.join(SAMPLING_KWARGS)}.")
         if key in SAMPLING_KWARGS:

@@ -45,6 +45,11 @@ class TRLSurface:
         return list(self.reward_names)
 
     @property
+    def reward_weights(self) -> torch.Tensor:
+        """TRL's float32 tensor of the reward functions' weights, in reward_func_names' order."""
+        return torch.tensor([float(w) for w in self.rewards.weights[:len(self.reward_names)]], dtype=torch.float32)
+
+    @property
     def state(self):
         """The transformers.TrainerState callbacks and reward functions read (global_step, log_history, ...)."""
         return self.control.state
