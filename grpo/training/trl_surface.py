@@ -45,6 +45,25 @@ class TRLSurface:
         return list(self.reward_names)
 
     @property
+    def reward_funcs(self) -> list:
+        """TRL's list of the reward functions (callables and loaded reward models), in reward_func_names' order."""
+        return list(self.rewards.funcs)
+
+    @property
+    def tools(self) -> list:
+        """TRL's list of the model's tools as callables: the tools given, then each environment's tool methods (the
+        class's functions; rollouts bind them to their own instances)."""
+        agents = getattr(self, "agents", None)
+        if agents is None:
+            return []
+        found = [t.function for t in agents.tools]
+        envs = agents.environments
+        for name, factory in (envs.factories.items() if envs is not None else ()):
+            owner = factory if isinstance(factory, type) else next(iter(envs.pool.get(name) or []), None)
+            found += [getattr(owner, m) for m in envs.methods[name] if owner is not None]
+        return found
+
+    @property
     def reward_weights(self) -> torch.Tensor:
         """TRL's float32 tensor of the reward functions' weights, in reward_func_names' order."""
         return torch.tensor([float(w) for w in self.rewards.weights[:len(self.reward_names)]], dtype=torch.float32)
