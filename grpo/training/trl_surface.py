@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers.trainer_pt_utils import log_metrics, metrics_format, save_metrics, save_state
 
 from grpo.core import entropy_threshold, high_entropy_mask, off_policy_mask
 
@@ -25,6 +26,12 @@ class TRLSurface:
     """Mixed into GRPOTrainer: TRL's attribute and method names over grpo's trainer."""
 
     aux_loss_enabled = False  # no MoE load-balancing loss is added (router_aux_loss_coef: docs/from_trl.md)
+    # transformers' Trainer's own: the "***** train metrics *****" print, {split}_results.json and all_results.json,
+    # trainer_state.json in output_dir (open-r1's script calls all three after train())
+    log_metrics, metrics_format, save_metrics, save_state = log_metrics, metrics_format, save_metrics, save_state
+
+    def is_world_process_zero(self) -> bool:
+        return self.accelerator.is_main_process
 
     @property
     def args(self):
