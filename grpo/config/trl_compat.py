@@ -35,12 +35,17 @@ Besides `train()`: the last `state.log_history` entry is transformers' end-of-tr
 `evaluate(eval_dataset=...)` (a dataset, or a dict of them; the rewards' metrics and TRL's `eval_loss`, the
 objective at ratio 1 on num_generations fresh samples per prompt, grpo.training.eval_loss; the training loop's
 evaluations leave the loss out, as it samples the set again); `get_high_entropy_mask`, `get_off_policy_mask`
-(grpo.core.masks); `args`, `accelerator`, `state` (settable), `ref_model` (None when beta is 0),
-`eval_dataset`, `reward_processing_classes`, `_logs`, `entropy_coef`, `aux_loss_enabled`; `policy_loss` (the loss
-without the entropy bonus) logged with an entropy bonus; TRL's warnings (sequence-level importance sampling with a
-token-summed loss; a row every reward function returned None for). With no `train_dataset`, a GRPOTrainer given
-rewards, tools, environments or a rollout_func raises TRL's error (or takes its prompts from a single environment's
-`reset()`, docs/agents.md); the config's task is used only when nothing else was given (`grpo train`).
+(grpo.core.masks); `args`, `accelerator` and `state` (both settable), `ref_model` (None when beta is 0),
+`train_dataset`, `eval_dataset`, `reward_funcs`, `reward_func_names`, `reward_weights`, `tools`,
+`reward_processing_classes`, `_logs`, `entropy_coef`, `aux_loss_enabled`; `get_train_dataloader` and
+`get_eval_dataloader` (TRL's rows, groups and worker rules, for code that inspects them: train() and evaluate() do
+not read them); `save_model` (with LoRA the adapter, as TRL's), `push_to_hub` and `create_model_card`
+(docs/runs.md), `hub_model_id`, transformers' `log_metrics`, `save_metrics`, `save_state` and `end()`;
+`policy_loss` (the loss without the entropy bonus) logged with an entropy bonus; TRL's warnings (sequence-level
+importance sampling with a token-summed loss; a row every reward function returned None for). With no
+`train_dataset`, a GRPOTrainer given rewards, tools, environments or a rollout_func raises TRL's error (or takes its
+prompts from a single environment's `reset()`, docs/agents.md); the config's task is used only when nothing else was
+given (`grpo train`).
 
 ## open-r1's reward names
 
