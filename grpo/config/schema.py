@@ -11,19 +11,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import yaml
 
-from grpo.config.base import DEFAULT_MODEL, _f
-
-
-Kwargs = dict[str, Any] | str | None
-"""A mapping of settings, or its JSON text (how argument parsers give it, as transformers' TrainingArguments)."""
-Names = list[str] | str
-Paths = dict[str, str] | str | None
-Specs = list[str | dict[str, Any] | Callable]
+from grpo.config.base import DEFAULT_MODEL, SCRIPT_KEYS, Kwargs, Names, Paths, Specs, _f
 
 
 @dataclass(init=False)
@@ -439,14 +431,6 @@ class GRPOConfig:
         Path(path).write_text(yaml.safe_dump(plain(self.to_dict()), sort_keys=False))
 
 
-SCRIPT_KEYS = ("dataset_name", "dataset_config", "dataset_streaming", "model_name_or_path", "model_revision",
-               "attn_implementation", "use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
-               "lora_modules_to_save", "use_rslora", "use_dora", "load_in_4bit", "bnb_4bit_quant_type",
-               "use_bnb_nested_quant", "reward_funcs")
-"""Keys that TRL's scripts take from other dataclasses (`ScriptArguments`, `ModelConfig`, the scripts' own
-`reward_funcs`) and hand to the trainer as its arguments. They are marked `init=False`, which is what
-`HfArgumentParser` / `TrlParser` read to leave a field out, so `TrlParser((ScriptArguments, GRPOConfig,
-ModelConfig))` defines each option once; `GRPOConfig(...)`, recipes and `grpo train` take them as any other key."""
-for _name in SCRIPT_KEYS:
+for _name in SCRIPT_KEYS:  # (left to ScriptArguments / ModelConfig by argument parsers)
     GRPOConfig.__dataclass_fields__[_name].init = False
 
