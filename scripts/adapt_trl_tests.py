@@ -14,11 +14,12 @@ it comes from and what was changed. What changes, and nothing else:
 - TRL's `tests/testing_utils.py` helpers (`TrlTestCase`, the `require_*` markers) come from
   tests/trl_suite/trl_suite_utils.py. TRL runs in float32 on a machine without a bf16 GPU (its bf16 default is
   refused there).
-- Tests that cannot run here are skipped with the reason (tests/trl_suite/conftest.py, SKIPS): vision models, Liger
-  kernels, vLLM, GPU, bitsandbytes, and the tests that drive TRL's private methods (`_generate`,
-  `_get_per_token_logps_and_entropies`, ...) or its DataLoaders rather than the trainer's public surface. The same
-  skips apply to both targets, so the two pass counts are over the same tests. Every test is in the slow tier but
-  FAST's (the quick subset).
+- Tests are skipped for one of two reasons only, each with it (tests/trl_suite/conftest.py, SKIPS, and the
+  `require_*` markers): they cannot run under TRL either on this machine (vision-language and remote-code models
+  that are not built locally, Liger kernels, vLLM, bitsandbytes, a GPU), or they read TRL's private internals by name
+  (`_generate`, `_get_per_token_logps_and_entropies`). The same skips apply to both targets, so the two pass counts
+  are over the same tests (docs/from_trl.md lists the skips). Every test is in the slow tier but FAST's (the quick
+  subset).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ CHATML = ("{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %
 
 # (name, transformers config class, model class, config overrides): 2 layers, hidden 16, 4 heads of 4 unless set
 SMALL = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=512)
+             max_position_embeddings=32768)  # (the hub's tiny models keep their originals' context; Qwen2.5: 32768)
 MODELS = [
     ("tiny-Qwen2ForCausalLM-2.5", "Qwen2Config", "Qwen2ForCausalLM", {}),
     ("tiny-Qwen2ForSequenceClassification-2.5", "Qwen2Config", "Qwen2ForSequenceClassification", {"num_labels": 1}),

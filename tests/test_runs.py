@@ -77,8 +77,8 @@ def test_a_run_directory_is_not_reused_without_resume_or_overwrite(tiny_model_di
     out = tmp_path / "run"
     train(tiny_model_dir, out, max_steps=2)
     before = (out / "metrics.jsonl").read_text()
-    with pytest.raises(ConfigError, match=r"output_dir: .* holds a run \(checkpoint-1, config.yaml, final, "
-                                          r"finished.json, layout.yaml, metrics.jsonl, ...\); continue it with "
+    with pytest.raises(ConfigError, match=r"output_dir: .* holds a run \(checkpoint-1, checkpoint-2, config.yaml, "
+                                          r"final, finished.json, layout.yaml, ...\); continue it with "
                                           r"--resume.*overwrite_output_dir: true"):
         train(tiny_model_dir, out, max_steps=2)
     assert (out / "metrics.jsonl").read_text() == before  # nothing of the first run was touched
@@ -91,8 +91,8 @@ def test_overwrite_output_dir_starts_over(tiny_model_dir, tmp_path, capsys):
     (out / "notes.txt").write_text("mine")
     train(tiny_model_dir, out, max_steps=1, overwrite_output_dir=True)
     assert "deleted the previous run's" in capsys.readouterr().out
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == []  # the old checkpoint-2/3 are gone (save at 1 of 1:
-    # none, the end writes final/), so a later --resume cannot continue the old run
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"]  # the new run's (its last step);
+    # the old checkpoint-2/3 are gone, so a later --resume cannot continue the old run
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
     assert (out / "notes.txt").read_text() == "mine"  # not a file grpo writes: left alone
 
@@ -101,7 +101,7 @@ def test_resume_refuses_a_change_of_what_the_run_is(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     train(tiny_model_dir, out, max_steps=2)
     with pytest.raises(ConfigError, match=r"resume: num_generations 4 -> 2 would make this another run .* start a "
-                                          r"new run from its weights \(model_name_or_path: .*checkpoint-1"):
+                                          r"new run from its weights \(model_name_or_path: .*checkpoint-2"):
         train(tiny_model_dir, out, resume=True, max_steps=3, num_generations=2)
     with pytest.raises(ConfigError, match=r"resume: reward_funcs \['rewards_for_tests:count_a'\] -> "
                                           r"\['test_runs:count_b'\]"):
@@ -127,8 +127,8 @@ def test_resume_takes_a_new_learning_rate_and_says_so(tiny_model_dir, tmp_path, 
     said = capsys.readouterr().out
     assert "resume: changed since the checkpoint, taken from now on: learning_rate 0.01 -> 0.001; max_steps 2 -> 3" \
         in said and "logging_steps" not in said  # (how often it logs: not worth a word)
-    assert seen == [1e-3, 1e-3]  # (steps 2 and 3, from checkpoint-1) restored as it was, the optimizer and its
-    # schedule would have stepped at 1e-2
+    assert seen == [1e-3]  # (step 3, from checkpoint-2, the first run's last step) restored as it was, the
+    # optimizer and its schedule would have stepped at 1e-2
 
 
 def test_config_yaml_names_what_ran(tiny_model_dir, tmp_path):
@@ -186,7 +186,7 @@ def test_a_final_write_without_permission_says_so(tiny_model_dir, tmp_path, monk
 
     monkeypatch.setattr(PreTrainedTokenizerBase, "save_pretrained", refuse)
     with pytest.raises(SaveFailed, match=r"could not write .*final: Permission denied \(.*final.tmp/tokenizer.json\)"
-                                         r".*checkpoint-3, is intact"):
+                                         r".*checkpoint-4, is intact"):  # (the last step's, as transformers)
         train(tiny_model_dir, out, save_steps=3)
     assert not (out / "final").exists() and not (out / "final.tmp").exists()
 

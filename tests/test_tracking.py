@@ -159,8 +159,8 @@ def test_tensorboard_scalars_readable(tmp_path):
     logger.log(2, {"reward/total": 0.5})
     logger.log_samples(2, [{"completion": "x", "reward": 1.0}])
     logger.close()
-    assert any((tmp_path / "tensorboard").iterdir())
-    assert tensorboard_scalars(tmp_path / "tensorboard", "reward/total") == [(1, 0.25), (2, 0.5)]
+    (events,) = (tmp_path / "runs").iterdir()  # transformers' default: output_dir/runs/<date>_<host>/
+    assert tensorboard_scalars(events, "train/reward/total") == [(1, 0.25), (2, 0.5)]  # (train/: as transformers)
 
 
 def test_tensorboard_resume_hides_steps_after_checkpoint(tmp_path):
@@ -172,8 +172,10 @@ def test_tensorboard_resume_hides_steps_after_checkpoint(tmp_path):
     resumed = RunLogger(tmp_path, report_to=["tensorboard"], resume_step=1)
     resumed.log(2, {"x": 20.0})
     resumed.close()
-    # purge_step=2 makes TensorBoard discard the first run's steps 2 and 3.
-    assert tensorboard_scalars(tmp_path / "tensorboard", "x") == [(1, 1.0), (2, 20.0)]
+    # purge_step=2 makes TensorBoard discard the first run's steps 2 and 3 (the resumed run writes in the same
+    # runs/<date>_<host>/ directory).
+    (events,) = (tmp_path / "runs").iterdir()
+    assert tensorboard_scalars(events, "train/x") == [(1, 1.0), (2, 20.0)]
 
 
 def test_null_logger_writes_nothing(tmp_path, monkeypatch):
@@ -219,7 +221,7 @@ def test_wandb_logs_and_resumes_the_same_run(tmp_path, monkeypatch):
     run = logger._wandb
     logger.close()
     assert inits[0]["name"] == "demo" and inits[0]["config"] == {"lr": 1e-6} and inits[0]["id"] is None
-    assert run.logged[0] == (1, {"reward/total": 0.5})
+    assert run.logged[0] == (1, {"train/reward/total": 0.5})  # (as transformers' WandbCallback: train/<key>)
     assert run.logged[1] == (1, {"samples": ("table", ["completion", "rewards"], [["x", '{"acc": 1.0}']])})
     assert run.finished
     RunLogger(tmp_path, report_to=["wandb"], resume_step=1)

@@ -308,7 +308,19 @@ def test_lora_trains_adapters_and_exports_merged(tiny_model_dir, tmp_path):
     t.train()
     final = tmp_path / "run" / "final"
     assert (final / "adapter" / "adapter_config.json").exists()
-    AutoModelForCausalLM.from_pretrained(final)
+    merged = AutoModelForCausalLM.from_pretrained(final)
+
+    # TRL's habit: save_model(output_dir), then PeftModel.from_pretrained(base, output_dir) (the adapter there)
+    from peft import PeftModel
+
+    out = tmp_path / "saved"
+    t.save_model(str(out))
+    assert (out / "adapter_model.safetensors").exists() and not (out / "model.safetensors").exists()
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), str(out))
+    trained = {k: v for k, v in t.policy.state_dict().items() if "lora_" in k}
+    assert trained and all(torch.equal(loaded.state_dict()[k], v) for k, v in trained.items())
+    for k, v in loaded.merge_and_unload().state_dict().items():  # peft's merge of the same tensors as final/'s
+        assert torch.equal(v, merged.state_dict()[k]), k
 
 
 def test_lora_frozen_head_seeded_in_every_iteration_matches_the_two_pass_path(tiny_model_dir, tmp_path,

@@ -123,8 +123,8 @@ def test_trl_value_forms_are_read_as_trl_means_them():
     assert GRPOConfig("out-dir").output_dir == "out-dir"  # TRL takes output_dir first
     cfg = GRPOConfig(generation_kwargs={"temperature": 0.5, "max_new_tokens": 12})
     assert cfg.temperature == 0.5 and cfg.max_completion_length == 12
-    with pytest.raises(ConfigError, match="generation_kwargs: 'num_beams' is not a setting"):
-        GRPOConfig(generation_kwargs={"num_beams": 2})
+    with pytest.raises(ConfigError, match="generation_kwargs: 'length_penalty' is not a setting"):
+        GRPOConfig(generation_kwargs={"length_penalty": -0.1})
     with pytest.raises(ConfigError, match="cosine_with_min_lr needs one of min_lr or min_lr_rate"):
         GRPOConfig(lr_scheduler_type="cosine_with_min_lr")
     assert GRPOConfig(optim="adamw_torch").optim == "adamw_torch"  # (grpo's AdamW either way)
@@ -200,3 +200,17 @@ def test_the_readme_lists_every_default_that_differs():
 def test_a_data_file_with_a_task_takes_the_tasks_prefill():
     assert GRPOConfig(dataset_name="data.jsonl").task is None  # a data file of its own
     assert GRPOConfig(dataset_name="data.jsonl", task="arithmetic").task == "arithmetic"
+
+
+def test_num_beams_is_refused_with_its_reason_and_continuous_batching_is_accepted():
+    """TRL hands generation_kwargs' num_beams to generate (beam sampling); grpo refuses it, saying why. TRL's
+    continuous-batching keys (the docs example) change nothing here: grpo's samplers batch each rollout."""
+    with pytest.raises(ConfigError, match=r"generation_kwargs: num_beams=2 is beam search: .* not samples of the "
+                                          r"policy"):
+        GRPOConfig(generation_kwargs={"do_sample": True, "num_beams": 2})
+    cfg = GRPOConfig(generation_kwargs={"num_beams": 1, "top_k": 5}, use_transformers_continuous_batching=True,
+                     transformers_continuous_batching_config={"num_blocks": 64, "max_batch_tokens": 256})
+    assert cfg.top_k == 5 and cfg.transformers_continuous_batching_config == {"num_blocks": 64,
+                                                                             "max_batch_tokens": 256}
+    with pytest.raises(ConfigError, match="transformers_continuous_batching_config: 8 must be a mapping"):
+        GRPOConfig(transformers_continuous_batching_config=8)

@@ -75,12 +75,14 @@ def test_log_level_disable_tqdm_and_logging_dir(tiny_model_dir, tmp_path, capsys
 
 def test_trackio_gets_the_metrics(tiny_model_dir, tmp_path, monkeypatch):
     logged = []
+    trl_keys = {"train/loss", "train/reward"}
     fake = types.SimpleNamespace(init=lambda **kw: logged.append(("init", kw["project"], kw["name"])) or
-                                 types.SimpleNamespace(log=lambda m, step: logged.append(("log", step, "loss" in m)),
+                                 types.SimpleNamespace(log=lambda m, step: logged.append(("log", step,
+                                                                                         trl_keys <= set(m))),
                                                        finish=lambda: logged.append(("finish",))))
     monkeypatch.setitem(sys.modules, "trackio", fake)
     trainer(tiny_model_dir, tmp_path, report_to="trackio", project="p", run_name="r").train()
-    assert logged == [("init", "p", "r"), ("log", 1, True), ("finish",)]
+    assert logged == [("init", "p", "r"), ("log", 1, True), ("finish",)]  # (TRL's keys, as transformers logs them)
 
 
 def test_precision_and_kernels_refused_where_they_cannot_run(tiny_model_dir, tmp_path):

@@ -79,6 +79,25 @@ def test_checkpoints_load_with_from_pretrained_and_resume(tiny_model_dir, tmp_pa
         again.train(resume_from_checkpoint=str(tmp_path))
 
 
+def test_the_last_step_is_checkpointed_so_a_finished_run_resumes_at_its_end(tiny_model_dir, tmp_path):
+    """transformers' Trainer saves at the last step under a steps strategy (DefaultFlowCallback): save_steps 50
+    over a 2-step run still leaves checkpoint-2, and resuming the finished run trains nothing more."""
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=a_reward, args=config(tmp_path, save_steps=50),
+                          train_dataset=prompts())
+    trainer.train()
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-2"]
+    logged = [r["step"] for r in read_metrics(tmp_path / "run") if "reward" in r]
+    assert logged == [1, 2]
+
+    again = GRPOTrainer(model=tiny_model_dir, reward_funcs=a_reward, args=config(tmp_path, save_steps=50),
+                        train_dataset=prompts())
+    again.train(resume_from_checkpoint=True)
+    assert again.step == 2
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if "reward" in r] == logged  # no step redone
+    for k, v in trainer.policy.state_dict().items():
+        assert torch.equal(again.policy.state_dict()[k], v), k
+
+
 def test_a_loaded_reward_model_with_its_processing_class(tiny_model_dir, tmp_path):
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
 
@@ -108,6 +127,85 @@ def test_metric_names(tiny_model_dir, tmp_path, mode):
                  "entropy", "grad_norm", "learning_rate", "loss", "num_tokens", "rewards/a_reward/mean"}
     ours = {"reward/total", "policy/entropy", "train/grad_norm", "reward/a_reward"}
     assert (trl_names <= set(row)) == (mode != "grpo") and (ours <= set(row)) == (mode != "trl")
+
+
+def test_tensorboard_holds_trls_keys_where_transformers_puts_them(tiny_model_dir, tmp_path):
+    """The dashboards get TRL's keys as transformers' Trainer.log writes them (train/<key>; its rewrite_logs), in
+    output_dir/runs/<date>_<host>/; a metric TRL does not have keeps our name, under train/ too."""
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    GRPOTrainer(model=tiny_model_dir, reward_funcs=a_reward, train_dataset=prompts(),
+                args=config(tmp_path, report_to=["tensorboard"])).train()
+    (events,) = (tmp_path / "run" / "runs").iterdir()
+    acc = accumulator.EventAccumulator(str(events))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/reward", "train/entropy", "train/rewards/a_reward/mean", "train/completions/mean_length",
+            "train/kl", "train/loss", "train/grad_norm", "train/learning_rate"} <= tags
+    assert not {"train/reward/total", "train/policy/entropy", "reward/total"} & tags  # (TRL's names only, once)
+    row = read_metrics(tmp_path / "run")[-2]  # metrics.jsonl keeps both names (metric_names: both)
+    assert [v for _, v in ((e.step, e.value) for e in acc.Scalars("train/reward"))] == pytest.approx(
+        [r["reward/total"] for r in read_metrics(tmp_path / "run") if "reward/total" in r])
+    assert "reward/total" in row and "reward" in row
+
+
+def test_dashboard_names_follow_transformers_rewrite_logs():
+    from grpo.training.metric_names import dashboard_names
+
+    logs = {"reward/total": 0.5, "reward": 0.5, "reward/f": 0.25, "rewards/f/mean": 0.25, "train/loss": 1.0,
+            "loss": 1.0, "health/x": 3.0, "eval/accuracy": 0.1, "eval_accuracy": 0.1}
+    assert dashboard_names(logs, "both", ["f"]) == {"train/reward": 0.5, "train/rewards/f/mean": 0.25,
+                                                    "train/loss": 1.0, "train/health/x": 3.0, "eval/accuracy": 0.1}
+    assert dashboard_names({"reward/total": 0.5, "eval/accuracy": 0.1}, "grpo", ["f"]) == {
+        "train/reward/total": 0.5, "eval/accuracy": 0.1}
+    # TRL's tool metrics: calls per completion, failed calls per call (grpo.agents.metrics computes both)
+    from grpo.training.metric_names import named
+
+    assert named({"tools/calls_per_completion": 0.5, "tools/failure_frac": 0.25}, "trl", []) == {
+        "tools/call_frequency": 0.5, "tools/failure_frequency": 0.25}
+
+
+def test_dataloaders_as_trls(tiny_model_dir, tmp_path):
+    """get_train_dataloader: a rollout's rows per batch (per_device_train_batch_size x steps_per_generation), each
+    prompt num_generations times in a row, TRL's num_workers; get_eval_dataloader: the eval rows in order, G times
+    each, per_device_eval_batch_size per batch; an iterable eval set is read by one worker for that loader only."""
+    from datasets import IterableDataset
+
+    data = prompts(8)
+    evals = Dataset.from_dict({"prompt": ["e0\n", "e1\n", "e2\n"]})
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=a_reward, train_dataset=data, eval_dataset=evals,
+                          args=config(tmp_path, dataloader_num_workers=2, steps_per_generation=2,
+                                      per_device_eval_batch_size=6))
+    loader = trainer.get_train_dataloader()
+    assert loader.num_workers == 2 and trainer.args.dataloader_num_workers == 2
+    batch = next(iter(loader))
+    assert len(batch) == 8  # 4 per micro-batch x 2 steps_per_generation (one process)
+    assert [r["prompt"] for r in batch[:4]] == [batch[0]["prompt"]] * 4 and batch[4]["prompt"] != batch[0]["prompt"]
+    assert sorted({r["prompt"] for b in loader for r in b}) == sorted(data["prompt"])  # every prompt, once a group
+    (first, second) = list(trainer.get_eval_dataloader())
+    assert [r["prompt"] for r in first + second] == [p for p in evals["prompt"] for _ in range(4)]
+    stream = IterableDataset.from_generator(lambda: iter([{"prompt": "s\n"}]))
+    streamed = trainer.get_eval_dataloader(stream)
+    assert streamed.num_workers == 0 and [r["prompt"] for b in streamed for r in b] == ["s\n"] * 4
+    assert trainer.args.dataloader_num_workers == 2  # (scoped to that loader, as TRL)
+
+
+def test_an_iterable_train_set_with_dispatch_batches_gets_trls_error(tiny_model_dir, tmp_path):
+    from datasets import IterableDataset
+
+    stream = IterableDataset.from_generator(lambda: iter([{"prompt": f"q{i}\n"} for i in range(8)]))
+    with pytest.raises(ValueError, match="Iterable datasets require `dispatch_batches=False`, but it is set to"):
+        GRPOTrainer(model=tiny_model_dir, reward_funcs=a_reward, train_dataset=stream,
+                    args=config(tmp_path, accelerator_config={"dispatch_batches": True}))
+
+
+def test_accelerator_is_settable_and_reward_func_names(tiny_model_dir, tmp_path):
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=[a_reward, length_reward], train_dataset=prompts(),
+                          args=config(tmp_path))
+    assert trainer.reward_func_names == ["a_reward", "length_reward"]
+    assert trainer.reward_weights.tolist() == [1.0, 1.0] and trainer.reward_weights.dtype == torch.float32
+    other = SimpleNamespace(num_processes=1)
+    trainer.accelerator = other
+    assert trainer.accelerator is other
 
 
 class FakeHub:
@@ -153,7 +251,8 @@ def test_push_to_hub_uploads_each_save_and_the_final_model(tiny_model_dir, tmp_p
                             hub_private_repo=True, save_steps=1)).train()
     assert hub.calls[:2] == [("create_repo", "someone/tiny-grpo", True), ("create_branch", "someone/tiny-grpo", "exp1")]
     uploads = [c for c in hub.calls if c[0] == "upload"]
-    assert [c[3] for c in uploads] == ["grpo: checkpoint at step 1", "grpo: model after 2 steps"]
+    assert [c[3] for c in uploads] == ["grpo: checkpoint at step 1", "grpo: checkpoint at step 2",
+                                       "grpo: model after 2 steps"]  # (transformers: the last step saves too)
     assert all(c[1:3] == ("someone/tiny-grpo", "exp1") and "model.safetensors" in c[4] for c in uploads)
     assert "trainer_state.pt" in uploads[0][5]  # (left out: optimizer and RNG states stay local)
 
@@ -167,6 +266,64 @@ def test_hub_strategy_end_uploads_the_final_model_only(tiny_model_dir, tmp_path,
                 args=config(tmp_path, push_to_hub=True, hub_strategy="end", save_steps=1)).train()
     assert [c[3] for c in hub.calls if c[0] == "upload"] == ["grpo: model after 2 steps"]
     assert hub.calls[0] == ("create_repo", "someone/run", None)  # default: the output directory's name
+
+
+class LocalHub:
+    """huggingface_hub.HfApi over a local directory (no network): upload_folder copies what the real one would
+    upload (its own ignore_patterns filter) to root/<repo_id>/, which from_pretrained then reads back."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def whoami(self):
+        return {"name": "someone"}
+
+    def create_repo(self, repo_id, private=None, exist_ok=False):
+        (self.root / repo_id).mkdir(parents=True, exist_ok=exist_ok)
+
+    def upload_folder(self, repo_id, folder_path, commit_message, revision=None, ignore_patterns=None,
+                      run_as_future=False):
+        import shutil
+
+        from huggingface_hub.utils import filter_repo_objects
+
+        folder = Path(folder_path)
+        files = [p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()]
+        for name in filter_repo_objects(files, ignore_patterns=ignore_patterns):
+            (self.root / repo_id / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(folder / name, self.root / repo_id / name)
+        return f"{repo_id}: {commit_message}"
+
+
+def test_push_to_hub_with_a_model_card_to_a_local_hub_and_back(tiny_model_dir, tmp_path, monkeypatch):
+    """TRL's script's last lines: train, save_model, push_to_hub(dataset_name=...) (push_to_hub not set in the
+    config: the repository is made then). The hub holds the model, its tokenizer and a model card with TRL's
+    fields; checkpoints and grpo's local files stay home."""
+    import huggingface_hub
+    from huggingface_hub import ModelCard
+    from transformers import AutoModelForCausalLM
+
+    hub = LocalHub(tmp_path / "hub")
+    monkeypatch.setattr(huggingface_hub, "HfApi", lambda token=None: hub)
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=a_reward, train_dataset=prompts(),
+                          args=config(tmp_path, hub_model_id="tiny-grpo"))
+    trainer.train()
+    trainer.policy.config._name_or_path = "Qwen/Qwen2-0.5B"  # (as a hub model would name its base)
+    assert trainer.push_to_hub(dataset_name="trl-lib/DeepMath-103K") == "someone/tiny-grpo: End of training"
+    assert trainer.hub_model_id == "someone/tiny-grpo"
+
+    repo = tmp_path / "hub" / "someone" / "tiny-grpo"
+    back = AutoModelForCausalLM.from_pretrained(repo)
+    for k, v in trainer.policy.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k
+    assert (repo / "tokenizer.json").exists() and (repo / "metrics.jsonl").exists()
+    assert not [p for p in repo.iterdir() if p.name.startswith(("checkpoint-", "final", "."))]
+    card = ModelCard.load(repo / "README.md")
+    assert card.data.base_model == "Qwen/Qwen2-0.5B" and card.data.datasets == "trl-lib/DeepMath-103K"  # (as TRL)
+    assert {"trl", "grpo", "generated_from_trainer"} <= set(card.data.tags) and card.data.model_name == "tiny-grpo"
+    assert "@article{shao2024deepseekmath" in card.text and "huggingface.co/papers/2402.03300" in card.text
+    last = [r for r in read_metrics(tmp_path / "run") if "reward" in r][-1]
+    assert f"| reward | {last['reward']:.6g} |" in card.text  # the last logged step's metrics, TRL's names
 
 
 # ---- the TRL loss settings through the trainer -------------------------------------------------------------------

@@ -70,8 +70,8 @@ class Environments:
         names = list(columns[COLUMN])
         unknown = sorted({str(x) for x in names if x not in self.factories})
         if unknown:
-            raise ToolError(f"environment_factory: rows name environment(s) {unknown} that are not among "
-                            f"{sorted(self.factories)}.")
+            raise ToolError(f"environment_factory: rows name environment(s) {unknown} that are not among the "
+                            f"environments {sorted(self.factories)}.")  # (TRL's words: not among the environments)
         return names
 
     def take(self, names: list) -> list:

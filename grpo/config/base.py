@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import field
 from pathlib import Path
 from typing import Any
@@ -34,3 +35,20 @@ def _f(default: Any, help: str, choices: tuple | None = None, **kwargs: Any) -> 
 def check(ok: bool, key: str, message: str) -> None:
     if not ok:
         raise ConfigError(f"{key}: {message}")
+
+
+# Annotations of GRPOConfig's fields, in the forms argument parsers read (HfArgumentParser, TrlParser):
+Kwargs = dict[str, Any] | str | None
+"""A mapping of settings, or its JSON text (how argument parsers give it, as transformers' TrainingArguments)."""
+Names = list[str] | str
+Paths = dict[str, str] | str | None
+Specs = list[str | dict[str, Any] | Callable]
+
+SCRIPT_KEYS = ("dataset_name", "dataset_config", "dataset_streaming", "model_name_or_path", "model_revision",
+               "attn_implementation", "use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
+               "lora_modules_to_save", "use_rslora", "use_dora", "load_in_4bit", "bnb_4bit_quant_type",
+               "use_bnb_nested_quant", "reward_funcs")
+"""Keys that TRL's scripts take from other dataclasses (`ScriptArguments`, `ModelConfig`, the scripts' own
+`reward_funcs`) and hand to the trainer as its arguments. They are marked `init=False`, which is what
+`HfArgumentParser` / `TrlParser` read to leave a field out, so `TrlParser((ScriptArguments, GRPOConfig,
+ModelConfig))` defines each option once; `GRPOConfig(...)`, recipes and `grpo train` take them as any other key."""

@@ -29,28 +29,37 @@ def construct(cfg, args: tuple, kwargs: dict[str, Any]) -> None:
     if unknown:
         raise ConfigError(f"unknown config key {unknown[0]!r}" + _suggest(unknown[0], set(fields) | set(TRL_KEYS)) +
                           "; `grpo train --help-config` lists every key (docs/from_trl.md: TRL's and open-r1's).")
-    explicit = frozenset(values)
+    explicit = frozenset(_given(values, fields))
     preset = values.get("preset")
     if preset is not None:
         if preset not in PRESETS:
             raise ConfigError(f"preset: unknown value {preset!r}; choose one of {', '.join(PRESETS)}.")
         hand_loss = bool({"loss_aggregation", "surrogate"} & explicit)
         for key, value in PRESETS[preset].items():
-            if key not in values and not (key == "loss_type" and hand_loss):
+            if key not in explicit and not (key == "loss_type" and hand_loss):
                 values[key] = copy.deepcopy(value)
     if rewards:
         values["open_r1_rewards"] = {**(values.get("open_r1_rewards") or {}), **rewards}
     cfg.__dict__["_explicit"] = explicit
     cfg.__dict__["_trl_extras"] = extras
     for name, f in fields.items():
-        if name in values:
-            value = values[name]
-        elif f.default_factory is not dataclasses.MISSING:
-            value = f.default_factory()
-        else:
-            value = f.default
+        value = values[name] if name in values else _default(f)
         setattr(cfg, name, canonical(value))
     cfg.__post_init__()
+
+
+def _given(values: dict[str, Any], fields: dict[str, dataclasses.Field]) -> set[str]:
+    """The keys the user set. An argument parser (`HfArgumentParser`, `TrlParser`) passes every field it shows
+    (those with init=True), defaults included: then a key at its field's default counts as not set, so a `preset`
+    and `loss_type` behave as they do for `GRPOConfig(...)` (a parser cannot tell `--key <default>` from no flag)."""
+    shown = {name for name, f in fields.items() if f.init}
+    if set(values) != shown:
+        return set(values)
+    return {key for key, value in values.items() if not _same_value(value, _default(fields[key]))}
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
 def _own_aliases(values: dict[str, Any]) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -34,3 +35,22 @@ def parse_override(item: str) -> tuple[str, Any]:
     except yaml.YAMLError:
         value = raw
     return key, value
+
+
+def plain(value: Any) -> Any:
+    """`value` as YAML can write it: mappings and sequences walked, and any other object by its name: a torch
+    dtype as `float32` (what `dtype` keys accept), an enum as its value, a class or function as `module:name` (an
+    import path, as reward functions are given), anything else as its text."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {plain(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [plain(v) for v in value]
+    if isinstance(value, Enum):
+        return plain(value.value)
+    if type(value).__module__ == "torch" and type(value).__name__ == "dtype":
+        return str(value).removeprefix("torch.")
+    if hasattr(value, "__qualname__") and hasattr(value, "__module__"):
+        return f"{value.__module__}:{value.__qualname__}"
+    return str(value)

@@ -130,7 +130,17 @@ def from_trl_reference() -> str:
              "otherwise a ConfigError says why and what to use; **accepted, no effect**: any valid value is accepted "
              "and changes nothing here (the note says why). A `trl.GRPOConfig` passed as `args` keeps TRL's "
              "values; `preset: trl` (or `GRPOConfig(preset=\"trl\")`) gives TRL's defaults to every key not set.",
-             ""]
+             "", "## Scripts built on `TrlParser` / `HfArgumentParser`", "",
+             "`TrlParser((ScriptArguments, GRPOConfig, ModelConfig))` (TRL's trl/scripts/grpo.py, open-r1's grpo.py) "
+             "works with grpo's `GRPOConfig`: every field is annotated the parsers' way (`list[str]`, a mapping as "
+             "`dict | str | None` whose text is JSON, steps-or-ratio keys as `float`). The keys such scripts read "
+             "from `ScriptArguments` and `ModelConfig` (model, dataset, LoRA and quantization options) and the "
+             "scripts' `reward_funcs` are left to those dataclasses (`init=False` fields, which the parsers skip): "
+             "the script hands them to the trainer as TRL's does. A parser passes every field, defaults included; "
+             "a value at its field's default then counts as not set, so `--preset` and `--loss_type` act as in "
+             "`GRPOConfig(...)`. TRL keys that grpo accepts only at their default (the tables below) are not "
+             "parser options: a script's `--key` for one is an unknown argument. Torch dtypes and other objects in "
+             "values (`model_init_kwargs: {dtype: torch.bfloat16}`) are written to config.yaml by name.", ""]
     for source, title in titles.items():
         lines += [f"## {title}", "", "| key | TRL's default | grpo | note |", "|---|---|---|---|"]
         for row in TABLE:
@@ -146,6 +156,19 @@ def from_trl_reference() -> str:
               "| key | grpo | TRL 1.16 | why |", "|---|---|---|---|"]
     for key, mine, theirs in differing_defaults():
         lines.append(f"| `{key}` | `{mine!r}` | `{theirs!r}` | {WHY_OURS.get(key, '')} |")
+    from grpo.training.metric_names import TRL_NAMES, dashboard_key
+
+    lines += ["", "## Metric names", "",
+              "metrics.jsonl and callbacks' `on_log` get ours, TRL's or both (`metric_names`, default both). "
+              "TensorBoard (`output_dir/runs/<date>_<host>/`, transformers' place, unless `logging_dir` or "
+              "`TENSORBOARD_LOGGING_DIR` says otherwise), W&B and trackio get TRL's name where TRL has the metric and "
+              "ours where it has none, each as transformers' Trainer writes them: `train/<name>`, and `eval_<name>` "
+              "as `eval/<name>` (its `rewrite_logs`); a name of ours that starts with `train/` or `eval/` stays. "
+              "With `metric_names: grpo`, ours alone, prefixed the same way.", "",
+              "| ours (metrics.jsonl) | TRL's | dashboards |", "|---|---|---|"]
+    lines += [f"| `{ours}` | `{theirs}` | `{dashboard_key(theirs)}` |" for ours, theirs in TRL_NAMES.items()]
+    lines += ["| `reward/<f>` | `rewards/<f>/mean` | `train/rewards/<f>/mean` |",
+              "| `reward/<f>/std` | `rewards/<f>/std` | `train/rewards/<f>/std` |"]
     lines += ["", "## `loss_type`", "", "| TRL loss_type | loss_aggregation | surrogate |", "|---|---|---|"]
     lines += [f"| `{t}` | `{a}` | `{s}` |" for t, (a, s) in LOSS_TYPES.items()]
     return "\n".join(lines) + "\n\n" + SUITE

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from grpo.config.base import DEFAULT_MODEL, _f
+from grpo.config.base import DEFAULT_MODEL, SCRIPT_KEYS, Kwargs, Names, Paths, Specs, _f
 from grpo.tasks import TASKS
 
 
@@ -26,7 +26,7 @@ class GRPOConfig:
                                  "model shipped in the package by name (tiny-arith, tiny-tools, tiny-vision, "
                                  "tiny-moe). Default: tiny-arith.")
     model_revision: str = _f("main", "Revision (branch, tag or commit) of a hub model (TRL ModelConfig).")
-    model_init_kwargs: dict | None = _f(None, "Further keyword arguments for from_pretrained (TRL's), e.g. "
+    model_init_kwargs: Kwargs = _f(None, "Further keyword arguments for from_pretrained (TRL's), e.g. "
                                         "{device_map: auto}; dtype, revision and attn_implementation here win.")
     trust_remote_code: bool = _f(False, "Allow models and tokenizers that ship their own Python code.")
     torch_dtype: str = _f("float32", "Weights dtype.", ("float32", "bfloat16", "float16", "auto"))
@@ -38,7 +38,7 @@ class GRPOConfig:
     attn_implementation: str | None = _f(None, "Attention kernel passed to from_pretrained (eager, sdpa, "
                                          "flash_attention_2). Default: transformers' choice.")
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory (slower).")
-    gradient_checkpointing_kwargs: dict | None = _f(None, "Passed to gradient_checkpointing_enable().")
+    gradient_checkpointing_kwargs: Kwargs = _f(None, "Passed to gradient_checkpointing_enable().")
     activation_offloading: bool = _f(False, "Keep what the update's forward saves for backward in pinned host "
                                      "memory until backward (TRL's key for SFT/DPO; verl's enable_activation_offload):"
                                      " device memory for long completions; with gradient_checkpointing, the layers' "
@@ -56,8 +56,8 @@ class GRPOConfig:
     lora_r: int = _f(16, "LoRA rank.")
     lora_alpha: int = _f(32, "LoRA alpha (scaling = alpha / r).")
     lora_dropout: float = _f(0.05, "LoRA dropout.")
-    lora_target_modules: Any = _f("all-linear", "Modules that get adapters: a list of names or 'all-linear'.")
-    lora_modules_to_save: list | None = _f(None, "Modules trained in full beside the adapters (e.g. [lm_head]).")
+    lora_target_modules: Names = _f("all-linear", "Modules that get adapters: a list of names or 'all-linear'.")
+    lora_modules_to_save: list[str] | None = _f(None, "Modules trained in full beside the adapters (e.g. [lm_head]).")
     freeze_vision_tower: bool = _f(False, "A vision-language model's vision side (its tower and the projector into "
                                    "the language model) is not trained (verl's key): its weights get no gradient, "
                                    "and with LoRA no adapters. False: trained as the rest (full fine-tuning), or "
@@ -96,18 +96,19 @@ class GRPOConfig:
                                    "user] messages, as open-r1 builds it (rewards then get messages); without one "
                                    "it is a prefix.")
     chat_template: str | None = _f(None, "A Jinja chat template that replaces the tokenizer's (open-r1's key).")
-    chat_template_kwargs: dict | None = _f(None, "Further keyword arguments for apply_chat_template.")
+    chat_template_kwargs: Kwargs = _f(None, "Further keyword arguments for apply_chat_template.")
     prefill: str | None = _f(None, "Text the completion is forced to start with, e.g. '<think>'. Default: the "
                              "task's prefill (a built-in task's data file included), else none.")
-    use_chat_template: Any = _f("auto", "Render text prompts with the tokenizer's chat template: true, false or "
-                                "auto (when the tokenizer has one). Message prompts always use it.")
+    use_chat_template: bool | None = _f(None, "Render text prompts with the tokenizer's chat template: true, false, "
+                                        "or null (also spelled auto): when the tokenizer has one. Message prompts "
+                                        "always use it.")
     max_prompt_length: int | None = _f(512, "Longest prompt in tokens (null: no limit).")
     prompt_truncation: str = _f("error", "What to do with a longer prompt.", ("error", "left"))
 
     # ---- rewards -----------------------------------------------------------------------------------------------
-    reward_funcs: list = _f([], "Reward functions: built-in names, 'module:function' paths, reward-model "
+    reward_funcs: Specs = _f([], "Reward functions: built-in names, 'module:function' paths, reward-model "
                             "directories, or {name: ..., <factory args>} maps. Default: the task's.")
-    reward_weights: list | None = _f(None, "One weight per reward function. Default: the task's, else all 1.")
+    reward_weights: list[float] | None = _f(None, "One weight per reward function. Default: the task's, else all 1.")
     multi_objective_aggregation: str = _f("sum_then_normalize", "Combine several rewards: weighted sum, then "
                                           "group advantages; or each reward normalized in its group, summed, then "
                                           "normalized over the batch (GDPO, TRL's).",
@@ -120,9 +121,9 @@ class GRPOConfig:
                                  "advantage 0 (TRL's), or stop with an error naming the row.", ("warn", "raise"))
     reward_timeout: float | None = _f(60.0, "Seconds one reward-function call may take before it counts as failed "
                                       "(reward_on_error decides: stop, or score the batch 0). null: no limit.")
-    open_r1_rewards: dict = _f({}, "Settings of open-r1's reward functions by open-r1's key names (cosine_max_len, "
+    open_r1_rewards: Kwargs = _f({}, "Settings of open-r1's reward functions by open-r1's key names (cosine_max_len, "
                                "repetition_n_grams, code_language, ...); set them as top-level keys.")
-    step_reward_funcs: list = _f([], "Step-reward functions for process supervision (e.g. arithmetic_steps).")
+    step_reward_funcs: list[str] = _f([], "Step-reward functions for process supervision (e.g. arithmetic_steps).")
     process_weight: float = _f(1.0, "Weight of the process (step) advantages when step_reward_funcs is set.")
     outcome_weight: float = _f(1.0, "Weight of the outcome advantages when step_reward_funcs is set "
                                "(0 = process supervision alone).")
@@ -174,7 +175,7 @@ class GRPOConfig:
     top_k: int = _f(0, "Top-k sampling (0: off).")
     min_p: float | None = _f(0.0, "Min-p sampling (0 or null: off).")
     repetition_penalty: float = _f(1.0, "Repetition penalty in sampling (1: off).")
-    generation_kwargs: dict | None = _f(None, "Sampling settings by transformers' names (max_new_tokens, "
+    generation_kwargs: Kwargs = _f(None, "Sampling settings by transformers' names (max_new_tokens, "
                                         "temperature, top_p, top_k, min_p, repetition_penalty); they win.")
     engine: str = _f("auto", "Rollout and update engine: cpu (compiled paths for a float32 model in one process on "
                      "the CPU), transformers (any model and device), or auto: cpu where it applies, transformers "
@@ -207,7 +208,7 @@ class GRPOConfig:
     vllm_max_model_length: int | None = _f(None, "Context length of the vLLM engine (null: the model's).")
     vllm_model_impl: str = _f("vllm", "Model implementation vLLM runs: its own or transformers'.",
                               ("vllm", "transformers"))
-    vllm_engine_kwargs: dict = _f({}, "Further keyword arguments for vllm.LLM (e.g. enforce_eager: true).")
+    vllm_engine_kwargs: Kwargs = _f({}, "Further keyword arguments for vllm.LLM (e.g. enforce_eager: true).")
     vllm_per_row_seeds: bool | None = _f(None, "Seed every row of a vLLM request (completions independent of how "
                                          "rows are split across processes, as grpo's samplers; vLLM then samples "
                                          "row by row) or seed the engine once (vLLM's batched sampler). null: "
@@ -227,10 +228,11 @@ class GRPOConfig:
     vllm_importance_sampling_clip_min: float | None = _f(None, "Lower bound of the importance ratio (null: none).")
 
     # ---- tools and environments (multi-turn rollouts; docs/agents.md) -------------------------------------------
-    tools: list = _f([], "Tools the model may call: built-in names (calculator, python) or 'module:function' paths "
-                     "(functions with type hints and an Args: docstring). Default: the task's. Needs a chat template "
-                     "that renders tool calls; tool answers are left out of the loss.")
-    environment_factory: Any = _f(None, "TRL's environment_factory: a 'module:Class' path whose instances' public "
+    tools: list[str] = _f([], "Tools the model may call: built-in names (calculator, python) or 'module:function' "
+                          "paths (functions with type hints and an Args: docstring; the Python API takes the "
+                          "functions too). Default: the task's. Needs a chat template that renders tool calls; tool "
+                          "answers are left out of the loss.")
+    environment_factory: Paths = _f(None, "TRL's environment_factory: a 'module:Class' path whose instances' public "
                                   "methods are the model's tools, or a map of such paths by the rows' environment "
                                   "column.")
     rollout_func: str | None = _f(None, "TRL's rollout_func: a 'module:function' path of a rollout of your own "
@@ -246,10 +248,10 @@ class GRPOConfig:
     learning_rate: float = _f(1e-6, "Peak AdamW learning rate.")
     lr_scheduler_type: str = _f("constant", "Learning-rate schedule after warmup.",
                                 ("constant", "linear", "cosine", "constant_with_warmup", "cosine_with_min_lr"))
-    lr_scheduler_kwargs: dict | None = _f(None, "Schedule settings: num_cycles (cosine), min_lr or min_lr_rate "
+    lr_scheduler_kwargs: Kwargs = _f(None, "Schedule settings: num_cycles (cosine), min_lr or min_lr_rate "
                                           "(cosine_with_min_lr).")
     warmup_ratio: float = _f(0.0, "Fraction of steps spent warming up linearly (used when warmup_steps is 0).")
-    warmup_steps: int | float = _f(0, "Warmup optimizer steps; below 1, a fraction of them (transformers 5).")
+    warmup_steps: float = _f(0, "Warmup optimizer steps; below 1, a fraction of them (transformers 5).")
     weight_decay: float = _f(0.0, "AdamW weight decay.")
     adam_beta1: float = _f(0.9, "AdamW beta1.")
     adam_beta2: float = _f(0.999, "AdamW beta2.")
@@ -334,14 +336,16 @@ class GRPOConfig:
     wandb_project: str | None = _f(None, "W&B project (null: WANDB_PROJECT, else grpo).")
     wandb_entity: str | None = _f(None, "W&B entity (team) of the run.")
     wandb_run_group: str | None = _f(None, "W&B group of the run.")
-    logging_dir: str | None = _f(None, "TensorBoard directory (null: output_dir/tensorboard).")
+    logging_dir: str | None = _f(None, "TensorBoard directory (null: TENSORBOARD_LOGGING_DIR, else "
+                                 "output_dir/runs/<date>_<host>/ as transformers).")
     log_level: str = _f("passive", "Log level of grpo's and transformers' loggers (passive: leave them).",
                         ("passive", "debug", "info", "warning", "error", "critical"))
     logging_strategy: str = _f("steps", "When metrics are logged: every logging_steps, each epoch's end, or "
                                "never (metrics.jsonl then holds evals only).", ("steps", "epoch", "no"))
-    logging_steps: int | float = _f(1, "Print and log metrics every N optimizer steps (below 1: a fraction of them).")
+    logging_steps: float = _f(1, "Print and log metrics every N optimizer steps (below 1: a fraction of them).")
     logging_first_step: bool = _f(False, "Also log the first optimizer step.")
-    metric_names: str = _f("both", "Metric names logged: grpo's (policy/kl_divergence), TRL's (kl), or both.",
+    metric_names: str = _f("both", "Metric names in metrics.jsonl and callbacks: grpo's (policy/kl_divergence), "
+                           "TRL's (kl), or both; dashboards get TRL's as train/kl (docs/from_trl.md).",
                            ("both", "grpo", "trl"))
     log_completions: bool | None = _f(None, "TRL's: true logs samples every logging_steps, false never "
                                       "(null: log_completions_steps decides).")
@@ -349,12 +353,12 @@ class GRPOConfig:
     num_completions_to_print: int | None = _f(None, "Also print this many sample completions each time samples are "
                                               "logged (null: none).")
     log_unique_prompts: bool = _f(False, "Samples: one completion per distinct prompt.")
-    report_to: list = _f(["tensorboard"], "Metric sinks besides metrics.jsonl: tensorboard, wandb, trackio, all "
+    report_to: Names = _f(["tensorboard"], "Metric sinks besides metrics.jsonl: tensorboard, wandb, trackio, all "
                          "(every installed one), none.")
     disable_tqdm: bool | None = _f(None, "Turn the live progress display off.")
     eval_strategy: str = _f("steps", "When to score the eval set: every eval_steps, each epoch's end, or never.",
                             ("steps", "epoch", "no"))
-    eval_steps: int | float | None = _f(0, "Score the eval set every N steps (0: only at the end when an eval set "
+    eval_steps: float | None = _f(0, "Score the eval set every N steps (0: only at the end when an eval set "
                                         "exists; null: logging_steps; below 1: a fraction of the steps).")
     eval_on_start: bool = _f(True, "Score the eval set before the first step when evaluating every N steps.")
     per_device_eval_batch_size: int = _f(256, "Eval completions generated at once.")
@@ -362,7 +366,7 @@ class GRPOConfig:
     eval_temperature: float = _f(1.0, "Sampling temperature for eval.")
     save_strategy: str = _f("steps", "When to write a checkpoint: every save_steps, each epoch's end, or never.",
                             ("steps", "epoch", "no"))
-    save_steps: int | float = _f(50, "Write a checkpoint every N optimizer steps (0: only the final model; below "
+    save_steps: float = _f(50, "Write a checkpoint every N optimizer steps (0: only the final model; below "
                                  "1: a fraction of the steps).")
     save_total_limit: int | None = _f(2, "Checkpoints kept (oldest deleted first; null: all).")
     save_only_model: bool = _f(False, "Checkpoints hold the model only (no optimizer, schedule or RNG: they "
@@ -384,7 +388,7 @@ class GRPOConfig:
     overwrite_output_dir: bool = _f(False, "Start over in an output_dir that holds a run (transformers < 5's key): "
                                     "its checkpoints, final/, metrics and samples are deleted first. Without it, "
                                     "and without resume, such a directory is refused (docs/runs.md).")
-    stop_signals: list = _f(["SIGTERM", "SIGINT", "SIGUSR1"], "Signals that stop the run after its current "
+    stop_signals: list[str] = _f(["SIGTERM", "SIGINT", "SIGUSR1"], "Signals that stop the run after its current "
                             "optimizer step with a checkpoint, exit status 75 (docs/runs.md); [] for none.")
     preset: str | None = _f(None, "Named starting point (grpo, dr_grpo, dapo, gspo, trl) for every key not set.")
 
@@ -435,4 +439,11 @@ class GRPOConfig:
         return dataclasses.asdict(self)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        from grpo.config.files import plain
+
+        Path(path).write_text(yaml.safe_dump(plain(self.to_dict()), sort_keys=False))
+
+
+for _name in SCRIPT_KEYS:  # (left to ScriptArguments / ModelConfig by argument parsers)
+    GRPOConfig.__dataclass_fields__[_name].init = False
+

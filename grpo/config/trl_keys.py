@@ -55,7 +55,8 @@ def _rows(source: str, kind: str, *rows: tuple) -> list[TRLKey]:
 
 
 _NO_LOADER = "grpo reads prompts from memory: there is no DataLoader to configure"
-_NO_LOADER_NOOP = "grpo reads prompts from memory: there is no DataLoader, so this changes nothing"
+_NO_LOADER_NOOP = ("training reads prompts from memory, not through a DataLoader (get_train_dataloader's, for "
+                   "code that inspects the rows, is not read by train()), so this changes nothing")
 _LAUNCH = ("multi-process training is set up by `accelerate launch --config_file recipes/accelerate/...` "
            "(DDP and DeepSpeed ZeRO-2 are tested)")
 _EVAL = "grpo's eval samples completions and scores the rewards (accuracy, pass@k); it computes no loss"
@@ -87,6 +88,10 @@ def _open_r1_callbacks(value) -> str | None:
     other = [v for v in value if v != "push_to_hub_revision"]
     return None if not other else (f"has {', '.join(other)}, not one of open-r1's callbacks (push_to_hub_revision); "
                                    "pass callback objects to GRPOTrainer(callbacks=...)")
+
+
+def _settings(value) -> str | None:
+    return None if value is None or isinstance(value, dict) or hasattr(value, "to_dict") else "must be a mapping"
 
 
 def _pad_multiple(value) -> str | None:
@@ -147,13 +152,15 @@ TABLE: list[TRLKey] = [
            ("log_multimodal", True, "grpo trains text models"),
            ("log_completions_hub_repo", None, "samples are written to output_dir/samples/; uploading them to a "
             "dataset repository is not built"),
-           ("transformers_continuous_batching_config", None, "grpo's samplers batch generation (or set use_vllm)"),
            ("use_transformers_paged", False, "grpo's samplers batch generation (or set use_vllm)")),
     *_rows("trl", "noop",
            ("pad_to_multiple_of", "auto", "each micro-batch is padded to its own longest row; padding further (for "
             "Neuron's compiler) adds only masked positions, so the loss is the same", _pad_multiple),
            ("use_transformers_continuous_batching", False, "grpo's samplers already batch each rollout's generation "
-            "(the same samples of the policy); no separate batching mode to switch on", _boolean)),
+            "(the same samples of the policy); no separate batching mode to switch on", _boolean),
+           ("transformers_continuous_batching_config", None, "settings of transformers' continuous-batching engine "
+            "(blocks, batch tokens, ...), which grpo does not run: its samplers batch each rollout themselves (the "
+            "same samples of the policy)", _settings)),
     # ---- TRL GRPOTrainer's arguments that grpo also takes as config keys (docs/agents.md) --------------------------
     *_rows("trainer", "field",
            ("tools", None, "GRPOTrainer(tools=...) or a list of built-in names / 'module:function' paths; ours: "

@@ -5,8 +5,12 @@ ours, then every rule that needs no model and no data. Each failure is one line 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import types
+import typing
 import warnings
+from collections.abc import Callable
 from typing import Any, get_type_hints
 
 from grpo.config.base import ConfigError, check
@@ -54,46 +58,93 @@ def _trl_forms(cfg) -> None:
     cfg.model_name_or_path = shipped_model(cfg.model_name_or_path)  # `tiny-tools`: the one in the package
     if cfg.min_p is None:
         cfg.min_p = 0.0
+    if cfg.use_chat_template == "auto":  # null's other spelling
+        cfg.use_chat_template = None
+    for key in ("open_r1_rewards", "vllm_engine_kwargs"):  # null (an argument parser's unset) is no settings
+        if getattr(cfg, key) is None:
+            setattr(cfg, key, {})
 
 
 def _coerce_types(cfg) -> None:
-    """YAML gives `1e-6` as a string and `1` where a float is meant: coerce by the field's type, or fail naming it."""
+    """YAML gives `1e-6` as a string and `1` where a float is meant, an argument parser gives a dict key's JSON as
+    text: coerce by the field's annotation, or fail naming it."""
     hints = get_type_hints(type(cfg))
     for f in dataclasses.fields(cfg):
-        value, hint = getattr(cfg, f.name), str(hints[f.name])
+        value, hint = getattr(cfg, f.name), hints[f.name]
+        options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
         if value is None:
-            if "None" not in hint and hint != "typing.Any":
+            if type(None) not in options:
                 raise ConfigError(f"{f.name}: must be set (got null).")
             continue
         try:
-            value = _coerce(value, hint)
+            value = _count_or_fraction(value) if f.name in COUNT_OR_FRACTION else _coerce(value, options)
         except (TypeError, ValueError):
-            kind = hint.replace("<class '", "").replace("'>", "").replace("typing.", "")
+            kind = "a mapping (or its JSON text)" if dict in map(typing.get_origin, options) else _kind(hint)
             raise ConfigError(f"{f.name}: expected {kind}, got {value!r}.") from None
         setattr(cfg, f.name, value)
 
 
-def _coerce(value: Any, hint: str) -> Any:
-    if hint.startswith("<class 'bool'>") or hint.startswith("bool"):
-        return _to_bool(value)
-    if isinstance(value, bool) and ("int" in hint or "float" in hint):
+COUNT_OR_FRACTION = ("warmup_steps", "logging_steps", "eval_steps", "save_steps")
+"""transformers' steps-or-ratio keys (annotated `float`, as in TrainingArguments): a count, or below 1 a fraction."""
+
+
+def _count_or_fraction(value: Any) -> int | float:
+    if isinstance(value, bool):
         raise ValueError(value)
-    if hint.startswith("int | float"):  # a count, or below 1 a fraction (transformers' steps-or-ratio keys)
-        number = float(value)
-        return int(number) if number == 0 or (number >= 1 and number.is_integer()) else number
-    if "float" in hint:
-        return float(value)
-    if "int" in hint:
+    number = float(value)
+    return int(number) if number == 0 or (number >= 1 and number.is_integer()) else number
+
+
+def _kind(hint: Any) -> str:
+    return str(hint).replace("<class '", "").replace("'>", "").replace("typing.", "").replace("collections.abc.", "")
+
+
+def _coerce(value: Any, options: tuple) -> Any:
+    """`value` as the first of a field's types (`options`, None left out) it already is, else the first it converts
+    to; ValueError when none."""
+    options = [o for o in options if o is not type(None)]
+    if isinstance(value, str) and any((typing.get_origin(o) or o) is dict for o in options):
+        parsed = json.loads(value)  # a mapping's key given as JSON text (an argument parser's --key '{"a": 1}')
+        if not isinstance(parsed, dict):
+            raise ValueError(value)
+        return parsed
+    for option in options:
+        if _is(value, option):
+            return value
+    for option in options:
+        try:
+            return _convert(value, option)
+        except (TypeError, ValueError):
+            continue
+    raise ValueError(value)
+
+
+def _is(value: Any, option: Any) -> bool:
+    if option is Any:
+        return True
+    if option is Callable or typing.get_origin(option) is Callable:
+        return callable(value) and not isinstance(value, (str, list, dict))
+    kind = typing.get_origin(option) or option
+    if isinstance(value, bool):
+        return kind is bool
+    return isinstance(value, kind)
+
+
+def _convert(value: Any, option: Any) -> Any:
+    kind = typing.get_origin(option) or option
+    if kind is bool:
+        return _to_bool(value)
+    if isinstance(value, bool):
+        raise ValueError(value)
+    if kind is int:
         if isinstance(value, float) and not value.is_integer():
             raise ValueError(value)
         return int(value)
-    if "str" in hint and not isinstance(value, str):
-        raise ValueError(value)
-    if "list" in hint and not isinstance(value, list):
+    if kind is float:
+        return float(value)
+    if kind is list:
         return [value] if isinstance(value, (str, dict)) else list(value)
-    if "dict" in hint and not isinstance(value, dict):
-        raise ValueError(value)
-    return value
+    raise ValueError(value)
 
 
 def _to_bool(value: Any) -> bool:
@@ -120,6 +171,12 @@ def _resolve(cfg) -> None:
                                   f"{getattr(cfg, key)!r}; set one of them.")
             setattr(cfg, key, value)
     for key, value in (cfg.generation_kwargs or {}).items():
+        check(key != "num_beams" or value in (None, 1), "generation_kwargs",
+              f"num_beams={value} is beam search: it returns the beams' highest-scoring sequences, not samples of the "
+              "policy, which GRPO's group statistics and its ratio to the sampling policy assume; leave it out (TRL "
+              "hands it to generate).")
+        if key == "num_beams":
+            continue  # (1: sampling, as without it)
         check(key in SAMPLING_KWARGS or (key == "do_sample" and value is True), "generation_kwargs",
               f"{key!r} is not a setting of grpo's samplers; use {', '.join(SAMPLING_KWARGS)}.")
         if key in SAMPLING_KWARGS:
@@ -182,7 +239,6 @@ def _validate_batch(cfg) -> None:
     check(cfg.top_k >= 0, "top_k", "must be >= 0 (0 turns it off).")
     check(0 <= cfg.min_p < 1, "min_p", "must be in [0, 1).")
     check(cfg.repetition_penalty > 0, "repetition_penalty", "must be > 0.")
-    check(cfg.use_chat_template in (True, False, "auto"), "use_chat_template", "must be true, false or auto.")
     check(0 < cfg.vllm_gpu_memory_utilization <= 1, "vllm_gpu_memory_utilization", "must be in (0, 1].")
     check(cfg.vllm_tensor_parallel_size >= 1, "vllm_tensor_parallel_size", "must be >= 1.")
     check(cfg.vllm_importance_sampling_clip_max is None or cfg.vllm_importance_sampling_clip_max > 0,

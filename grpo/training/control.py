@@ -55,12 +55,14 @@ class Cadence:
         return has_eval and self.cfg.eval_on_start and self.cfg.eval_strategy != "no" and self.eval_every > 0
 
     def save(self, step: int) -> bool:
+        """A checkpoint after `step`: every save_every steps and, as transformers' Trainer does under a steps
+        strategy, at the last step (so a finished run resumes at its end rather than redoing its last steps)."""
         strategy = self.cfg.save_strategy
-        if strategy == "no" or step >= self.total:  # (the end writes final/)
+        if strategy == "no":
             return False
         if strategy == "epoch":
             return self.epoch_end(step)
-        return bool(self.save_every and step % self.save_every == 0)
+        return bool(self.save_every and (step % self.save_every == 0 or step >= self.total))
 
     def samples(self, step: int) -> bool:
         if self.cfg.log_completions is not None:

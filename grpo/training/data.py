@@ -203,7 +203,7 @@ class PromptSet:
 
 def uses_template(tokenizer, cfg: GRPOConfig) -> bool:
     use_template = cfg.use_chat_template
-    if use_template == "auto":
+    if use_template is None:  # auto
         use_template = getattr(tokenizer, "chat_template", None) is not None
     return bool(use_template)
 

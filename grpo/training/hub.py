@@ -16,11 +16,11 @@ LOCAL_ONLY = ["trainer_state.pt", "manifest.json", "*.tmp"]
 
 
 class HubUploader:
-    def __init__(self, cfg, api=None):
+    def __init__(self, cfg, api=None, token: str | None = None):
         import huggingface_hub
 
         self.cfg = cfg
-        self.api = api if api is not None else huggingface_hub.HfApi(token=cfg.hub_token)
+        self.api = api if api is not None else huggingface_hub.HfApi(token=token or cfg.hub_token)
         self.repo_id = cfg.hub_model_id or Path(cfg.output_dir).resolve().name
 
     def start(self) -> None:
@@ -55,9 +55,45 @@ class HubUploader:
         self.upload(final, f"grpo: model after {step} steps")
 
 
-def start_hub(cfg) -> HubUploader:
+def start_hub(cfg, token: str | None = None) -> HubUploader:
     """The run's uploader, its repository made: called before the model loads, so a hub that cannot be reached
     stops the run at once."""
-    uploader = HubUploader(cfg)
+    uploader = HubUploader(cfg, token=token)
     uploader.start()
     return uploader
+
+
+# ---- trainer.push_to_hub(): TRL's (transformers') call, with TRL's model card ----------------------------------------
+PUSH_IGNORED = ["_*", ".*", "checkpoint-*", "final*", "nonfinite*", *LOCAL_ONLY]
+"""What push_to_hub leaves out of output_dir: transformers' `_*` and `checkpoint-*`, and grpo's own local files
+(final/ is the same model as output_dir's after save_model; the lock; non-finite dumps)."""
+
+METHOD = {"name": "GRPO", "title": "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models",
+          "id": "2402.03300", "citation": """@article{shao2024deepseekmath,
+    title        = {{DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models}},
+    author       = {Zhihong Shao and Peiyi Wang and Qihao Zhu and Runxin Xu and Junxiao Song and Mingchuan Zhang
+                    and Y. K. Li and Y. Wu and Daya Guo},
+    year         = 2024,
+    eprint       = {arXiv:2402.03300},
+}"""}  # (TRL's GRPOTrainer._paper)
+
+
+def model_card(base_model: str | None, model_name: str, hub_model_id: str, dataset_name: str | None,
+               tags: list[str], metrics: dict[str, float]):
+    """A `huggingface_hub.ModelCard` with TRL's fields (trl/templates/lm_model_card.md: base model, dataset, tags,
+    the method and its citation) and the last logged metrics."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    data = ModelCardData(base_model=base_model, datasets=dataset_name, library_name="transformers",
+                         model_name=model_name, tags=["generated_from_trainer", *tags])
+    base = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "a model"
+    on = f" on the [{dataset_name}](https://huggingface.co/datasets/{dataset_name}) dataset" if dataset_name else ""
+    rows = "".join(f"| {k} | {v:.6g} |\n" for k, v in metrics.items())
+    return ModelCard(
+        f"---\n{data.to_yaml()}\n---\n\n# Model Card for {model_name}\n\nThis model is a fine-tuned version of "
+        f"{base}{on}.\nIt has been trained with grpo (TRL's GRPOTrainer interface).\n\n## Quick start\n\n```python\n"
+        f"from transformers import pipeline\n\ngenerator = pipeline(\"text-generation\", model=\"{hub_model_id}\")\n"
+        "```\n\n## Training procedure\n\nThis model was trained with GRPO, a method introduced in "
+        f"[{METHOD['title']}](https://huggingface.co/papers/{METHOD['id']}).\n\n"
+        + (f"### Metrics (last logged step)\n\n| metric | value |\n|---|---|\n{rows}\n" if rows else "")
+        + f"## Citations\n\nCite GRPO as:\n\n```bibtex\n{METHOD['citation']}\n```\n")

@@ -2,9 +2,15 @@
 default, logs each metric under both names; trl, under TRL's alone; grpo, under ours alone).
 
 TRL's names are those of `GRPOTrainer._metrics` and `Trainer.log` (trl/trainer/grpo_trainer.py). Ours group by
-topic (`reward/`, `policy/`, `completion/`, `train/`); every metric of ours that TRL has is in this one table."""
+topic (`reward/`, `policy/`, `completion/`, `train/`); every metric of ours that TRL has is in this one table.
+The dashboards (TensorBoard, W&B, trackio) get TRL's names as transformers' Trainer prefixes them
+(`dashboard_names`), and TensorBoard's events go where transformers puts them (`tensorboard_dir`)."""
 
 from __future__ import annotations
+
+from pathlib import Path
+
+TENSORBOARD_DIR = "runs"  # (transformers' default_logdir: runs/<date>_<host>)
 
 TRL_NAMES = {
     "reward/total": "reward",
@@ -34,6 +40,8 @@ TRL_NAMES = {
     "sampling/importance_ratio_mean": "sampling/importance_sampling_ratio/mean",
     "sampling/importance_ratio_min": "sampling/importance_sampling_ratio/min",
     "sampling/importance_ratio_max": "sampling/importance_sampling_ratio/max",
+    "tools/calls_per_completion": "tools/call_frequency",
+    "tools/failure_frac": "tools/failure_frequency",
 }
 
 
@@ -69,3 +77,38 @@ def named(metrics: dict[str, float], mode: str, reward_names: list[str]) -> dict
     if mode == "trl":
         return theirs
     return {**metrics, **{k: v for k, v in theirs.items() if k not in metrics}}
+
+
+def dashboard_key(name: str) -> str:
+    """transformers' `rewrite_logs` (what its TensorBoard, W&B and trackio callbacks log under): `eval_<k>` is
+    `eval/<k>`, any other key `train/<k>`; a name of ours that already starts with train/ or eval/ stays."""
+    if name.startswith(("train/", "eval/")):
+        return name
+    if name.startswith("eval_"):
+        return "eval/" + name[len("eval_"):]
+    return "train/" + name
+
+
+def dashboard_names(logs: dict[str, float], mode: str, reward_names: list[str]) -> dict[str, float]:
+    """The keys TensorBoard, W&B and trackio get for one logged step (`logs` as `named` made them): TRL's names
+    where TRL has the metric, ours where it has none, each as transformers' Trainer prefixes them, so a dashboard
+    keyed on TRL's run (train/reward, train/rewards/<f>/mean, train/entropy, eval/reward) finds them. With
+    metric_names grpo, ours alone, prefixed the same way."""
+    out = {}
+    for name, value in logs.items():
+        if mode != "grpo" and trl_name(name, reward_names) is not None:
+            continue  # its TRL name is in `logs` too
+        out[dashboard_key(name)] = value
+    return out
+
+
+def tensorboard_dir(output_dir: Path, resuming: bool) -> Path:
+    """Where TensorBoard's events go without logging_dir: a new output_dir/runs/<date>_<host>/ (transformers'
+    default_logdir), or on resume the newest one there, so purge_step hides the steps after the checkpoint."""
+    import socket
+    from datetime import datetime
+
+    runs = sorted((p for p in (output_dir / TENSORBOARD_DIR).glob("*") if p.is_dir()), key=lambda p: p.stat().st_mtime)
+    if resuming and runs:
+        return runs[-1]
+    return output_dir / TENSORBOARD_DIR / f"{datetime.now().strftime('%b%d_%H-%M-%S')}_{socket.gethostname()}"

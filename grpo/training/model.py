@@ -264,14 +264,16 @@ def load_model_files(model, path) -> None:
                          f"missing {untied[:3]}).")
 
 
-def save_final(model, tokenizer, path, merge: bool) -> None:
-    """Hugging Face format that `AutoModelForCausalLM.from_pretrained(path)` loads; adapters also kept. A write that
+def save_final(model, tokenizer, path, merge: bool, adapter_dir: str = "adapter") -> None:
+    """Hugging Face format that `AutoModelForCausalLM.from_pretrained(path)` loads; with LoRA the adapter in
+    `path/adapter_dir` and, with `merge`, the merged model at `path` (final/). `adapter_dir=""` with merge off is
+    TRL's save_model: the adapter at `path`, which `PeftModel.from_pretrained(base, path)` loads. A write that
     fails (a full disk) is SaveFailed, naming the path and the newest checkpoint, which is intact."""
     from grpo.training.checkpoint import writing
 
     with writing(path) as into:  # (written beside `path`, moved into it once whole)
         if is_peft(model):
-            model.save_pretrained(into / "adapter")
+            model.save_pretrained(into / adapter_dir)
             if merge:
                 merged = copy.deepcopy(model).merge_and_unload()
                 merged.save_pretrained(into)

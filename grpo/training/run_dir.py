@@ -31,12 +31,12 @@ import yaml
 
 from grpo.config import ConfigError
 from grpo.training import lock
-from grpo.training.checkpoint import PREFIX
+from grpo.training.checkpoint import MANIFEST, PREFIX
 from grpo.training.loop_state import LoopState
 from grpo.training.state import checkpoint_to_resume
 
 FINISHED = "finished.json"  # the step at which final/ was written
-RUN_FILES = ("config.yaml", "layout.yaml", "metrics.jsonl", "samples", "tensorboard", "final", "final.tmp",
+RUN_FILES = ("config.yaml", "layout.yaml", "metrics.jsonl", "samples", "runs", "tensorboard", "final", "final.tmp",
              "plot.png", "nonfinite", "wandb_run_id", FINISHED)
 IDENTITY = ("model_name_or_path", "model_revision", "torch_dtype", "bf16", "fp16", "task", "task_difficulty",
             "task_train_size", "dataset_name", "dataset_config", "dataset_split", "prompt_column", "system_prompt",
@@ -60,26 +60,34 @@ def run_files(out: Path) -> list[str]:
 
 
 def prepare(cfg, procs, loop: LoopState, requested: Any, total_steps: int,
-            current: Callable[[], tuple[dict, dict]], resume: Callable[[Path, set[str]], None]) -> bool:
+            current: Callable[[], tuple[dict, dict]], resume: Callable[[Path, set[str]], None],
+            restore: Callable[[Path], None]) -> bool:
     """At the start of train(): the run directory's lock (grpo.training.lock) and rules, then the checkpoint to
     continue from (if any) handed to `resume(path, changed keys)`, after comparing the checkpoint's config with
     `current()` (this run's resolved config and layout). True: a resume of a run that is finished (nothing to do;
-    said in a line; `loop.step` set to its step). The main process decides; every process raises the same
-    ConfigError and applies the same changes. Collective."""
+    said in a line; `loop.step` set to its step, its last checkpoint handed to `restore`, so the trainer holds the
+    final weights). The main process decides; every process raises the same ConfigError and applies the same
+    changes. Collective."""
     main, out = procs.accel.is_main_process, Path(cfg.output_dir)
     resuming = bool(requested if requested is not None else (cfg.resume_from_checkpoint or cfg.resume))
-    verdict = [None, None]  # (refusal, the step a finished run ended at)
+    verdict = [None, None, None]  # (refusal, the step a finished run ended at, its checkpoint at that step)
     if main:
         try:
             lock.take(out)
             if resuming and (requested is True or (requested is None and not cfg.resume_from_checkpoint)):
                 verdict[1] = _finished(out, total_steps)
+                last = out / f"{PREFIX}{verdict[1]}"
+                verdict[2] = str(last) if verdict[1] and (last / MANIFEST).is_file() else None
         except ConfigError as err:
             verdict[0] = str(err)
     _agree(procs.accel, verdict)
     if verdict[1]:
+        try:  # the checkpoint of its last step (a steps or epoch strategy writes one): the trainer holds its weights
+            if verdict[2] is not None:
+                restore(checkpoint_to_resume(cfg, verdict[2], procs))  # (quietly: said above)
+        finally:
+            release(out, main)
         loop.step = verdict[1]
-        release(out, main)
         return True
     try:
         path = checkpoint_to_resume(cfg, requested, procs)

@@ -89,12 +89,12 @@ def _hub_names(model):
             model._weight_conversions = recorded
 
 
-def save_final(accelerator, policy, tokenizer, path, merge: bool) -> None:
+def save_final(accelerator, policy, tokenizer, path, merge: bool, adapter_dir: str = "adapter") -> None:
     """`final/` of a sharded run: what `grpo.training.model.save_final` writes for one process (a model that
-    `from_pretrained` loads; with LoRA also the adapter in `adapter/`), gathered on the main process."""
+    `from_pretrained` loads; with LoRA also the adapter in `path/adapter_dir`), gathered on the main process."""
     with ckpt.writing(path, main=accelerator.is_main_process) as into:  # (moved into `path` once whole)
         if is_peft(policy):
-            write_hf(accelerator, policy, None, into / "adapter")
+            write_hf(accelerator, policy, None, into / adapter_dir)
         if merge or not is_peft(policy):
             write_hf(accelerator, policy, None, into, merged=is_peft(policy))
         if accelerator.is_main_process:

@@ -51,8 +51,10 @@ class RunFiles:
     def write(self, out: Path) -> None:
         import yaml
 
+        from grpo.config.files import plain
+
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(yaml.safe_dump(self.resolved(), sort_keys=False))
+        (out / "config.yaml").write_text(yaml.safe_dump(plain(self.resolved()), sort_keys=False))
         (out / "layout.yaml").write_text(yaml.safe_dump(self.layout.to_dict(), sort_keys=False))
 
 

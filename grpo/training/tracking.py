@@ -6,7 +6,8 @@ Layout of a run directory written here::
       metrics.jsonl              one JSON object per `RunLogger.log` call, "step" first
       samples/step_000010.jsonl  one JSON object per sample completion (`RunLogger.log_samples`)
       samples/images/<hash>.png  each sample's image (vision-language prompts), written once; the rows name it
-      tensorboard/               event files, when "tensorboard" is in report_to
+      runs/<date>_<host>/        TensorBoard's event files (transformers' default place), when "tensorboard" is in
+                                 report_to and logging_dir does not say where
       wandb_run_id               the W&B run id, so a resumed run continues the same W&B run
 
 Encoding choices in the JSONL files:
@@ -31,16 +32,17 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
+
+from grpo.training.metric_names import dashboard_key, tensorboard_dir
 
 REPORT_TO_CHOICES = ("tensorboard", "wandb", "trackio")
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_DIR = "samples"
 IMAGES_DIR = "images"  # under SAMPLES_DIR
 THUMBNAIL = 256  # pixels: a sample's image is shrunk to fit this square (a smaller one is kept as it is)
-TENSORBOARD_DIR = "tensorboard"
 WANDB_ID_FILE = "wandb_run_id"
 
 _NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
@@ -266,6 +268,7 @@ class RunLogger:
         run_name: str | None = None,
         resume_step: int | None = None,
         options: Any = None,
+        sink_names: Callable[[dict], dict] | None = None,
     ) -> None:
         names = check_report_to(report_to)
         self.output_dir = Path(output_dir)
@@ -277,6 +280,8 @@ class RunLogger:
         remove_samples_after(self.output_dir / SAMPLES_DIR, last_step)
         self._last_step = last_step
         self.options = options  # the run's config: logging_dir, project, wandb_entity, wandb_run_group
+        # TensorBoard, W&B and trackio get the keys transformers' Trainer gives them (train/<k>, eval/<k>):
+        self._sink_names = sink_names or (lambda logs: {dashboard_key(k): v for k, v in logs.items()})
         self._tensorboard = self._open_tensorboard(config, last_step + 1) if "tensorboard" in names else None
         self._wandb = self._open_wandb(config, run_name, resume_step is not None) if "wandb" in names else None
         self._trackio = self._open_trackio(config, run_name, resume_step is not None) if "trackio" in names else None
@@ -285,8 +290,9 @@ class RunLogger:
         # Imported here so that `import grpo.training.tracking` stays light when TensorBoard is not asked for.
         from torch.utils.tensorboard import SummaryWriter
 
-        logging_dir = getattr(self.options, "logging_dir", None)
-        writer = SummaryWriter(logging_dir or str(self.output_dir / TENSORBOARD_DIR), purge_step=purge_step)
+        logging_dir = getattr(self.options, "logging_dir", None) or os.environ.get("TENSORBOARD_LOGGING_DIR")
+        writer = SummaryWriter(logging_dir or str(tensorboard_dir(self.output_dir, purge_step > 1)),
+                               purge_step=purge_step)
         if config is not None:
             writer.add_text("config", "    " + json.dumps(config, indent=2, default=str).replace("\n", "\n    "))
         return writer
@@ -336,15 +342,16 @@ class RunLogger:
         with self.metrics_path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(encode_metrics(step, numbers), allow_nan=False) + "\n")
         self._last_step = step
+        shown = self._sink_names(numbers)
         if self._tensorboard is not None:
-            for key, value in numbers.items():
+            for key, value in shown.items():
                 self._tensorboard.add_scalar(key, value, step)
             # Flush every step: the default flush_secs=120 loses two minutes of curves on a crash.
             self._tensorboard.flush()
         if self._wandb is not None:
-            self._wandb.log(numbers, step=step)
+            self._wandb.log(shown, step=step)
         if self._trackio is not None:
-            self._trackio.log(numbers, step=step)
+            self._trackio.log(shown, step=step)
 
     def log_samples(self, step: int, rows: list[dict], print_rows: int | None = None) -> None:
         """Write sample completions of `step` to samples/step_{step:06d}.jsonl, one JSON object per row

@@ -111,6 +111,7 @@ class GRPOTrainer(TRLSurface):
         given_eval = eval_dataset
         train_dataset, eval_dataset = make_datasets(cfg, self.task, train_dataset, eval_dataset)
         train_dataset = with_prompt_column(train_dataset, self.agents)  # (a dataset of environments only)
+        self.train_dataset = train_dataset  # (TRL's attribute; get_train_dataloader reads it)
         self.eval_dataset = given_eval if given_eval is not None else eval_dataset  # (TRL's attribute)
         check_reward_columns(self.rewards, train_dataset, self.agents)  # before any model load
 
@@ -196,18 +197,20 @@ class GRPOTrainer(TRLSurface):
     # ---- the loop ----------------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: Any = None) -> TrainResult:
         from grpo.training.display import LiveDisplay, NullDisplay
+        from grpo.training.metric_names import dashboard_names
         from grpo.training.tracking import NullLogger, RunLogger
 
         cfg, out, main = self.cfg, Path(self.cfg.output_dir), self.accel.is_main_process
         if run_dir.prepare(cfg, self.procs, self.loop, resume_from_checkpoint, self.total_steps,
-                           lambda: (self.run_files.resolved(), self.layout.to_dict()), self._resume):
+                           lambda: (self.run_files.resolved(), self.layout.to_dict()), self._resume, self._restore):
             return TrainResult({}, global_step=self.step)  # (a resume of a finished run: nothing to do)
         try:
             if main:
                 self.run_files.write(out)
                 print("\n".join(self._start_lines()))
+            shown = lambda logs: dashboard_names(logs, cfg.metric_names, self.reward_names)  # noqa: E731 - TRL's keys
             logger = RunLogger(out, cfg.report_to, cfg.to_dict(), run_name=cfg.run_name, resume_step=self.step,
-                               options=cfg) if main else NullLogger()
+                               options=cfg, sink_names=shown) if main else NullLogger()
         except BaseException:
             run_dir.release(out, main)  # (a full disk, a tracker that fails to start: the directory is left free)
             raise
@@ -235,7 +238,7 @@ class GRPOTrainer(TRLSurface):
                 logger.close()
                 self.source.close()
                 self.backend.release()  # the model goes back as it was loaded
-            self.save_model(out / "final")
+            self._write_model(out / "final", self.cfg.merge_lora_on_save, "adapter")  # (merged, adapter/ too)
             run_dir.finished(out, self.step, main)
             if main:
                 finish_run(out)
@@ -378,9 +381,12 @@ class GRPOTrainer(TRLSurface):
         if self.hub is not None and path is not None:
             self.hub.saved(path, self.step)
 
-    def _resume(self, path: Path, changed: set[str]) -> None:
+    def _restore(self, path: Path) -> None:
         self.checkpoints.restore(path)
         self.rollouts.engine_stale = True  # (the engine holds the weights it was loaded with)
+
+    def _resume(self, path: Path, changed: set[str]) -> None:
+        self._restore(path)
         run_dir.apply_changes(self.cfg, self.optimizer, self.scheduler, changed)  # (the config's rate, schedule)
         print(f"resume: continuing from {path} (step {self.step}).")
 
@@ -391,10 +397,15 @@ class GRPOTrainer(TRLSurface):
                            passes=self.micro.describe(), rollouts=self.source.layout, step=self.step,
                            total_steps=self.total_steps, layout=self.layout)
 
-    def save_model(self, path: str | Path) -> None:
+    def save_model(self, output_dir: str | Path | None = None, _internal_call: bool = False) -> None:
+        """TRL's (transformers'): the model where `from_pretrained` loads it (default: output_dir), its tokenizer
+        or processor beside; with LoRA the adapter there, as TRL saves it (`PeftModel.from_pretrained(base,
+        output_dir)`). The merged model is final/, which train() writes (merge_lora_on_save). Collective."""
+        self._write_model(output_dir or self.cfg.output_dir, merge=False, adapter_dir="")
+
+    def _write_model(self, path: str | Path, merge: bool, adapter_dir: str) -> None:
         self.accel.wait_for_everyone()
         if self.sharded:  # gathered on the main process
-            sharded_ckpt.save_final(self.accel, self.policy, self.images or self.tokenizer, path,
-                                    self.cfg.merge_lora_on_save)
+            sharded_ckpt.save_final(self.accel, self.policy, self.images or self.tokenizer, path, merge, adapter_dir)
         elif self.accel.is_main_process:
-            save_final(self.policy, self.images or self.tokenizer, path, merge=self.cfg.merge_lora_on_save)
+            save_final(self.policy, self.images or self.tokenizer, path, merge=merge, adapter_dir=adapter_dir)

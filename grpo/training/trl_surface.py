@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
+from transformers.trainer_pt_utils import log_metrics, metrics_format, save_metrics, save_state
 
 from grpo.core import entropy_threshold, high_entropy_mask, off_policy_mask
 
@@ -28,6 +30,12 @@ class TRLSurface:
         """Whether an MoE load-balancing loss is added (router_aux_loss_coef; grpo.engines.moe)."""
         routing = self.updates.routing
         return routing is not None and routing.coef != 0.0
+    # transformers' Trainer's own: the "***** train metrics *****" print, {split}_results.json and all_results.json,
+    # trainer_state.json in output_dir (open-r1's script calls all three after train())
+    log_metrics, metrics_format, save_metrics, save_state = log_metrics, metrics_format, save_metrics, save_state
+
+    def is_world_process_zero(self) -> bool:
+        return self.accelerator.is_main_process
 
     @property
     def args(self):
@@ -38,6 +46,39 @@ class TRLSurface:
     def accelerator(self):
         return self.accel
 
+    @accelerator.setter
+    def accelerator(self, value) -> None:  # (TRL's tests and subclasses set it; the trainer then uses that one)
+        self.accel = value
+
+    @property
+    def reward_func_names(self) -> list[str]:
+        """TRL's name of each reward function (a function's name, a reward model's, an environment's class)."""
+        return list(self.reward_names)
+
+    @property
+    def reward_funcs(self) -> list:
+        """TRL's list of the reward functions (callables and loaded reward models), in reward_func_names' order."""
+        return list(self.rewards.funcs)
+
+    @property
+    def tools(self) -> list:
+        """TRL's list of the model's tools as callables: the tools given, then each environment's tool methods (the
+        class's functions; rollouts bind them to their own instances)."""
+        agents = getattr(self, "agents", None)
+        if agents is None:
+            return []
+        found = [t.function for t in agents.tools]
+        envs = agents.environments
+        for name, factory in (envs.factories.items() if envs is not None else ()):
+            owner = factory if isinstance(factory, type) else next(iter(envs.pool.get(name) or []), None)
+            found += [getattr(owner, m) for m in envs.methods[name] if owner is not None]
+        return found
+
+    @property
+    def reward_weights(self) -> torch.Tensor:
+        """TRL's float32 tensor of the reward functions' weights, in reward_func_names' order."""
+        return torch.tensor([float(w) for w in self.rewards.weights[:len(self.reward_names)]], dtype=torch.float32)
+
     @property
     def state(self):
         """The transformers.TrainerState callbacks and reward functions read (global_step, log_history, ...)."""
@@ -47,6 +88,11 @@ class TRLSurface:
     def state(self, value) -> None:
         self.control.state = value
         self.rollouts.trainer_state = value  # (what reward functions get as trainer_state)
+
+    def end(self) -> None:
+        """transformers 5.18's last call of a script (TRL's scripts make it): accelerate's end of training, which
+        finishes its trackers and destroys the process group. grpo's own sinks were closed when train() ended."""
+        self.accelerator.end_training()
 
     def add_callback(self, callback) -> None:
         self.control.add(callback)
@@ -81,6 +127,86 @@ class TRLSurface:
         return {"prompt": [r["prompt"] for r in rows], "completion": [r["completion"] for r in rows],
                 "rewards": {n: [r.get(f"reward/{n}") for r in rows] for n in self.reward_names},
                 "advantages": [r["advantage"] for r in rows], "extra": dict(self.rollouts._logged_columns)}
+
+    @property
+    def hub_model_id(self) -> str | None:
+        """The hub repository push_to_hub uploads to (`user/name` once the hub has answered), as TRL's."""
+        return self.hub.repo_id if getattr(self, "hub", None) is not None else self.cfg.hub_model_id
+
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
+                          tags: str | list[str] | None = None) -> None:
+        """TRL's: output_dir/README.md, a model card with the base model (a hub name; a local path is left out, as
+        TRL does), the dataset, tags (grpo's and TRL's: trl, grpo), the method's paper and citation, and the metrics
+        of the last logged step under TRL's names."""
+        from grpo.training.hub import model_card
+        from grpo.training.metric_names import named
+
+        if not self.accelerator.is_main_process:
+            return
+        base = getattr(self.policy.config, "_name_or_path", None)
+        base = base if base and not Path(base).is_dir() else None
+        tags = [tags] if isinstance(tags, str) else list(tags or [])
+        steps = [r for r in self.state.log_history
+                 if ("reward" in r or "reward/total" in r) and "train_runtime" not in r]  # (not the summary)
+        row = steps[-1] if steps else {}
+        metrics = named(row, "trl", self.reward_names) if "reward/total" in row else {  # (metric_names: trl)
+            k: v for k, v in row.items() if k not in ("step", "epoch")}
+        card = model_card(base, model_name or Path(self.cfg.output_dir).name, self.hub_model_id or model_name or "",
+                          dataset_name, list(dict.fromkeys(["trl", "grpo", *tags])), metrics)
+        card.save(str(Path(self.cfg.output_dir) / "README.md"))
+
+    def push_to_hub(self, commit_message: str = "End of training", blocking: bool = True, token: str | None = None,
+                    revision: str | None = None, **kwargs: Any):
+        """TRL's (transformers'): save_model into output_dir, write its model card (create_model_card's keywords:
+        model_name, dataset_name, tags), and upload output_dir (without checkpoints and grpo's local files) to
+        hub_model_id, made first if push_to_hub was not set. Collective: every process saves; the main uploads."""
+        from grpo.training.hub import PUSH_IGNORED, start_hub
+
+        if self.accelerator.is_main_process and getattr(self, "hub", None) is None:
+            self.hub = start_hub(self.cfg, token=token)
+        self.save_model()
+        if not self.accelerator.is_main_process:
+            return None
+        model_name = kwargs.pop("model_name", None) or (self.cfg.hub_model_id or self.cfg.output_dir).rstrip("/")
+        self.create_model_card(model_name=model_name.split("/")[-1], **kwargs)
+        return self.hub.api.upload_folder(repo_id=self.hub.repo_id, folder_path=str(self.cfg.output_dir),
+                                          commit_message=commit_message, revision=revision or self.cfg.hub_revision,
+                                          ignore_patterns=PUSH_IGNORED, run_as_future=not blocking)
+
+    def get_train_dataloader(self):
+        """TRL's: a DataLoader over the training rows as TRL's yields them on this process: each prompt
+        num_generations times in a row (its RepeatSampler; seeded by data_seed or seed, shuffled as
+        shuffle_dataset says), one rollout's rows per batch, dataloader_num_workers workers (0 for a stream, as TRL
+        forces: its repeats are in the stream). For code that inspects or iterates the data as TRL hands it out;
+        train() does not read it (grpo's rollouts draw the prompts from their own sampler, in the same groups)."""
+        return self._rows_loader(self.train_dataset, self.layout.rollout_completions // self.layout.processes,
+                                 shuffle=self.cfg.shuffle_dataset)
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        """TRL's: the eval rows (`eval_dataset`, else the trainer's; a dict's entry by name), each prompt
+        num_generations times in a row, per_device_eval_batch_size rows per batch, in order; an iterable set is
+        read by one worker for this loader only, as TRL scopes it. evaluate() does not read it."""
+        data = self.eval_dataset if eval_dataset is None else eval_dataset
+        if isinstance(eval_dataset, str):
+            data = self.eval_dataset[eval_dataset]
+        if data is None:
+            raise ValueError("Trainer: evaluation requires an eval_dataset.")  # (transformers' words)
+        return self._rows_loader(data, self.cfg.per_device_eval_batch_size, shuffle=False)
+
+    def _rows_loader(self, data, batch_size: int, shuffle: bool):
+        from torch.utils.data import DataLoader
+
+        from grpo.training.stream import is_stream
+
+        G = self.cfg.num_generations
+        if is_stream(data):
+            rows = _Repeated(data, G)
+            return DataLoader(rows, batch_size=batch_size, num_workers=0, collate_fn=list)
+        generator = torch.Generator().manual_seed(self.cfg.seed if self.cfg.data_seed is None else self.cfg.data_seed)
+        order = torch.randperm(len(data), generator=generator).tolist() if shuffle else range(len(data))
+        indices = [i for i in order for _ in range(G)]
+        workers = int(getattr(self.cfg, "dataloader_num_workers", 0) or 0)
+        return DataLoader(data, batch_size=batch_size, sampler=indices, num_workers=workers, collate_fn=list)
 
     def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
         """(B, T) bool: tokens whose entropy is at least the `threshold` quantile of every process's completion-token
@@ -202,6 +328,18 @@ class TrainingSummary:
                 "train_loss": self.loss_sum / self.steps if self.steps else 0.0}
 
 
+class _Repeated(torch.utils.data.IterableDataset):
+    """A stream's rows, each `times` times in a row (TRL's repeat_iterable_dataset)."""
+
+    def __init__(self, data, times: int):
+        self.data, self.times = data, times
+
+    def __iter__(self):
+        for row in self.data:
+            for _ in range(self.times):
+                yield row
+
+
 def data_without_dataset(cfg, train_dataset, world: int, reward_funcs, tools, environment_factory, rollout_func):
     """(train_dataset, whether the config's task may supply the data) when GRPOTrainer got no train_dataset.
 
@@ -217,6 +355,9 @@ def data_without_dataset(cfg, train_dataset, world: int, reward_funcs, tools, en
 
         given = extras.get("accelerator_config") or {}
         given = dict(given) if isinstance(given, dict) else dataclasses.asdict(given)
+        if given.get("dispatch_batches"):  # (TRL's error, word for word)
+            raise ValueError("Iterable datasets require `dispatch_batches=False`, but it is set to `True` in "
+                             "`accelerator_config`. Please set it to `False`.")
         extras["accelerator_config"] = AcceleratorConfig(**{**given, "dispatch_batches": False})
         if extras.get("dataloader_num_workers"):
             extras["dataloader_num_workers"] = 0

@@ -31,7 +31,8 @@ require_kernels = _needs(_has("kernels"), "kernels")
 require_liger_kernel = _needs(_has("liger_kernel"), "liger-kernel")
 require_peft = _needs(_has("peft"), "peft")
 require_torch_accelerator = _needs(torch.cuda.is_available(), "an accelerator")
-require_vision = _needs(False, "vision models (grpo trains text models)")
+require_vision = _needs(False, "the hub's tiny vision-language models (not built locally: TRL cannot run them "
+                               "here either)")
 require_vllm = _needs(False, "vLLM on a GPU")
 
 
