@@ -299,7 +299,7 @@ def check_kernels_and_memory(ctx: Context) -> dict:
 def check_head_under_autocast(ctx: Context) -> dict:
     """B3: grpo's tiled head (`hidden_logprobs`) against plain autograd, fp32 weights under bf16 autocast and pure
     bf16 weights, backward inside autocast as the trainer calls it: log-prob difference, relative gradient errors."""
-    from grpo.core import hidden_logprobs
+    from grpo.engines.head import hidden_logprobs
 
     V, H, N = (151936, 896, 2048) if ctx.cuda else (512, 32, 64)
     results, checks = [], {}
@@ -340,7 +340,7 @@ def check_optimizer(ctx: Context) -> dict:
     (`rounded_away`), which must match what the step did: AdamW's first step moves each element by lr (m/sqrt(v) =
     g/|g|), so an element stays exactly where w +- lr rounds back to w."""
     from grpo import GRPOConfig
-    from grpo.training.setup import make_optimizer, rounded_away, warn_low_precision_training
+    from grpo.training.setup.build import make_optimizer, rounded_away, warn_low_precision_training
 
     n = 2048 if ctx.cuda else 512
     cfg = GRPOConfig(learning_rate=1e-6)

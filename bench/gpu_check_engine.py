@@ -108,7 +108,7 @@ def check_activation_offload(ctx: Context) -> dict:
     from grpo import GRPOConfig
     from grpo.core import LossOutput
     from grpo.engines.policy import MicroBatch, TransformersBackend
-    from grpo.training.model import prepare_model
+    from grpo.training.setup.model import prepare_model
 
     model = qwen_like(ctx, torch.float32, "sdpa").train()
     model.requires_grad_(True)
@@ -167,7 +167,7 @@ def check_float32_head(ctx: Context) -> dict:
     it they are bf16's, ~1e-3 off (logits of size ~0.6 at 2^-9 relative), so the cast must also bring the gap down
     by 10x or more, or it did not take effect."""
     from grpo.engines.policy import completion_logprobs
-    from grpo.training.model import cast_lm_head_to_fp32
+    from grpo.training.setup.model import cast_lm_head_to_fp32
 
     ids, mask, width = long_rows(ctx, [200, 150, 120, 90] if ctx.cuda else [20, 12])
     real = mask[:, -width:].bool()

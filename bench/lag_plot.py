@@ -80,7 +80,7 @@ def draw(runs: dict[int, Path], out: Path) -> Path:
     """One axis: each lag's reward/total against seconds (raw, light, under its moving average)."""
     from matplotlib.figure import Figure
 
-    from grpo.training.plot import plot_smoothed
+    from grpo.training.observe.plot import plot_smoothed
 
     fig = Figure(figsize=(9, 4.5), layout="constrained")
     ax = fig.subplots()

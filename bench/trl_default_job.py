@@ -36,8 +36,8 @@ def ordered_prompts(cfg) -> dict[str, list]:
     """The training rows grpo's run draws, step by step, as TRL dataset columns: `prompt` rendered as grpo feeds it
     (the task's prefill appended) and every other column of the task (the rewards read `answer`)."""
     from grpo.tasks import get_task
-    from grpo.training.data import PromptSampler, render_prompt
-    from grpo.training.setup import make_datasets
+    from grpo.training.data.prompts import PromptSampler, render_prompt
+    from grpo.training.setup.build import make_datasets
 
     task = get_task(cfg.task)
     train, _ = make_datasets(cfg, task, None, None)

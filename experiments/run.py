@@ -40,7 +40,7 @@ EXPERIMENTS = {
 def run_variant(name: str, overrides: dict, out: Path, steps: int) -> dict:
     from grpo import GRPOConfig, GRPOTrainer
     from grpo.cli import DEFAULT_RECIPE
-    from grpo.training.tracking import read_metrics
+    from grpo.training.observe.tracking import read_metrics
 
     values = {"max_steps": steps, "eval_steps": max(1, steps // 4), "save_steps": 0, "report_to": [],
               "log_completions_steps": 0, "output_dir": str(out), "beta": 0.04, **overrides}

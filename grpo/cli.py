@@ -122,7 +122,7 @@ def _raise_stop(number: int, frame) -> None:
 def main(argv: list[str] | None = None) -> int:
     """`grpo ...`. As the command itself (argv None), a stop signal from the first instant ends in one line: while
     the libraries import, at once (exit 130 for SIGINT, 75 otherwise); while the trainer is built, unwound (the same
-    codes); during training, after the step, with a checkpoint (grpo.training.signals)."""
+    codes); during training, after the step, with a checkpoint (grpo.training.run.signals)."""
     previous = {getattr(signal, name): signal.getsignal(getattr(signal, name)) for name in STOPS}
     if argv is None:
         _on_stops(_exit_now)
@@ -184,7 +184,7 @@ def _reward_errors() -> tuple[type, ...]:
 
 def _train(args, argv: list[str] | None) -> int:
     from grpo.config import GRPOConfig
-    from grpo.training.errors import EXIT_INTERRUPTED, set_resume_command
+    from grpo.training.run.errors import EXIT_INTERRUPTED, set_resume_command
 
     recipe = None
     overrides = []
@@ -213,8 +213,8 @@ def _train(args, argv: list[str] | None) -> int:
     try:
         return _run(cfg, owns_process=argv is None)  # (argv None: the `grpo` command itself, not a caller's main())
     except KeyboardInterrupt as err:  # a stop signal before training started, or a second Ctrl-C during it
-        from grpo.training.checkpoint import complete_checkpoints
-        from grpo.training.errors import EXIT_RESUMABLE, resume_hint
+        from grpo.training.checkpoint.files import complete_checkpoints
+        from grpo.training.run.errors import EXIT_RESUMABLE, resume_hint
 
         number = err.number if isinstance(err, Stopped) else signal.SIGINT
         found = complete_checkpoints(cfg.output_dir)
@@ -286,12 +286,12 @@ def _eval(args) -> int:
     from grpo.config.base import shipped_model
     from grpo.engines.base import SamplingParams
     from grpo.engines.select import choose_engine, make_sampler
-    from grpo.evaluate import evaluate_prompts
+    from grpo.training.evaluation.held_out import evaluate_prompts
     from grpo.rewards import RewardRunner, resolve_reward
-    from grpo.training.data import build_prompt_set, load_dataset_any
-    from grpo.training.model import load_tokenizer
-    from grpo.training.setup import check_vocabulary
-    from grpo.training.threads import set_threads
+    from grpo.training.data.prompts import build_prompt_set, load_dataset_any
+    from grpo.training.setup.model import load_tokenizer
+    from grpo.training.setup.build import check_vocabulary
+    from grpo.training.setup.threads import set_threads
 
     _check_eval_args(args)
     model_path = Path(shipped_model(args.model))
@@ -323,7 +323,7 @@ def _eval(args) -> int:
     runner = RewardRunner(funcs, weights, on_error="zero")
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from grpo.training.vision import image_processing_for
+    from grpo.training.data.vision import image_processing_for
 
     agents = make_agent_spec(cfg)  # (the tools' worker processes start before the model loads)
     tokenizer = load_tokenizer(str(model_path))
@@ -332,7 +332,7 @@ def _eval(args) -> int:
     auto = AutoModelForCausalLM if images is None else AutoModelForImageTextToText
     model = auto.from_pretrained(str(model_path), dtype=torch.float32).eval()
     check_vocabulary(tokenizer, model.config, str(model_path), [p for p in prompts.prompt_ids if p])
-    set_threads(None, model)  # (as training's default: grpo.training.threads)
+    set_threads(None, model)  # (as training's default: grpo.training.setup.threads)
     torch.manual_seed(args.seed)
     gen = make_sampler(choose_engine("auto", model, torch.device("cpu"), 1, "NO"), model, tokenizer)
     agent = agents and AgentRollout(agents, gen, tokenizer, prompts.render, args.max_completion_length)
@@ -348,7 +348,7 @@ def _eval(args) -> int:
 
 def _plot(run_dir: str) -> int:
     from grpo.config import ConfigError
-    from grpo.training.plot import plot_run
+    from grpo.training.observe.plot import plot_run
 
     try:
         print(plot_run(run_dir))

@@ -113,7 +113,7 @@ def without_unk(path: Path) -> None:
 
 
 def prompt_ids(tokenizer, prompt: str) -> list[int]:
-    """The prompt as a run renders it (grpo.training.data.render_prompt: a user message, the tools' schemas)."""
+    """The prompt as a run renders it (grpo.training.data.prompts.render_prompt: a user message, the tools' schemas)."""
     text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tools=[SCHEMA], tokenize=False,
                                          add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]

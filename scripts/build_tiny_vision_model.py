@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from grpo.engines.images import model_inputs, split_rows  # noqa: E402
-from grpo.training.vision import ImageProcessing, with_image_parts  # noqa: E402
+from grpo.training.data.vision import ImageProcessing, with_image_parts  # noqa: E402
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 CHAT_TEMPLATE = (

@@ -13,7 +13,7 @@ Test hooks, from the environment:
                                micro_step: after the first micro-batch's backward; save: when the checkpoint that ends
                                step STEP has its files but is not yet renamed into place
     GRPO_TEST_MEMORY=DIR       each process writes DIR/rank<R>.json at the end: the bytes of weights and optimizer
-                               state it holds (grpo.training.sharded.local_bytes)
+                               state it holds (grpo.training.setup.sharded.local_bytes)
 """
 
 from __future__ import annotations
@@ -49,11 +49,11 @@ PartialState._prepare_backend = _as_on_a_gpu_machine_backend
 os.environ.setdefault("ACCELERATE_TORCH_DEVICE", "cpu")
 accelerate.Accelerator.__init__ = _as_on_a_gpu_machine
 
-import grpo.training.checkpoint as ckpt  # noqa: E402 - after the patch
-import grpo.training.objective as objective_module  # noqa: E402
+import grpo.training.checkpoint.files as ckpt  # noqa: E402 - after the patch
+import grpo.training.update.objective as objective_module  # noqa: E402
 import grpo.training.trainer as trainer_module  # noqa: E402
 from grpo.cli import main  # noqa: E402
-from grpo.training.sharded import local_bytes  # noqa: E402
+from grpo.training.setup.sharded import local_bytes  # noqa: E402
 
 Trainer = trainer_module.GRPOTrainer
 current = {"step": 0, "losses": 0}

@@ -14,8 +14,8 @@ import sys
 
 from datasets import Dataset
 
-import grpo.training.checkpoint as ckpt
-import grpo.training.objective as objective_module
+import grpo.training.checkpoint.files as ckpt
+import grpo.training.update.objective as objective_module
 from grpo import GRPOConfig, GRPOTrainer
 from rewards_for_tests import count_a
 

@@ -1,4 +1,4 @@
-"""Asynchronous rollouts with a fixed lag (max_staleness; grpo.training.pipeline, docs/async.md).
+"""Asynchronous rollouts with a fixed lag (max_staleness; grpo.training.rollout.pipeline, docs/async.md).
 
 lag 0 is today's run (no worker); each rollout's weights are exactly those of `lag` rollouts before (checked through
 the log-probs the worker sampled with, not only the version it reports); a run killed mid-pipeline resumes to the
@@ -17,11 +17,11 @@ from safetensors.torch import load_file
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.config import ConfigError
-from grpo.training.checkpoint import load_trainer_state
+from grpo.training.checkpoint.files import load_trainer_state
 from grpo.core import engine_importance_weights, policy_loss
-from grpo.training.objective import MicroInputs, Objective
-from grpo.training.pipeline import LaggedRollouts
-from grpo.training.sources import SyncRollouts
+from grpo.training.update.objective import MicroInputs, Objective
+from grpo.training.rollout.pipeline import LaggedRollouts
+from grpo.training.rollout.sources import SyncRollouts
 from rewards_for_tests import count_a
 from test_resume import read_rows, run_driver
 
@@ -228,7 +228,7 @@ def test_lora_sends_only_the_adapters(tiny_model_dir, tmp_path):
     """With LoRA the worker is sent only the trained adapters; they train, and the rollouts follow the lag."""
     trainer = trainer_for(tiny_model_dir, tmp_path / "run", max_staleness=1, use_peft=True, lora_r=4,
                           lora_target_modules=["q_proj", "v_proj"], learning_rate=5e-2)
-    from grpo.training.pipeline import _trainable
+    from grpo.training.rollout.pipeline import _trainable
 
     sent = _trainable(trainer.policy)
     assert sent and all("lora_" in name for name in sent)
@@ -281,7 +281,7 @@ def test_a_lag_after_cuda_started_is_refused(monkeypatch):
     which runs the rewards, could not use CUDA after the fork (gpu_review2 N15); refused by name before forking."""
     import types
 
-    from grpo.training.sources import make_source
+    from grpo.training.rollout.sources import make_source
 
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     rollouts = types.SimpleNamespace(agent=None, procs=types.SimpleNamespace(world=1))

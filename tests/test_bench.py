@@ -238,7 +238,7 @@ def test_trl_gets_the_default_jobs_settings_and_prompts_in_grpos_order(tmp_path)
     the prompts grpo's sampler draws, step by step, rendered with the task's prefill."""
     from bench.trl_default_job import ordered_prompts, resolved_config, settings
     from grpo.tasks import get_task
-    from grpo.training.data import PromptSampler
+    from grpo.training.data.prompts import PromptSampler
 
     cfg = resolved_config(["max_steps=3", "task_train_size=50", "loss_aggregation=token_mean", "beta=0.1"])
     got = settings(cfg, tmp_path)

@@ -1,4 +1,4 @@
-"""Tests of grpo.core.logprobs and grpo.core.head_loss: golden values, agreement with the naive full-softmax
+"""Tests of grpo.engines.head.logprobs and grpo.engines.head.loss: golden values, agreement with the naive full-softmax
 computation (values and gradients), chunk coverage, and that backward does not keep an (N, T, V) tensor alive."""
 
 import math
@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from grpo.core import hidden_logprobs, hidden_loss, token_entropy, token_logprobs
-from grpo.core.logprobs import _chunks
+from grpo.engines.head import hidden_logprobs, hidden_loss, token_entropy, token_logprobs
+from grpo.engines.head.logprobs import _chunks
 
 
 def naive_logprobs(logits, tokens, temperature=1.0):
@@ -231,7 +231,7 @@ def test_hidden_loss_matches_autograd_through_the_naive_logits(rows_per_chunk, v
 def test_seeded_hidden_loss_matches_autograd_through_the_naive_logits(estimate, corrected, vocab_block, use_bias,
                                                                      monkeypatch, kernels=None, atol=1e-5):
     # tests/test_native.py runs this with the compiled tile kernels.
-    import grpo.core.head_loss as head_loss_module
+    import grpo.engines.head.loss as head_loss_module
 
     hidden, weight, bias, tokens = random_case(seed=31, rows=4)
     weight[5] += 3.0
@@ -330,7 +330,7 @@ def test_seeded_hidden_loss_survives_non_finite_and_far_off_estimates(kernels):
 def test_seeded_bfloat16_head_scores_like_the_other_paths():
     """A bfloat16 head's tiles are rounded to bfloat16 before scoring: the seeded pass takes each target logit from
     its tile, as hidden_logprobs does, so the log-probs agree and good estimates need no second pass."""
-    import grpo.core.head_loss as head_loss_module
+    import grpo.engines.head.loss as head_loss_module
 
     hidden, weight, _, tokens = random_case(seed=34, rows=4, cols=6, vocab=300, hidden_size=16)
     hidden, weight = (3 * hidden).bfloat16(), weight.bfloat16()

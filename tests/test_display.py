@@ -1,10 +1,10 @@
-"""Tests of grpo.training.display: the plain line, ETA, alarm de-duplication, live mode on a fake terminal."""
+"""Tests of grpo.training.observe.display: the plain line, ETA, alarm de-duplication, live mode on a fake terminal."""
 
 import io
 
 from rich.console import Console
 
-from grpo.training.display import LiveDisplay, NullDisplay, format_duration, format_number
+from grpo.training.observe.display import LiveDisplay, NullDisplay, format_duration, format_number
 
 METRICS = {
     "reward/total": 0.43,

@@ -9,8 +9,8 @@ from datasets import Dataset
 
 from grpo.cli import main
 from grpo.config import GRPOConfig
-from grpo.training.data import build_prompt_set
-from grpo.evaluate import evaluate_prompts, extract_answer
+from grpo.training.data.prompts import build_prompt_set
+from grpo.training.evaluation.held_out import evaluate_prompts, extract_answer
 from grpo.engines.base import SamplingParams, ScriptedGenerator
 from grpo.rewards import RewardRunner, resolve_reward
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from datasets import Dataset
 
-import grpo.training.objective as objective_module
+import grpo.training.update.objective as objective_module
 from grpo import GRPOConfig, GRPOTrainer
-from grpo.training.checkpoint import latest_checkpoint
+from grpo.training.checkpoint.files import latest_checkpoint
 from grpo.rewards import RewardError
 from grpo.training.trainer import TrainingStopped
 from rewards_for_tests import count_a

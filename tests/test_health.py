@@ -8,7 +8,7 @@ from pathlib import Path
 from datasets import Dataset
 
 from grpo import GRPOConfig, GRPOTrainer
-from grpo.training.health import HealthMonitor
+from grpo.training.observe.health import HealthMonitor
 
 HEALTHY = {"advantage/std": 0.9, "policy/kl_divergence": 0.01, "groups/zero_std_frac": 0.1,
            "completion/truncated_frac": 0.05, "policy/entropy": 2.0, "health/nonfinite_steps": 0.0,

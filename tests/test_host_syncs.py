@@ -12,7 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from grpo.config import GRPOConfig
-from grpo.training.objective import MicroInputs, Objective
+from grpo.training.update.objective import MicroInputs, Objective
 
 
 class _DataDependent(TorchDispatchMode):

@@ -94,9 +94,9 @@ def test_declared_interfaces_are_implemented():
     from grpo.engines.sharding import WholeWeightsSampler
     from grpo.engines.vllm import VLLMEngine
     from grpo.engines.vllm_server import VLLMServerClient
-    from grpo.training.pipeline import LaggedRollouts
-    from grpo.training.pipeline_server import ServerRollouts
-    from grpo.training.sources import RolloutSource, SyncRollouts
+    from grpo.training.rollout.pipeline import LaggedRollouts
+    from grpo.training.rollout.pipeline_server import ServerRollouts
+    from grpo.training.rollout.sources import RolloutSource, SyncRollouts
 
     def members(protocol) -> set[str]:
         return {n for n, v in vars(protocol).items() if inspect.isfunction(v) and not n.startswith("__")}

@@ -102,7 +102,7 @@ def test_offloaded_copies_give_the_plain_gradients(checkpointing):
         loss.backward()
 
     plain = grads_of(model, run)
-    if checkpointing:  # (transformers >= 5.23's names, as grpo.training.model)
+    if checkpointing:  # (transformers >= 5.23's names, as grpo.training.setup.model)
         model.activation_checkpointing_enable({"use_reentrant": False})
     hooks = AsIfOnDevice(model)
     moved = grads_of(model, lambda: run(hooks))
@@ -359,7 +359,7 @@ def test_stock_sampler_at_length_scores_like_the_update_and_is_masked_when_trunc
     -1 for them and mask_truncated_completions leaves them out of the loss."""
     from grpo.engines.base import SamplingParams
     from grpo.engines.sampling import TransformersSampler
-    from grpo.training.rollout_batch import pack as pack_rows
+    from grpo.training.rollout.batch import pack as pack_rows
 
     model = tiny_model().eval()
     budget = 1500
@@ -371,7 +371,7 @@ def test_stock_sampler_at_length_scores_like_the_update_and_is_masked_when_trunc
         update = completion_logprobs(model, ids, mask, budget, 1.0)
     torch.testing.assert_close(update, torch.tensor(out.logprobs), atol=2e-4, rtol=1e-4)
     assert loss_mask.sum() == 0
-    # the run's rule (grpo.training.setup): a buffer of ceil(0.2 x 1,500) = 300 tokens before the budget
+    # the run's rule (grpo.training.setup.build): a buffer of ceil(0.2 x 1,500) = 300 tokens before the budget
     overlong = SoftOverlong(max_length=budget, cache_length=300)
     assert overlong(out.ids) == [-1.0, -1.0]
 
@@ -389,7 +389,7 @@ def test_in_place_head_gradient_survives_saved_tensor_hooks():
     """The tiled head's in-place weight gradient lands in the parameter's .grad under any saved-tensor hooks (torch's
     save_on_cpu here): the saved weight it unpacks in backward is another tensor object, whose .grad autograd never
     reads (before the fix the head's part of the gradient was dropped)."""
-    from grpo.core import hidden_logprobs
+    from grpo.engines.head import hidden_logprobs
 
     g = torch.Generator().manual_seed(3)
     head = torch.nn.Parameter(torch.randn(50, 8, generator=g))

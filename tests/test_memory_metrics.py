@@ -1,4 +1,4 @@
-"""`memory/peak_gib`: each optimizer step's peak accelerator memory (grpo.training.memory), from CUDA's allocator
+"""`memory/peak_gib`: each optimizer step's peak accelerator memory (grpo.training.observe.memory), from CUDA's allocator
 counters reset at the step's start; absent on the CPU. The CUDA counters are faked here (no GPU in CI)."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from grpo import GRPOConfig, GRPOTrainer
-from grpo.training import memory, trainer as trainer_module
+from grpo.training.observe import memory
+from grpo.training import trainer as trainer_module
 from rewards_for_tests import count_a
 
 GIB = 2**30

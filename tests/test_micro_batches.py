@@ -1,4 +1,4 @@
-"""Micro-batches (grpo/training/micro_batches.py) and padding-free training: the cuts by hand, and the trainer's
+"""Micro-batches (grpo/training/update/micro_batches.py) and padding-free training: the cuts by hand, and the trainer's
 gradients, losses and weights with packed passes against padded ones (every loss aggregation, two iterations, a KL
 term, both engines, LoRA) and with token-budget micro-batches against one batch."""
 
@@ -12,8 +12,8 @@ from grpo import GRPOConfig, GRPOTrainer
 from grpo.config import ConfigError
 from grpo.engines.base import ScriptedGenerator
 from grpo.engines.packing import Packing
-from grpo.training.micro_batches import MicroBatches
-from grpo.training.rollout_batch import RolloutBatch, pack
+from grpo.training.update.micro_batches import MicroBatches
+from grpo.training.rollout.batch import RolloutBatch, pack
 
 
 class OneProcess:

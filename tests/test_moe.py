@@ -202,7 +202,7 @@ def rollout_and_micro_batch(model):
     sampler.routes = moe.RouteRecorder(model)
     prompts = [[5, 6, 7], [5, 6, 7], [9, 10], [9, 10]]
     out = sampler.generate(prompts, SamplingParams(max_new_tokens=5), seeds=[1, 2, 3, 4])
-    from grpo.training.rollout_batch import pack as pad_rows
+    from grpo.training.rollout.batch import pack as pad_rows
 
     ids, mask, _ = pad_rows(prompts, out.ids, 1, [True] * 4)
     width = ids.shape[1] - 3

@@ -16,7 +16,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
                           Qwen2ForCausalLM)
 
 import grpo.engines.cpu.sampler as generation
-from grpo.core import hidden_logprobs, hidden_loss
+from grpo.engines.head import hidden_logprobs, hidden_loss
 from grpo.engines.base import SamplingParams
 from grpo.engines.cpu import decoding, native
 from grpo.engines.cpu.decoding import LeanDecoder, packed_head

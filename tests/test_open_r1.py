@@ -90,7 +90,7 @@ def test_the_seven_rewards_train_under_the_default_config(tiny_chat_model_dir, t
     cfg = GRPOConfig(output_dir=str(tmp_path / "run"), system_prompt=SYSTEM, num_generations=4,
                      per_device_train_batch_size=4, max_steps=2, max_completion_length=16, report_to=[])
     GRPOTrainer(model=tiny_chat_model_dir, reward_funcs=SEVEN, args=cfg, train_dataset=data).train()
-    from grpo.training.tracking import read_metrics
+    from grpo.training.observe.tracking import read_metrics
 
     last = read_metrics(tmp_path / "run")[-1]
     for func in SEVEN:
@@ -174,7 +174,7 @@ def test_an_open_r1_recipe_loads_and_trains(tiny_chat_model_dir, tmp_path, capsy
     recipe.write_text(RECIPE.format(**{**as_published, "out": tmp_path / "run", "attn": "sdpa", "vllm": "false",
                                        "push": "false", "report": "- tensorboard"}))
     assert main(["train", str(recipe)]) == 0
-    from grpo.training.tracking import read_metrics
+    from grpo.training.observe.tracking import read_metrics
 
     logged = read_metrics(tmp_path / "run")
     assert [r["step"] for r in logged] == [1, 2]
@@ -208,7 +208,7 @@ OPEN_R1_NAMES = ["accuracy", "format", "reasoning_steps", "cosine", "repetition_
 
 
 def test_open_r1_reward_names_resolve():
-    from grpo.training.setup import make_reward_runner
+    from grpo.training.setup.build import make_reward_runner
 
     cfg = GRPOConfig(code_language="cpp", code_eval_scoring_mode="partial")
     runner, names = make_reward_runner(cfg, OPEN_R1_NAMES, None)
@@ -247,7 +247,7 @@ def fenced(program: str) -> list:
 @pytest.mark.skipif(not __import__("grpo.rewards.sandbox", fromlist=["x"]).probe_sandbox().isolated,
                     reason="no sandbox layers here")
 def test_open_r1_code_rewards_read_verification_info_in_the_sandbox():
-    from grpo.training.setup import make_reward_runner
+    from grpo.training.setup.build import make_reward_runner
 
     runner, names = make_reward_runner(GRPOConfig(), ["code", "binary_code"], None)
     right = fenced("a, b = map(int, input().split())\nprint(a + b)")
@@ -368,7 +368,7 @@ def recipe_file(tmp_path, model, data, keys) -> Path:
 @pytest.mark.parametrize("name", ["code", "codeforces", "ioi"])
 def test_open_r1_code_recipes_train_a_step(tiny_chat_model_dir, tmp_path, name):
     from grpo.cli import main
-    from grpo.training.tracking import read_metrics
+    from grpo.training.observe.tracking import read_metrics
 
     data = tmp_path / "problems.jsonl"
     if name == "code":
@@ -405,7 +405,7 @@ DEEPSEEK_TEMPLATE = ("{% set ns = namespace(system='') %}{% for m in messages %}
 
 def test_the_deepseek_recipe_trains_a_step(tiny_chat_model_dir, tmp_path):
     from grpo.cli import main
-    from grpo.training.tracking import read_metrics
+    from grpo.training.observe.tracking import read_metrics
 
     data = tmp_path / "math.jsonl"
     data.write_text("".join(json.dumps({"problem": f"What is {i}+1?", "solution": f"${i + 1}$"}) + "\n"

@@ -80,7 +80,7 @@ def test_the_trainer_runs_without_datasets_and_rich(tmp_path):
 
 def test_a_data_file_without_datasets_says_what_to_install(tmp_path):
     (tmp_path / "data.jsonl").write_text('{"prompt": "hi"}\n')
-    body = ("from grpo.training.data import load_dataset_any\nfrom grpo.config import ConfigError\n"
+    body = ("from grpo.training.data.prompts import load_dataset_any\nfrom grpo.config import ConfigError\n"
             "try:\n    load_dataset_any('data.jsonl', 'train')\nexcept ConfigError as err:\n    print('ERR', err)\n")
     done = run_blocked(body, tmp_path)
     assert "ERR dataset_name: reading 'data.jsonl' needs the `datasets` package (pip install datasets)" in done.stdout

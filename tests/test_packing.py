@@ -1,16 +1,16 @@
 """Padding-free passes (grpo/engines/packing.py): the packed layout by hand, the packed passes' log-probs against the
 padded pass's for each attention that takes them, which packing each model gets, and the one-pass loss on ragged
-rows (grpo.core.hidden_loss's layout) against the padded one."""
+rows (grpo.engines.head.hidden_loss's layout) against the padded one."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from grpo.core import hidden_loss
+from grpo.engines.head import hidden_loss
 from grpo.engines.packing import Packing, choose_packing, pack
 from grpo.engines.policy import completion_logprobs
-from grpo.training.rollout_batch import pack as pad_rows
+from grpo.training.rollout.batch import pack as pad_rows
 
 SHARED = Packing(True, "bool", 1e-3)
 SEQUENCES = Packing(False, None, 1e-3)

@@ -1,4 +1,4 @@
-"""Tests of grpo.training.plot: moving average, and plot_run on synthetic metrics.jsonl files."""
+"""Tests of grpo.training.observe.plot: moving average, and plot_run on synthetic metrics.jsonl files."""
 
 import json
 import math
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from grpo.training.plot import moving_average, plot_run, series
+from grpo.training.observe.plot import moving_average, plot_run, series
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

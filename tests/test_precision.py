@@ -50,7 +50,7 @@ def test_adamw_on_bf16_weights_at_lr_1e_6_rounds_the_step_away_and_float32_weigh
 
 
 def test_the_rounded_away_share_is_of_low_precision_weights_only():
-    from grpo.training.setup import rounded_away
+    from grpo.training.setup.build import rounded_away
 
     # bf16 keeps 8 significant bits: at 1.0 the ulp is 2^-7, so +1e-3 rounds back and +1e-2 does not (2^-7 / 2 is
     # 3.9e-3); at 2^-10 the ulp is 2^-17 = 7.6e-6, so +1e-3 changes it.
@@ -73,7 +73,7 @@ def _head_case(dtype=torch.bfloat16):
 def test_cast_lm_head_to_fp32_gives_log_probs_closer_to_the_exact_ones():
     """bf16 logits are rounded to 8 significant bits before the softmax (about 0.016 at a logit of 4); the float32
     head's product is exact to float32, for bf16 weights and for float32 weights under bf16 autocast alike."""
-    from grpo.core import hidden_logprobs
+    from grpo.engines.head import hidden_logprobs
 
     hidden, weight, tokens, exact = _head_case()
     off, _ = hidden_logprobs(hidden, weight, tokens)
@@ -121,7 +121,7 @@ def test_the_heads_backward_recomputes_the_logits_the_forward_normalised_outside
     the forward's autocast state, so they are the bf16 logits whose log-sum-exp the forward saved. The softmax's
     gradient then sums to zero over the vocabulary (d logp_y / d b = onehot(y) - p): recomputed in float32 instead,
     p would sum to exp(lse32 - lse16), about 1e-3 off, and so would the bias gradient's sum."""
-    from grpo.core import hidden_logprobs
+    from grpo.engines.head import hidden_logprobs
 
     hidden, weight, tokens, _ = _head_case(torch.float32)
     hidden = (2 * hidden).requires_grad_()
@@ -188,7 +188,7 @@ def test_cast_lm_head_to_fp32_refuses_an_adapted_head():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from grpo.config import ConfigError
-    from grpo.training.model import cast_lm_head_to_fp32
+    from grpo.training.setup.model import cast_lm_head_to_fp32
 
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False))

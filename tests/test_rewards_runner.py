@@ -330,7 +330,7 @@ def test_timeout_zero_scores_the_batch_and_counts(hang):
 
 def test_a_reward_timing_out_on_every_call_alarms_as_one_that_raises():
     """reward_errors judges the failed rows' fraction (rollout: errors / rows); a timeout fails every row."""
-    from grpo.training.health import HealthMonitor
+    from grpo.training.observe.health import HealthMonitor
 
     fractions = {}
     for name, func in (("hangs", _hangs), ("raises", _raises)):

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 
-import grpo.training.checkpoint as ckpt
+import grpo.training.checkpoint.files as ckpt
 from grpo.config import ConfigError
-from grpo.training.errors import TrainingInterrupted
+from grpo.training.run.errors import TrainingInterrupted
 from test_runs import SignalAt, max_diff, train, weights
 
 

@@ -26,13 +26,13 @@ import yaml
 from datasets import Dataset
 from safetensors.torch import load_file
 
-import grpo.training.checkpoint as ckpt
-import grpo.training.objective as objective_module
+import grpo.training.checkpoint.files as ckpt
+import grpo.training.update.objective as objective_module
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.cli import main as cli_main
 from grpo.config import ConfigError
-from grpo.training.errors import EngineFailed, SaveFailed, TrainingInterrupted
-from grpo.training.faults import engine_failure
+from grpo.training.run.errors import EngineFailed, SaveFailed, TrainingInterrupted
+from grpo.training.run.faults import engine_failure
 from rewards_for_tests import count_a
 
 STEPS = 4

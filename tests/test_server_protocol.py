@@ -71,7 +71,7 @@ def test_lagged_requests_of_two_processes_are_one_engine_call():
     cannot gather over the process group beside the update), and the server runs both parts as one request, as the
     synchronous path's generate_together does; each process gets its own rows back. Before: two engine calls of 2
     rows, one after the other (gpu_review2 N7)."""
-    from grpo.training.pipeline_server import _Pinned
+    from grpo.training.rollout.pipeline_server import _Pinned
 
     with stub_server() as (url, engine):
         pinned = [_Pinned(VLLMServerClient(url, [0], timeout=30, push=False, rank=r, processes=2)) for r in (0, 1)]
@@ -145,7 +145,7 @@ def test_a_failed_request_thread_stops_every_process_together(here, there):
     waiting in their next collective until the timeout (gpu_review2 N14); without failures the weights go out."""
     import types
 
-    from grpo.training.pipeline_server import ServerRollouts
+    from grpo.training.rollout.pipeline_server import ServerRollouts
 
     pushed = []
     source = object.__new__(ServerRollouts)

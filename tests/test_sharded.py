@@ -180,7 +180,7 @@ def test_kill_and_resume_reaches_the_uninterrupted_weights(runs, tmp_path, kind,
     assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4, 5, 6]
     from transformers import AutoModelForCausalLM
 
-    from grpo.training.checkpoint import latest_checkpoint
+    from grpo.training.checkpoint.files import latest_checkpoint
 
     AutoModelForCausalLM.from_pretrained(latest_checkpoint(out))  # a checkpoint's top level is a model directory
 
@@ -253,7 +253,7 @@ def accelerator(distributed_type: str, **state):
 
 def test_what_the_sharded_paths_do_not_run_is_refused_before_the_model_loads(monkeypatch):
     from grpo.config import ConfigError, GRPOConfig
-    from grpo.training.sharded import check_sharding
+    from grpo.training.setup.sharded import check_sharding
 
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # launched with fsdp2.yaml, where accelerate has no GPU
     with pytest.raises(ConfigError, match="ddp_cpu.yaml"):
@@ -287,7 +287,7 @@ def test_fsdp2_under_bf16_reduces_gradients_in_float32():
     import torch
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    from grpo.training.sharded import float32_reduce, reduce_in_float32
+    from grpo.training.setup.sharded import float32_reduce, reduce_in_float32
 
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
     plugin.set_mixed_precision("bf16")  # what AcceleratorState does for an FSDP2 launch with bf16

@@ -1,4 +1,4 @@
-"""The batch layout (grpo.training.steps): completions per rollout and per optimizer step as TRL 1.16 counts them,
+"""The batch layout (grpo.training.update.steps): completions per rollout and per optimizer step as TRL 1.16 counts them,
 our prompts_per_step resolved with TRL's keys, contradictions refused, and the optimizer steps of a rollout."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from grpo.config import ConfigError, GRPOConfig
-from grpo.training.steps import resolve_layout, rollout_plan
+from grpo.training.update.steps import resolve_layout, rollout_plan
 
 
 def layout(processes=1, n_prompts=100, **values):

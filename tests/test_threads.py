@@ -1,4 +1,4 @@
-"""torch's thread count when num_threads is null (grpo/training/threads.py): one thread for a small model, else the
+"""torch's thread count when num_threads is null (grpo/training/setup/threads.py): one thread for a small model, else the
 usable CPUs over the run's processes on the machine; OMP_NUM_THREADS or num_threads, when given, as given."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from datasets import Dataset
 
 from grpo import GRPOConfig, GRPOTrainer
-from grpo.training import threads
+from grpo.training.setup import threads
 from rewards_for_tests import count_a
 
 

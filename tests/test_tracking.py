@@ -1,4 +1,4 @@
-"""Tests of grpo.training.tracking: metrics.jsonl, resume truncation, non-finite values, TensorBoard, samples, W&B."""
+"""Tests of grpo.training.observe.tracking: metrics.jsonl, resume truncation, non-finite values, TensorBoard, samples, W&B."""
 
 import json
 import math
@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from grpo.training.tracking import NullLogger, RunLogger, read_metrics
+from grpo.training.observe.tracking import NullLogger, RunLogger, read_metrics
 
 
 def lines_of(path):

@@ -12,7 +12,7 @@ from datasets import Dataset
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.config import ConfigError
-from grpo.training.tracking import read_metrics
+from grpo.training.observe.tracking import read_metrics
 from test_trl_surface import a_reward, prompts
 from test_trl_surface import config as surface_config
 

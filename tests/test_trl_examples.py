@@ -18,7 +18,7 @@ from grpo import GRPOConfig, GRPOTrainer  # was: from trl import GRPOConfig, GRP
 
 
 def rows(run_dir) -> list[dict]:
-    from grpo.training.tracking import read_metrics
+    from grpo.training.observe.tracking import read_metrics
 
     return read_metrics(run_dir)
 

@@ -13,7 +13,7 @@ from datasets import Dataset
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.config import ConfigError
-from grpo.training.control import Cadence
+from grpo.training.run.control import Cadence
 
 
 def reward(completions, **kwargs):

@@ -15,7 +15,7 @@ from datasets import Dataset
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.config import ConfigError
-from grpo.training.tracking import read_metrics
+from grpo.training.observe.tracking import read_metrics
 
 
 def length_reward(completions, **kwargs):
@@ -149,7 +149,7 @@ def test_tensorboard_holds_trls_keys_where_transformers_puts_them(tiny_model_dir
 
 
 def test_dashboard_names_follow_transformers_rewrite_logs():
-    from grpo.training.metric_names import dashboard_names
+    from grpo.training.observe.metric_names import dashboard_names
 
     logs = {"reward/total": 0.5, "reward": 0.5, "reward/f": 0.25, "rewards/f/mean": 0.25, "train/loss": 1.0,
             "loss": 1.0, "health/x": 3.0, "eval/accuracy": 0.1, "eval_accuracy": 0.1}
@@ -158,7 +158,7 @@ def test_dashboard_names_follow_transformers_rewrite_logs():
     assert dashboard_names({"reward/total": 0.5, "eval/accuracy": 0.1}, "grpo", ["f"]) == {
         "train/reward/total": 0.5, "eval/accuracy": 0.1}
     # TRL's tool metrics: calls per completion, failed calls per call (grpo.agents.metrics computes both)
-    from grpo.training.metric_names import named
+    from grpo.training.observe.metric_names import named
 
     assert named({"tools/calls_per_completion": 0.5, "tools/failure_frac": 0.25}, "trl", []) == {
         "tools/call_frequency": 0.5, "tools/failure_frequency": 0.25}
@@ -372,7 +372,7 @@ def test_sync_ref_model_mixes_the_reference(tiny_model_dir, tmp_path):
 
 def test_entropy_bonus_changes_the_gradient_by_the_entropy_term(tiny_model_dir, tmp_path):
     """The trainer's entropy bonus: its gradient equals -coef * d(mean entropy) on top of the surrogate's."""
-    from grpo.core import token_entropy
+    from grpo.engines.head import token_entropy
 
     norms = {}
     for coef in (0.0, 0.5):

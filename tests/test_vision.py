@@ -16,9 +16,9 @@ from grpo.engines.policy import completion_logprobs
 from grpo.engines.sampling import TransformersSampler
 from grpo.tasks import get_task
 from grpo.tasks.shapes import COLOURS, Scene, draw
-from grpo.training.data import render_prompt
-from grpo.training.rollout_batch import pack
-from grpo.training.vision import (ImageProcessing, check_image_tokens_masked, load_image, vision_prompts,
+from grpo.training.data.prompts import render_prompt
+from grpo.training.rollout.batch import pack
+from grpo.training.data.vision import (ImageProcessing, check_image_tokens_masked, load_image, vision_prompts,
                                   with_image_parts)
 from vision_families import microbatched_logprobs
 
@@ -291,7 +291,7 @@ def test_trls_vlm_example_runs_with_the_tiny_model_and_shapes(tmp_path):
                           train_dataset=dataset, eval_dataset=None, peft_config=None)
     trainer.train()
     trainer.save_model(args.output_dir)
-    from grpo.training.tracking import read_metrics
+    from grpo.training.observe.tracking import read_metrics
 
     logged = read_metrics(tmp_path / "out")
     assert trainer.step == 2 and any("reward/accuracy_reward" in r and "reward/think_format_reward" in r
@@ -321,8 +321,8 @@ def test_rows_without_images_give_the_vision_tower_zero_gradients_and_sharding_r
     the log-probs are those of the pass without it. Under sharded weights such a dataset is refused by name."""
     import types
 
-    from grpo.training.data import PromptSet
-    from grpo.training.sharded import check_sharded_images
+    from grpo.training.data.prompts import PromptSet
+    from grpo.training.setup.sharded import check_sharded_images
 
     model, tok, processing = vlm
     prompts = PromptSet(["a", "b"], [[5, 6, 7], [8, 9, 10]], {}, images=[[], []], image_processing=processing)

@@ -65,7 +65,7 @@ def test_sharded_weights_with_images_match_one_process(vision_job, kind, gather)
     the prompts' with their pixels included: the same rewards and gradient norms at every step as the one process,
     and its weights up to float32 rounding (measured 1.2e-5 apart FSDP2, 1.0e-5 ZeRO-3, as DDP); final/ loads as a
     vision-language model, under the hub's names (ZeRO-3's load records transformers' legacy renamings, which
-    undone named the language model's weights model.model.*: grpo.training.sharded_checkpoint._hub_names)."""
+    undone named the language model's weights model.model.*: grpo.training.checkpoint.sharded._hub_names)."""
     from transformers import AutoModelForImageTextToText
 
     base, env = vision_job

@@ -15,9 +15,9 @@ from grpo.engines.images import model_inputs, vision_token_ids
 from grpo.engines.policy import completion_logprobs
 from grpo.engines.sampling import TransformersSampler
 from grpo.tasks import get_task
-from grpo.training.data import render_prompt
-from grpo.training.rollout_batch import pack
-from grpo.training.vision import ImageProcessing, ProcessorImages, vision_prompts
+from grpo.training.data.prompts import render_prompt
+from grpo.training.rollout.batch import pack
+from grpo.training.data.vision import ImageProcessing, ProcessorImages, vision_prompts
 from vision_families import FAMILIES, build, microbatched_logprobs
 
 

@@ -8,7 +8,7 @@ import torch
 
 from grpo.config import ConfigError
 from grpo.tasks import get_task
-from grpo.training.vision import vision_modules
+from grpo.training.data.vision import vision_modules
 from test_vision import larger_answer, vision_config
 
 

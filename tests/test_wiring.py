@@ -25,8 +25,8 @@ import torch
 from datasets import Dataset
 
 from grpo import GRPOConfig, GRPOTrainer
-from grpo.core import (group_advantages, mix_advantages, policy_loss, process_advantages,
-                       token_entropy, token_logprobs)
+from grpo.core import group_advantages, mix_advantages, policy_loss, process_advantages
+from grpo.engines.head import token_entropy, token_logprobs
 
 G, B = 4, 2  # completions per prompt, prompts per step: N = 8 rows, two groups
 MAX_LEN = 8  # max_completion_length unless a test says otherwise

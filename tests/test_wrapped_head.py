@@ -18,7 +18,7 @@ import torch, torch.distributed as dist
 from transformers import AutoModelForCausalLM
 from grpo.engines.packing import choose_packing, pack
 from grpo.engines.policy import completion_logprobs, tiled_head
-from grpo.training.rollout_batch import pack as pad_rows
+from grpo.training.rollout.batch import pack as pad_rows
 
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
 torch.manual_seed(0)

@@ -26,8 +26,8 @@ def rows(processing, with_images: bool):
     """(input_ids, attention_mask, width, images) of two rows with 3-token completions."""
     from grpo.config import GRPOConfig
     from grpo.tasks import get_task
-    from grpo.training.data import PromptSet, render_prompt
-    from grpo.training.vision import vision_prompts
+    from grpo.training.data.prompts import PromptSet, render_prompt
+    from grpo.training.data.vision import vision_prompts
 
     shapes = get_task("shapes").make_rows("train", 2, 0)
     render = lambda m: render_prompt(m, processing.tokenizer, GRPOConfig(), "")  # noqa: E731
@@ -48,7 +48,7 @@ def main(out: Path) -> None:
     from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
     from grpo.engines.policy import completion_logprobs
-    from grpo.training.vision import ImageProcessing
+    from grpo.training.data.vision import ImageProcessing
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -148,8 +148,8 @@ def microbatched_logprobs(model, pad_id: int, ids: list[list[int]], completions:
     """(log-probs (N, T), the rows' input_ids, attention, completion mask) of prompt + completion rows cut into
     micro-batches of 2 in a shuffled order and scored by the update's backend, each with its own images."""
     from grpo.engines.policy import TransformersBackend
-    from grpo.training.micro_batches import MicroBatches
-    from grpo.training.rollout_batch import RolloutBatch, pack
+    from grpo.training.update.micro_batches import MicroBatches
+    from grpo.training.rollout.batch import RolloutBatch, pack
 
     class OneProcess:
         world = 1

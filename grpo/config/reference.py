@@ -156,7 +156,7 @@ def from_trl_reference() -> str:
               "| key | grpo | TRL 1.16 | why |", "|---|---|---|---|"]
     for key, mine, theirs in differing_defaults():
         lines.append(f"| `{key}` | `{mine!r}` | `{theirs!r}` | {WHY_OURS.get(key, '')} |")
-    from grpo.training.metric_names import TRL_NAMES, dashboard_key
+    from grpo.training.observe.metric_names import TRL_NAMES, dashboard_key
 
     lines += ["", "## Metric names", "",
               "metrics.jsonl and callbacks' `on_log` get ours, TRL's or both (`metric_names`, default both). "

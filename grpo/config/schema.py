@@ -264,7 +264,7 @@ class GRPOConfig:
     num_iterations: int = _f(1, "Passes over each rollout (mu in the paper), each of its optimizer steps.")
     num_threads: int | None = _f(None, "CPU threads for torch. null: OMP_NUM_THREADS if set, else 1 for a model "
                                  "of decoder layers up to 32 MiB, else the usable CPUs over this run's processes "
-                                 "on the machine (grpo/training/threads.py).")
+                                 "on the machine (grpo/training/setup/threads.py).")
     seed: int = _f(42, "Seed of data order, sampling and initialization: a CPU run repeats exactly.")
     full_determinism: bool = _f(False, "Deterministic algorithms only (torch.use_deterministic_algorithms).")
 

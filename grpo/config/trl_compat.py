@@ -50,7 +50,7 @@ Besides `train()`: the last `state.log_history` entry is transformers' end-of-tr
 `train_samples_per_second`, `train_steps_per_second`, `total_flos`, `train_loss` (the mean of every step's loss),
 `epoch`, `step`, with the TRL-named metrics of the steps after the last logged one, or of the last step);
 `evaluate(eval_dataset=...)` (a dataset, or a dict of them; the rewards' metrics and TRL's `eval_loss`, the
-objective at ratio 1 on num_generations fresh samples per prompt, grpo.training.eval_loss; the training loop's
+objective at ratio 1 on num_generations fresh samples per prompt, grpo.training.evaluation.eval_loss; the training loop's
 evaluations leave the loss out, as it samples the set again); `get_high_entropy_mask`, `get_off_policy_mask`
 (grpo.core.masks); `args`, `accelerator` and `state` (both settable), `ref_model` (None when beta is 0),
 `train_dataset`, `eval_dataset`, `reward_funcs`, `reward_func_names`, `reward_weights`, `tools`,

@@ -30,9 +30,7 @@ high-entropy masks (`masks.py`), the entropy bonus (`entropy.py`), GDPO's decoup
 from grpo.core.advantages import (ADVANTAGE_SCALES, decoupled_advantages, group_advantages, mix_advantages,
                                    process_advantages)
 from grpo.core.entropy import adaptive_entropy_coef, applied_entropy_coef, entropy_bonus
-from grpo.core.head_loss import hidden_loss
 from grpo.core.importance import IMPORTANCE_SAMPLING_MODES, engine_importance_weights
-from grpo.core.logprobs import hidden_logprobs, token_entropy, token_logprobs
 from grpo.core.loss import (AGGREGATIONS, KL_ESTIMATORS, RATIO_LEVELS, LossOutput, aggregation_normalizer,
                             kl_penalty, policy_loss)
 from grpo.core.masks import entropy_threshold, high_entropy_mask, off_policy_mask
@@ -62,12 +60,8 @@ __all__ = [
     "sapo_surrogate",
     "sync_reference_",
     "vespo_weights",
-    "hidden_logprobs",
-    "hidden_loss",
     "kl_penalty",
     "mix_advantages",
     "policy_loss",
     "process_advantages",
-    "token_entropy",
-    "token_logprobs",
 ]

@@ -241,7 +241,7 @@ REPLAY_MODES = {"off": "off", "disabled": "off", "R3": "R3", "r3": "R3"}
 
 
 class Routing:
-    """A run's MoE handling in the update (`grpo.training.update.Update.routing`): the routes replayed (`replay`), the
+    """A run's MoE handling in the update (`grpo.training.update.mechanics.Update.routing`): the routes replayed (`replay`), the
     aux loss added with weight `coef` (0: none), and the step's `moe/*` metrics."""
 
     def __init__(self, replay: bool, coef: float, gather: Callable[[torch.Tensor], torch.Tensor]):

@@ -1,7 +1,7 @@
 """The update side of an engine: the policy's log-probs and the loss's backward, through `transformers`' forward.
 
 `TransformersBackend` is the plain backend any model and device can take: the decoder's hidden states at the
-completion positions go through the LM head in cache-sized tiles (`grpo.core.hidden_logprobs`), so the (N, T, V)
+completion positions go through the LM head in cache-sized tiles (`grpo.engines.head.hidden_logprobs`), so the (N, T, V)
 logits never exist, and the loss is backpropagated through them. The CPU engine's `CPUBackend` extends it with the
 one-pass loss gradient and other float32-CPU paths; the trainer calls the same four methods of either.
 """
@@ -14,7 +14,8 @@ from typing import Callable, Protocol
 
 import torch
 
-from grpo.core import LossOutput, hidden_logprobs, token_entropy, token_logprobs
+from grpo.core import LossOutput
+from grpo.engines.head import hidden_logprobs, token_entropy, token_logprobs
 from grpo.engines.images import is_vision_config, own_positions, vision_zero
 from grpo.engines.kv_cache import cache_args, distinct_rows, expand_cache, positions as position_ids, preallocated_cache
 from grpo.engines.offload import ActivationOffload, OffloadStats
@@ -45,7 +46,7 @@ micro-batch (the trainer's `grpo.core.policy_loss` with the run's settings)."""
 
 
 class UpdateBackend(Protocol):
-    """The update half of an engine: every call the trainer makes of it (grpo.training.update, the trainer).
+    """The update half of an engine: every call the trainer makes of it (grpo.training.update.mechanics, the trainer).
     `TransformersBackend` runs any model on any device; the CPU engine's `CPUBackend` extends it."""
 
     name: str
@@ -254,7 +255,7 @@ def _dtype(model, device: torch.device) -> torch.dtype:
 
 def head_logprobs(hidden: torch.Tensor, head, inner, targets: torch.Tensor, temperature: float, with_entropy: bool,
                   tile_kernels):
-    """`grpo.core.hidden_logprobs` of hidden (N, T, H) through `tiled_head`'s (head, inner): (logp, entropy or None).
+    """`grpo.engines.head.hidden_logprobs` of hidden (N, T, H) through `tiled_head`'s (head, inner): (logp, entropy or None).
     The head's weight gradient goes straight into .grad (no (V, H) temporary per micro-batch) on an unwrapped model,
     on which the trainer calls .backward()."""
     return hidden_logprobs(hidden, head.weight, targets, temperature=temperature, bias=head.bias,
@@ -307,7 +308,7 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     (logp, entropy (N, T), detached unless `entropy_grad`) instead.
 
     Fast path (a plain linear LM head, one process or DDP: `tiled_head`): the decoder's hidden states at those T
-    positions go through `grpo.core.hidden_logprobs`, which applies the head one cache-sized tile of positions x
+    positions go through `grpo.engines.head.hidden_logprobs`, which applies the head one cache-sized tile of positions x
     vocabulary at a time and recomputes each tile in backward, so the (N, T, V) logits and their gradient never
     exist (V is ~150k for real models). Without gradients (the reference pass) rows that share a prompt encode it once
     (`_shared_prompt_hidden`). Otherwise the model returns logits for just those positions (`logits_to_keep`),

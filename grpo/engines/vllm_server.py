@@ -17,7 +17,7 @@ a web framework to talk to it:
 `weights_version` counts the pushes; `policy_step` is the step the trainer named with the last push (null when it
 named none). A generate request that names a `step` is refused unless the server holds exactly those weights: with
 max_staleness the trainer asks for rollout t with the weights of step t - k, and this check makes a push that
-overtook its requests an error instead of a silently different run (grpo.training.pipeline_server).
+overtook its requests an error instead of a silently different run (grpo.training.rollout.pipeline_server).
 
 Requests run one at a time on the engine (vLLM's `LLM` is not thread-safe). In training the main process sends one
 generate request a step with every process's rows and hands each process its own completions back

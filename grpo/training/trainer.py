@@ -11,10 +11,10 @@
         log, eval, checkpoint, callbacks
 
 A rollout feeds steps_per_generation / gradient_accumulation_steps optimizer steps per pass, num_iterations passes
-(TRL's counting; grpo.training.steps). Checkpoints may fall inside a rollout: they keep it, so resume is exact.
-The math lives in `grpo.core` (put together in `grpo.training.objective`), generation and the passes through the
-model in an engine (`grpo.engines`), the rollout's bookkeeping in `grpo.training.rollout`, the update's micro-batches
-and backward in `grpo.training.update`; this file is the loop.
+(TRL's counting; grpo.training.update.steps). Checkpoints may fall inside a rollout: they keep it, so resume is exact.
+The math lives in `grpo.core` (put together in `grpo.training.update.objective`), generation and the passes through the
+model in an engine (`grpo.engines`), the rollout's bookkeeping in `grpo.training.rollout.rollouts`, the update's micro-batches
+and backward in `grpo.training.update.mechanics`; this file is the loop.
 """
 
 from __future__ import annotations
@@ -32,37 +32,38 @@ from grpo.engines.base import SamplingParams
 from grpo.engines.moe import make_routing
 from grpo.engines.policy import reference_view
 from grpo.engines.select import choose_engine, make_engine, make_vllm
-from grpo.training import run_dir, sharded_checkpoint as sharded_ckpt
-from grpo.training.control import RunControl
-from grpo.training.data import build_prompt_set
-from grpo.training.health import HealthMonitor, report_nonfinite
-from grpo.training.hub import start_hub
-from grpo.training.loop_state import LoopState
-from grpo.training.memory import peak_memory_metrics, reset_peak_memory
-from grpo.training.micro_batches import MicroBatches
-from grpo.training.model import load_model, prepare_model, save_final
-from grpo.training.objective import Objective
-from grpo.training.sources import make_source
-from grpo.training.processes import Processes
-from grpo.training.rollout import Rollouts
-from grpo.training.rollout_batch import RolloutBatch
-from grpo.training.sharded import check_sharded_images, check_sharding, place_reference, reduce_in_float32
-from grpo.training.errors import TrainingStopped
-from grpo.training.faults import engine_faults
-from grpo.training.signals import StopSignals, stop_if_signalled
-from grpo.training.state import Checkpointing
-from grpo.training.setup import (check_inputs, check_reward_columns, check_sequence_parallel, check_sizes, config_of,
+from grpo.training.run import run_dir
+from grpo.training.checkpoint import sharded as sharded_ckpt
+from grpo.training.run.control import RunControl
+from grpo.training.data.prompts import build_prompt_set
+from grpo.training.observe.health import HealthMonitor, report_nonfinite
+from grpo.training.run.hub import start_hub
+from grpo.training.run.loop_state import LoopState
+from grpo.training.observe.memory import peak_memory_metrics, reset_peak_memory
+from grpo.training.update.micro_batches import MicroBatches
+from grpo.training.setup.model import load_model, prepare_model, save_final
+from grpo.training.update.objective import Objective
+from grpo.training.rollout.sources import make_source
+from grpo.training.setup.processes import Processes
+from grpo.training.rollout.rollouts import Rollouts
+from grpo.training.rollout.batch import RolloutBatch
+from grpo.training.setup.sharded import check_sharded_images, check_sharding, place_reference, reduce_in_float32
+from grpo.training.run.errors import TrainingStopped
+from grpo.training.run.faults import engine_faults
+from grpo.training.run.signals import StopSignals, stop_if_signalled
+from grpo.training.checkpoint.state import Checkpointing
+from grpo.training.setup.build import (check_inputs, check_reward_columns, check_sequence_parallel, check_sizes, config_of,
                                  configure_process, fill_deepspeed_auto, load_task, make_accelerator, make_datasets,
                                  make_optimizer, make_reward_runner, make_schedule, make_step_rewards, seed_everything,
                                  tokenizer_for, warn_low_precision_training)
-from grpo.training.stream import epochs_done, make_prompts, prompt_count
-from grpo.training.steps import StepPlan, resolve_layout
-from grpo.training.summary import RunFiles, StepLog, TrainResult, end_lines, finish_run, start_lines
+from grpo.training.data.stream import epochs_done, make_prompts, prompt_count
+from grpo.training.update.steps import StepPlan, resolve_layout
+from grpo.training.observe.summary import RunFiles, StepLog, TrainResult, end_lines, finish_run, start_lines
 from grpo.training.trl_surface import (TRLSurface, TrainingSummary, data_without_dataset, eval_sets,
                                        warn_as_trl, with_prompt_column)
-from grpo.training.update import Update, apply_step, clip_gradients
-from grpo.training.threads import set_threads
-from grpo.training.vision import image_processing_for
+from grpo.training.update.mechanics import Update, apply_step, clip_gradients
+from grpo.training.setup.threads import set_threads
+from grpo.training.data.vision import image_processing_for
 
 
 class GRPOTrainer(TRLSurface):
@@ -162,7 +163,7 @@ class GRPOTrainer(TRLSurface):
                                  self.agents and make_rollout(self.agents, self))  # (multi-turn, or None)
         self.source = make_source(cfg, self.rollouts, self.policy, self.accel.device, self.layout.rollout_steps,
                                   self.total_steps, self.accel.distributed_type,
-                                  self._reference_logprobs)  # (grpo.training.pipeline)
+                                  self._reference_logprobs)  # (grpo.training.rollout.pipeline)
         self.objective = Objective(cfg, self.procs)
         self.micro = MicroBatches(cfg.per_device_train_batch_size, cfg.max_tokens_per_micro_batch, packing, self.procs,
                                   why, split=cfg.sequence_parallel_size)
@@ -173,7 +174,7 @@ class GRPOTrainer(TRLSurface):
         self.rollouts.trainer_state = self.control.state
         self.health = HealthMonitor(accuracy=self.reward_names[0],
                                     format=next((n for n in self.reward_names if "format" in n), None))
-        self.loop = LoopState()  # the step, counters, the rollout still feeding steps (grpo.training.loop_state)
+        self.loop = LoopState()  # the step, counters, the rollout still feeding steps (grpo.training.run.loop_state)
         self.run_files = RunFiles(cfg, self.rewards, getattr(self.policy, "name_or_path", None), self.prefill,
                                   self.task is not None, self.layout)
         self.checkpoints = Checkpointing(
@@ -196,9 +197,9 @@ class GRPOTrainer(TRLSurface):
 
     # ---- the loop ----------------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: Any = None) -> TrainResult:
-        from grpo.training.display import LiveDisplay, NullDisplay
-        from grpo.training.metric_names import dashboard_names
-        from grpo.training.tracking import NullLogger, RunLogger
+        from grpo.training.observe.display import LiveDisplay, NullDisplay
+        from grpo.training.observe.metric_names import dashboard_names
+        from grpo.training.observe.tracking import NullLogger, RunLogger
 
         cfg, out, main = self.cfg, Path(self.cfg.output_dir), self.accel.is_main_process
         if run_dir.prepare(cfg, self.procs, self.loop, resume_from_checkpoint, self.total_steps,
@@ -320,7 +321,7 @@ class GRPOTrainer(TRLSurface):
         with reference_view(self.policy, self.reference) as ref:
             return self.updates.score(ref, batch)
 
-    # ---- update: optimizer steps over a rollout's rows, in micro-batches (grpo.training.update) -----------------
+    # ---- update: optimizer steps over a rollout's rows, in micro-batches (grpo.training.update.mechanics) -----------------
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """Every optimizer step the rollout feeds; their metrics merged (the gradient norm is the last step's)."""
         return self._optimize(batch, batch.plans or self.updates.plan(batch))
@@ -359,7 +360,7 @@ class GRPOTrainer(TRLSurface):
     # ---- eval, save, resume ---------------------------------------------------------------------------------
     def _score_eval_set(self, prompt_set) -> dict[str, float]:
         """Sample and score one eval set (evaluate(), grpo.training.trl_surface, names and prefixes the metrics)."""
-        from grpo.evaluate import evaluate_prompts
+        from grpo.training.evaluation.held_out import evaluate_prompts
 
         params = SamplingParams(self.cfg.max_completion_length, self.cfg.eval_temperature)
         self.rollouts.ready_engine()

@@ -138,8 +138,8 @@ class TRLSurface:
         """TRL's: output_dir/README.md, a model card with the base model (a hub name; a local path is left out, as
         TRL does), the dataset, tags (grpo's and TRL's: trl, grpo), the method's paper and citation, and the metrics
         of the last logged step under TRL's names."""
-        from grpo.training.hub import model_card
-        from grpo.training.metric_names import named
+        from grpo.training.run.hub import model_card
+        from grpo.training.observe.metric_names import named
 
         if not self.accelerator.is_main_process:
             return
@@ -160,7 +160,7 @@ class TRLSurface:
         """TRL's (transformers'): save_model into output_dir, write its model card (create_model_card's keywords:
         model_name, dataset_name, tags), and upload output_dir (without checkpoints and grpo's local files) to
         hub_model_id, made first if push_to_hub was not set. Collective: every process saves; the main uploads."""
-        from grpo.training.hub import PUSH_IGNORED, start_hub
+        from grpo.training.run.hub import PUSH_IGNORED, start_hub
 
         if self.accelerator.is_main_process and getattr(self, "hub", None) is None:
             self.hub = start_hub(self.cfg, token=token)
@@ -196,7 +196,7 @@ class TRLSurface:
     def _rows_loader(self, data, batch_size: int, shuffle: bool):
         from torch.utils.data import DataLoader
 
-        from grpo.training.stream import is_stream
+        from grpo.training.data.stream import is_stream
 
         G = self.cfg.num_generations
         if is_stream(data):
@@ -233,10 +233,10 @@ class TRLSurface:
                  loss: bool = True) -> dict[str, float]:
         """Score the eval set (or `eval_dataset`: one dataset, or a dict of them, each scored and its metrics named
         with its name, as transformers does). Returns grpo's names (`eval/<metric>`, `eval/<set>/<metric>`) and TRL's
-        (`eval_<metric>`, `eval_<set>_<metric>`). With `loss`, also TRL's eval loss (grpo.training.eval_loss: it
+        (`eval_<metric>`, `eval_<set>_<metric>`). With `loss`, also TRL's eval loss (grpo.training.evaluation.eval_loss: it
         samples num_generations completions per prompt once more); the training loop's evaluations leave it out."""
-        from grpo.training.data import build_prompt_set
-        from grpo.training.eval_loss import eval_loss
+        from grpo.training.data.prompts import build_prompt_set
+        from grpo.training.evaluation.eval_loss import eval_loss
 
         if eval_dataset is not None:
             sets = eval_sets(eval_dataset, lambda data: build_prompt_set(
@@ -263,7 +263,7 @@ class TRLSurface:
 
 def as_map_style(dataset):
     """A streamed eval set read whole (eval sets are small, and every eval reads every prompt)."""
-    from grpo.training.stream import is_stream
+    from grpo.training.data.stream import is_stream
 
     if is_stream(dataset):
         import datasets
@@ -311,7 +311,7 @@ class TrainingSummary:
 
     def metrics(self, step: int, step_completions: int, reward_names: list[str],
                 total_flos: float) -> dict[str, float]:
-        from grpo.training.metric_names import named
+        from grpo.training.observe.metric_names import named
 
         runtime = time.perf_counter() - self.started
         steps = step - self.first_step
@@ -347,7 +347,7 @@ def data_without_dataset(cfg, train_dataset, world: int, reward_funcs, tools, en
     rewards, tools, environments or a rollout_func to GRPOTrainer and no dataset gets TRL's error, not the built-in
     task's data, unless an environment_factory owns the data: then, as TRL does, each prompt is an empty user message
     that the environment's reset() fills in, and max_steps sets the length."""
-    from grpo.training.stream import is_stream
+    from grpo.training.data.stream import is_stream
 
     extras = cfg.__dict__.setdefault("_trl_extras", {})
     if is_stream(train_dataset):  # TRL's settings for a stream (moot here: there is no DataLoader), as args reads them
@@ -375,7 +375,7 @@ def data_without_dataset(cfg, train_dataset, world: int, reward_funcs, tools, en
     if cfg.max_steps <= 0:
         raise ValueError("max_steps: when training without a `train_dataset` (the environment owns the data and "
                          "returns the prompt from reset()), set max_steps to a positive number of steps.")
-    from grpo.training.steps import resolve_layout
+    from grpo.training.update.steps import resolve_layout
 
     rows = resolve_layout(cfg, world).prompts_per_rollout
     return placeholder_prompts(rows), False
@@ -390,7 +390,7 @@ def placeholder_prompts(rows: int):
 def with_prompt_column(dataset, agents):
     """A dataset of environments only (TRL's multiple-environments example: an `environment` column, no prompt):
     each row's prompt is an empty user message that its environment's reset() fills in."""
-    from grpo.training.data import PROMPT_COLUMN_CANDIDATES
+    from grpo.training.data.prompts import PROMPT_COLUMN_CANDIDATES
 
     if dataset is None or agents is None or getattr(agents, "environments", None) is None:
         return dataset

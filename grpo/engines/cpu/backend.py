@@ -1,7 +1,7 @@
 """The CPU engine's update side: the loss's gradient formed in the log-prob pass, and the float32-CPU paths around it.
 
 `CPUBackend` is `TransformersBackend` plus, for one unwrapped process on the CPU:
-* the one-pass loss gradient (`completion_loss`, `grpo.core.hidden_loss`): the LM head applied three times instead
+* the one-pass loss gradient (`completion_loss`, `grpo.engines.head.hidden_loss`): the LM head applied three times instead
   of four, through a buffer of whole rows' logits when a micro-batch's fit in 32 MiB (128 MiB for a frozen head),
   otherwise seeded by the sampler's own log-probs (no buffer) where those are the update's up to rounding, otherwise
   a few rows at a time, and where one row does not fit either, two passes;
@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from grpo.core import LossOutput, hidden_loss
+from grpo.core import LossOutput
+from grpo.engines.head import hidden_loss
 from grpo.engines import policy
 from grpo.engines.base import SamplingParams
 from grpo.engines.cpu import attention, decoding, native
@@ -157,7 +158,7 @@ def completion_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
                     logp_estimate: torch.Tensor | None = None, weight_grad_storage: torch.Tensor | None = None,
                     packed: PackedRows | None = None):
     """The loss `row_loss(logp rows, rows)` summed over the rows of this micro-batch, with its gradient formed in the
-    same pass as the log-probs (`grpo.core.hidden_loss`: the LM head applied three times instead of four).
+    same pass as the log-probs (`grpo.engines.head.hidden_loss`: the LM head applied three times instead of four).
 
     Rows are scored a few at a time into a buffer of their full logits, capped at _FUSED_ELEMENTS
     (_FUSED_ELEMENTS_FROZEN_HEAD for a frozen head). When the buffer cannot hold every row at once and

@@ -381,7 +381,7 @@ def sample(lib, logits: torch.Tensor, uniforms: torch.Tensor) -> tuple[int, torc
 
 
 class TileKernels:
-    """The elementwise work on one float32 CPU logit tile of `grpo.core.hidden_logprobs` and `hidden_loss` (their
+    """The elementwise work on one float32 CPU logit tile of `grpo.engines.head.hidden_logprobs` and `hidden_loss` (their
     `kernels` argument), by lean_tile_stats, lean_tile_grad, lean_tile_exp and lean_tile_shifted_exp: one pass per
     row where torch runs ~15 operators per tile in forward and ~6 in backward, each over the whole tile."""
 

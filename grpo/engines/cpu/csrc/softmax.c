@@ -6,7 +6,7 @@
  *   (block sums of 1,024 entries, a float64 running sum over blocks, a float64 running sum inside the chosen
  *   block).
  * lean_tile_stats / lean_tile_grad / lean_tile_exp / lean_tile_shifted_exp: the elementwise part of one
- *   (positions x vocabulary block) tile of grpo.core.logprobs' tiled LM head: the running log-sum-exp of the
+ *   (positions x vocabulary block) tile of grpo.engines.head.logprobs' tiled LM head: the running log-sum-exp of the
  *   forward, d loss / d logits of the backward, the exps of hidden_loss's one-pass buffer and of its seeded pass.
  *
  * Single-threaded, no allocation. AVX-512 where the CPU has it, otherwise plain C; both give the torch

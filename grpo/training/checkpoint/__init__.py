@@ -1,0 +1,1 @@
+"""Checkpoints: atomic files (`files`), the trainer's state in them (`state`), sharded weights (`sharded`)."""

@@ -1,0 +1,1 @@
+"""Training data: datasets and prompts (`prompts`), streaming (`stream`), images in the prompt (`vision`)."""

@@ -1,0 +1,306 @@
+"""From prompts to a training batch: generate, decode, score, compute advantages, pad into tensors (the records
+and the padding helpers: grpo.training.rollout.batch).
+
+Shapes: B prompts per step, G completions per prompt, N = B*G / processes rows on this process, P prompt
+width (left-padded), T completion width (right-padded). Batches stay on the CPU; the update moves each micro-batch
+to the model's device.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from grpo.agents.metrics import agent_metrics, sample_stats
+from grpo.core import decoupled_advantages, group_advantages, mix_advantages, process_advantages
+from grpo.engines.base import SamplingParams, row_seed
+from grpo.engines.moe import batch_routes
+from grpo.training.run.faults import engine_faults
+from grpo.training.setup.processes import Processes
+from grpo.training.rollout.batch import (RolloutBatch, SampleRequest, Sampled, as_completion, char_to_token_ends,
+                                         group_stats, pack, pad_rows, strip_eos)
+from grpo.training.data.vision import check_image_tokens_masked, sample_images
+
+
+class Rollouts:
+    """One step's rollout on this process: G completions per prompt from the rollout engine, decoded and scored,
+    then group advantages (and process-supervision advantages) and padded tensors. `make(step)` returns the batch
+    without old/reference log-probs, which the trainer adds."""
+
+    def __init__(self, cfg, generator, policy, tokenizer, train_set, prompts, rewards, step_rewards,
+                 procs: Processes, B: int, G: int, params: SamplingParams, agent=None):
+        self.cfg, self.generator, self.policy, self.tokenizer, self.params = cfg, generator, policy, tokenizer, params
+        self.agent = agent  # multi-turn rollouts over the generator (grpo.agents), or None
+        self.train_set, self.prompts, self.rewards, self.step_rewards = train_set, prompts, rewards, step_rewards
+        self.procs, self.B, self.G = procs, B, G
+        self.eos_ids = {tokenizer.eos_token_id}
+        self.times: dict[str, float] = {}
+        self.engine_stale = False  # the trainer sets it after an optimizer step: the engine's weights are older
+        self.trainer_state = None  # the trainer's transformers.TrainerState, passed to reward functions
+        self._logged_metrics: dict[str, list[float]] = {}  # from reward functions' log_metric
+        self._logged_columns: dict[str, list] = {}  # from reward functions' log_extra
+
+    def _extras(self) -> dict:
+        """TRL's reward-function extras: the trainer's state and the two logging callbacks."""
+        def log_extra(column: str, values: list) -> None:
+            self._logged_columns.setdefault(column, []).extend(values)
+
+        def log_metric(name: str, value: float) -> None:
+            self._logged_metrics.setdefault(name, []).append(float(value))
+
+        return {"trainer_state": self.trainer_state, "log_extra": log_extra, "log_metric": log_metric}
+
+    def ready_engine(self) -> None:
+        """Hand the rollout engine the policy's weights if an optimizer step changed them, and wake it (a sleeping
+        vLLM engine loads them as it wakes, between taking back its weights' memory and its KV cache's)."""
+        if self.engine_stale:
+            self.generator.update_weights(self.policy)
+            self.engine_stale = False
+        self.generator.wake()
+
+    def _begin(self) -> None:
+        self.times = {"generation": 0.0, "scoring": 0.0}
+        self._logged_metrics, self._logged_columns = {}, {}
+
+    def make(self, index: int) -> RolloutBatch:
+        """Rollout `index` of the run."""
+        self._begin()
+        self.ready_engine()
+        if self.cfg.dynamic_sampling:
+            sampled, sampling_metrics = self._sample_dynamic(index)
+        else:
+            sampled, sampling_metrics = self._sample(self.prompts.next(self.B), index), {}
+        self.generator.sleep()  # (vLLM's sleep mode: its memory is the update's until the next rollout)
+        return self.finish(sampled, sampling_metrics, index)
+
+    def finish(self, sampled: Sampled, sampling_metrics: dict[str, float], index: int) -> RolloutBatch:
+        """The training batch of rollout `index` from its scored completions (collective on several processes)."""
+        batch = self._assemble(sampled)
+        batch.metrics.update(sampling_metrics)
+        batch.metrics.update(self._reward_logs())
+        if self.cfg.dataset_on_bad_row == "skip":
+            batch.metrics["data/skipped_rows"] = float(self.train_set.skipped)
+        batch.index = index
+        return batch
+
+    def sample_request(self, request: SampleRequest | int) -> tuple[Sampled, dict]:
+        """A rollout worker's part (grpo.training.rollout.pipeline): one request generated and scored, with what reward
+        functions logged and the times, which `take_logs` hands to the trainer's `finish`. With dynamic sampling
+        the request is the rollout's index: its prompts, refills included, are drawn here from this copy's prompt
+        stream, and the logs carry the sampling metrics and the stream's state after the draw."""
+        self._begin()
+        self.ready_engine()
+        if isinstance(request, int):
+            sampled, sampling = self._sample_dynamic(request)
+            extra = {"sampling": sampling, "prompts": self.prompts.state_dict()}
+        else:
+            sampled, extra = self._generate(request), {}
+        self.generator.sleep()
+        return sampled, {"metrics": self._logged_metrics, "columns": self._logged_columns, "times": self.times,
+                         **extra}
+
+    def take_logs(self, logs: dict) -> None:
+        """What `sample_request` logged in a worker, as if this process had scored the rollout."""
+        self._logged_metrics, self._logged_columns, self.times = logs["metrics"], logs["columns"], logs["times"]
+
+    def _reward_logs(self) -> dict[str, float]:
+        """What reward functions logged with log_metric, averaged over every call on every process (TRL's)."""
+        names = sorted(set(self.procs.gather_objects(sorted(self._logged_metrics))) | set(self._logged_metrics))
+        out = {}
+        for name in names:
+            values = self._logged_metrics.get(name, [])
+            stats = self.procs.gather(torch.tensor([[sum(values), len(values)]], dtype=torch.float64)).sum(0)
+            out[name] = float(stats[0] / stats[1]) if stats[1] > 0 else float("nan")
+        return out
+
+    def _sample(self, prompts_idx: list[int], index: int, round_: int = 0) -> Sampled:
+        """Generate G completions for each prompt (this process's share of the rows) and score them."""
+        return self._generate(self.request(prompts_idx, index, round_))
+
+    def request(self, prompts_idx: list[int], index: int, round_: int = 0) -> SampleRequest:
+        """This process's share of the rows of the prompts `prompts_idx` (G each), and their seeds."""
+        G, world, rank = self.G, self.procs.world, self.procs.rank
+        n_local = len(prompts_idx) * G // world
+        first = rank * n_local
+        rows = [i for i in prompts_idx for _ in range(G)][first:first + n_local]
+        prompts, prompt_ids, columns = self.train_set.rows(rows)
+        # Seeds belong to rows; a dynamic-sampling refill round gets rows of its own.
+        seeds = [row_seed(self.cfg.seed, index, first + r + round_ * 1_000_000) for r in range(n_local)]
+        return SampleRequest(prompts, prompt_ids, columns, seeds, rows)
+
+    def _generate(self, request: SampleRequest) -> Sampled:
+        prompts, prompt_ids, columns, seeds = request.prompts, request.prompt_ids, request.columns, request.seeds
+        t0 = time.perf_counter()
+        agent = None
+        images = (self.train_set.pixels(request.rows) if getattr(self.train_set, "images", None) is not None
+                  else None)
+        with engine_faults(self.cfg, "generation"):  # (out of memory, a dead vLLM: an error naming the setting)
+            if images is not None:  # (each row's pixels go with it: grpo.training.data.vision)
+                out = self.generator.generate(prompt_ids, self.params, seeds, images=images)
+            elif self.agent is None:
+                # (a server engine sends every process's rows in one request, all processes calling at once)
+                out = self.generator.generate_together(prompt_ids, self.params, seeds)
+            else:  # tools, environments or a rollout_func: the prompts may come back extended
+                out = agent = self.agent.generate(prompts, prompt_ids, columns, self.params, seeds)
+        if agent is not None:
+            prompts, prompt_ids, columns = agent.prompts, agent.prompt_ids, {**columns, **agent.columns}
+        t1 = time.perf_counter()
+        texts = self.tokenizer.batch_decode([strip_eos(c, self.eos_ids) for c in out.ids], skip_special_tokens=False)
+        completions = ([as_completion(p, t) for p, t in zip(prompts, texts)] if agent is None or
+                       agent.completions is None else agent.completions)
+        scored = self.rewards(prompts, completions, out.ids, columns, extras=self._extras())
+        self.times["generation"] += t1 - t0
+        self.times["scoring"] += time.perf_counter() - t1
+        return Sampled(prompts, prompt_ids, columns, out.ids, out.truncated, texts, completions, scored.total,
+                       scored.per_func, scored.errors, scored.timeouts, out.logprobs,
+                       *((agent.model_mask, agent.stats) if agent is not None else ()), images=images,
+                       extra_rows=getattr(agent, "extra_rows", None),
+                       routes=out.routes if agent is None else None)
+
+    def _sample_dynamic(self, index: int) -> tuple[Sampled, dict[str, float]]:
+        """DAPO dynamic sampling: drop groups whose rewards are all equal, sample more prompts until the step has
+        prompts_per_step groups or max_generation_rounds is reached (then it trains on the groups it has)."""
+        G, kept, dropped, rounds, last = self.G, [], 0, 0, None
+        while sum(len(k.total) for k in kept) < self.B * G and rounds < self.cfg.max_generation_rounds:
+            last = self._sample(self.prompts.next(self.B), index, rounds)
+            rounds += 1
+            rewards = torch.tensor(last.total).view(-1, G)
+            varied = [g for g in range(rewards.shape[0]) if float(rewards[g].max() - rewards[g].min()) > 0]
+            dropped += rewards.shape[0] - len(varied)
+            kept.append(last.select([g * G + j for g in varied for j in range(G)]))
+        groups = sum(len(k.total) for k in kept) // G
+        # No group with signal at all: train on the last round as it is (its advantages are zero).
+        sampled = Sampled.concat(kept).select(list(range(min(groups, self.B) * G))) if groups else last
+        return sampled, {"sampling/dropped_groups": float(dropped), "sampling/generation_rounds": float(rounds),
+                         "sampling/kept_groups": float(min(groups, self.B))}
+
+    def _assemble(self, s: Sampled) -> RolloutBatch:
+        """Advantages and padding: the training batch of the sampled groups."""
+        cfg, G, procs = self.cfg, self.G, self.procs
+        n_local = len(s.total)
+        t0 = time.perf_counter()
+        rewards = procs.gather(torch.tensor(s.total, dtype=torch.float32)).view(-1, G)
+        mine = slice(procs.rank * n_local, (procs.rank + 1) * n_local)
+        if cfg.multi_objective_aggregation == "normalize_then_sum":
+            per_func = torch.tensor([[float("nan") if v is None else v for v in s.per_func[n]] for n in s.per_func],
+                                    dtype=torch.float32).T  # (n_local, K)
+            per_func = procs.gather(per_func).view(-1, G, per_func.shape[1])
+            outcome = decoupled_advantages(per_func, torch.tensor(self.rewards.weights), eps=cfg.advantage_eps,
+                                           unbiased=cfg.unbiased_std).view(-1)[mine]
+        else:
+            outcome = group_advantages(rewards, scale=cfg.scale_rewards, eps=cfg.advantage_eps,
+                                       unbiased=cfg.unbiased_std).view(-1)[mine]
+        input_ids, attention, cmask = self.tensors(s)
+        if s.extra_rows:  # an episode's calls that did not extend its first row: rows of their own, its advantage
+            outcome = torch.cat([outcome, outcome[[e[0] for e in s.extra_rows]]])
+        advantages, step_metrics = outcome, {}
+        if self.step_rewards:
+            ids = [strip_eos(c, self.eos_ids) for c in s.completion_ids]
+            advantages, step_metrics = self._process_advantages(s.prompts, s.completions, ids, s.columns, outcome,
+                                                                cmask)
+        batch = RolloutBatch(input_ids, attention, cmask, advantages, images=s.images)
+        if s.images is not None:
+            check_image_tokens_masked(input_ids, cmask, self.policy.config.image_token_id)
+        if s.logprobs is not None:
+            batch.sampling_logp = pad_rows(s.logprobs + [e[4] for e in s.extra_rows or []], cmask.shape[1])
+        if s.routes is not None:  # (laid out as input_ids)
+            batch.routes = batch_routes(s.routes, [len(q) for q in s.prompt_ids], attention.shape[1] - cmask.shape[1],
+                                        attention.shape[1])
+        self.times["scoring"] += time.perf_counter() - t0
+        batch.metrics = {**self._metrics(s, rewards, outcome), **step_metrics}
+        if s.agent_stats is not None:
+            batch.metrics.update(agent_metrics(s.agent_stats, s.model_mask, procs.gather))
+        batch.samples = self._samples(s, outcome)
+        return batch
+
+    def tensors(self, s: Sampled) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows as the update takes them: ids (N, P+T), attention (N, P+T), loss mask (N, T)."""
+        extra = s.extra_rows or []
+        keep = [not (self.cfg.mask_truncated_completions and t) for t in s.truncated] + [True] * len(extra)
+        input_ids, attention, cmask = pack(s.prompt_ids + [e[1] for e in extra],
+                                           s.completion_ids + [e[2] for e in extra], self.tokenizer.pad_token_id, keep)
+        if s.model_mask is not None:  # tool answers take part in the forward pass, not in the loss
+            cmask *= pad_rows(s.model_mask + [e[3] for e in extra], cmask.shape[1])
+        return input_ids, attention, cmask
+
+    def _samples(self, s: Sampled, outcome) -> list[dict]:
+        """Sample completions for the samples/ log: the first 16 rows (one per distinct prompt with
+        log_unique_prompts), with each reward, the advantage and the columns reward functions logged."""
+        rows, seen = [], set()
+        for i, (p, t, r, a) in enumerate(zip(s.prompts, s.texts, s.total, outcome)):
+            text = p if isinstance(p, str) else p[-1]["content"]
+            if self.cfg.log_unique_prompts and text in seen:
+                continue
+            seen.add(text)
+            extra = {k: v[i] for k, v in self._logged_columns.items() if i < len(v)}
+            rows.append({"prompt": text, "completion": t, "reward": r, "advantage": float(a),
+                         **(sample_images(s.prompts, s.columns, i) if s.images is not None else {}),
+                         **{f"reward/{k}": v[i] for k, v in s.per_func.items()}, **extra,
+                         **(sample_stats(s.agent_stats[i]) if s.agent_stats is not None else {})})
+        return rows[:16]
+
+    def _process_advantages(self, prompts, completions, ids, columns, outcome, cmask):
+        """Step rewards -> token positions -> DeepSeekMath 4.1.3 process advantages, mixed with the outcome ones."""
+        cfg, procs = self.cfg, self.procs
+        step_scores: list[list[float]] = [[] for _ in ids]
+        step_ends: list[list[int]] = [[] for _ in ids]
+        for func in self.step_rewards:
+            result = func(prompts=prompts, completions=completions, **columns)
+            for i, steps in enumerate(result):
+                if steps:
+                    chars, scores = zip(*steps)
+                    step_scores[i] += list(scores)
+                    step_ends[i] += char_to_token_ends(self.tokenizer, ids[i], list(chars))
+        scores_all, ends_all = procs.gather_objects(step_scores), procs.gather_objects(step_ends)
+        T = cmask.shape[1]
+        n_local = len(ids)
+        mask_all = torch.zeros(len(scores_all), T)
+        lengths = procs.gather(cmask.sum(1))
+        for r in range(len(scores_all)):  # every row's mask, rebuilt from its length (all ranks' rows)
+            mask_all[r, :int(min(lengths[r], T))] = 1.0
+        process = process_advantages(scores_all, ends_all, mask_all, self.G, eps=cfg.advantage_eps,
+                                     unbiased=cfg.unbiased_std)[procs.rank * n_local:(procs.rank + 1) * n_local]
+        mixed = mix_advantages(outcome, process, cmask, outcome_weight=cfg.outcome_weight,
+                               process_weight=cfg.process_weight)
+        flat = [s for row in step_scores for s in row]
+        first_wrong = [any(s <= 0 for s in row) for row in step_scores]
+        return mixed, {"reward/step/mean": float(np.mean(flat)) if flat else 0.0,
+                       "reward/step/count": float(len(flat)) / max(1, len(ids)),
+                       "reward/step/first_wrong_found_frac": float(np.mean(first_wrong)) if first_wrong else 0.0}
+
+    def _metrics(self, scored: Sampled, rewards, outcome) -> dict[str, float]:
+        gather = self.procs.gather
+        # the model's own tokens (tool answers left out), as TRL counts completion lengths
+        lengths = [len(c) for c in scored.completion_ids] if scored.model_mask is None else [
+            sum(m) for m in scored.model_mask]
+        lengths_all = gather(torch.tensor(lengths, dtype=torch.float32))
+        truncated = gather(torch.tensor(scored.truncated, dtype=torch.float32))
+        scored_rows = rewards[~torch.isnan(rewards)]
+        ended = lengths_all[truncated == 0]
+        ended = ended if ended.numel() else torch.zeros(1)
+        m = {"reward/total": float(scored_rows.mean()) if scored_rows.numel() else float("nan"),
+             "reward/total/std": float(scored_rows.std()) if scored_rows.numel() > 1 else 0.0,
+             "advantage/mean": float(outcome.mean()), "advantage/std": float(outcome.std()),
+             "completion/mean_length": float(lengths_all.mean()), "completion/max_length": float(lengths_all.max()),
+             "completion/min_length": float(lengths_all.min()), "completion/truncated_frac": float(truncated.mean()),
+             "completion/mean_terminated_length": float(ended.mean()),
+             "completion/min_terminated_length": float(ended.min()),
+             "completion/max_terminated_length": float(ended.max()),
+             "completion/tokens": float(gather(torch.tensor(  # every token, tool answers included (TRL's num_tokens)
+                 [len(p) + len(c) for p, c in zip(scored.prompt_ids, scored.completion_ids)],
+                 dtype=torch.float32)).sum())}
+        for name, values in scored.per_func.items():
+            vals = gather(torch.tensor([float("nan") if v is None else float(v) for v in values]))
+            applied = vals[~vals.isnan()]
+            m[f"reward/{name}"] = float(vals.nanmean())
+            m[f"reward/{name}/std"] = float(applied.std()) if applied.numel() > 1 else float("nan")
+            m[f"reward/{name}/none_frac"] = float(vals.isnan().float().mean())  # "does not apply" to these rows
+        for name, count in scored.errors.items():
+            m[f"reward/errors/{name}"] = float(count)
+            m[f"reward/error_frac/{name}"] = count / max(1, len(scored.per_func[name]))  # (health: reward_errors)
+        for name, count in scored.timeouts.items():
+            m[f"reward/timeouts/{name}"] = float(count)
+        m.update(group_stats(rewards))
+        return m

@@ -1,0 +1,1 @@
+"""What a run builds before its loop: config checks, rewards, datasets and schedule (`build`), the model and tokenizer (`model`), sharded setup (`sharded`), the data-parallel ranks (`processes`) and their threads."""
