@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 import grpo.core
 
 CORE_DIR = pathlib.Path(grpo.core.__file__).parent
@@ -24,22 +26,35 @@ def imported_modules(path):
             yield from ((node.lineno, f"{node.module}.{alias.name}") for alias in node.names)
 
 
-def test_core_files_import_only_torch_and_stdlib():
-    files = sorted(CORE_DIR.glob("*.py"))
-    assert {f.name for f in files} >= {"__init__.py", "advantages.py", "loss.py", "logprobs.py", "head_loss.py",
-                                          "importance.py"}
+HEAD_DIR = CORE_DIR.parent / "engines" / "head"
+
+
+@pytest.mark.parametrize("folder, package, expected", [
+    (CORE_DIR, "grpo.core", {"__init__.py", "advantages.py", "loss.py", "importance.py", "surrogates.py"}),
+    # The LM head's kernels live beside the engines but are as pure as the formulas: torch and the stdlib only.
+    (HEAD_DIR, "grpo.engines.head", {"__init__.py", "logprobs.py", "loss.py", "tiles.py"}),
+])
+def test_core_files_import_only_torch_and_stdlib(folder, package, expected):
+    files = sorted(folder.glob("*.py"))
+    assert {f.name for f in files} >= expected
     bad = []
     for path in files:
         for line, module in imported_modules(path):
             top = module.split(".")[0]
             if top not in ALLOWED_TOP_LEVEL or "distributed" in module.split("."):
                 bad.append(f"{path.name}:{line} imports {module}")
-            if top == "grpo" and not module.startswith("grpo.core"):
-                bad.append(f"{path.name}:{line} imports {module} from outside grpo.core")
+            if top == "grpo" and not module.startswith(package):
+                bad.append(f"{path.name}:{line} imports {module} from outside {package}")
         tree = ast.parse(path.read_text())
         bad += [f"{path.name}:{node.lineno} uses .distributed" for node in ast.walk(tree)
                 if isinstance(node, ast.Attribute) and node.attr == "distributed"]
     assert not bad, bad
+
+
+def test_core_holds_no_lm_head_kernels():
+    # Issue 39: grpo.core is the formulas one checks against the papers; the head's kernels are engine code.
+    assert not {"logprobs.py", "head_loss.py", "head_tiles.py"} & {f.name for f in CORE_DIR.glob("*.py")}
+    assert not {"hidden_logprobs", "hidden_loss", "token_logprobs", "token_entropy"} & set(grpo.core.__all__)
 
 
 def test_importing_core_loads_nothing_beyond_torch_and_stdlib():
@@ -83,9 +98,12 @@ def test_public_api_names_and_parameters():
         "hidden_logprobs": ["hidden", "weight", "tokens", "temperature", "chunk_size", "bias", "with_entropy",
                             "vocab_block", "weight_grad_in_place", "kernels", "float32_head"],
     }
+    import grpo.engines.head
+
     for name, params in expected.items():
-        assert name in grpo.core.__all__
-        assert list(inspect.signature(getattr(grpo.core, name)).parameters) == params, name
+        package = grpo.engines.head if name in grpo.engines.head.__all__ else grpo.core
+        assert name in package.__all__
+        assert list(inspect.signature(getattr(package, name)).parameters) == params, name
     defaults = inspect.signature(grpo.core.policy_loss).parameters
     assert defaults["kl_estimator"].default == "k3" and defaults["aggregation"].default == "sequence_mean"
     assert inspect.signature(grpo.core.group_advantages).parameters["eps"].default == 1e-4

@@ -6,8 +6,9 @@ numbers in (for exact gradient accumulation across micro-batches and processes i
 outcome advantages are (B, G), per-token tensors (B*G, T).
 
 Where our defaults depart from the DeepSeekMath paper (arXiv:2402.03300, sections 4.1.2-4.1.3, eq. 3):
-  1. KL coefficient `beta` defaults to 0.0 (the paper used 0.04), so no reference model is needed unless asked
-     for; DAPO drops the term, and TRL defaults to 0.0 as well. The estimator, when on, is the paper's k3.
+  1. `policy_loss`'s KL coefficient `beta` defaults to 0.0, so the function needs no reference log-probs unless
+     asked; the trainer's config passes the paper's 0.04 by default (`GRPOConfig.beta`; TRL's default and DAPO's
+     are 0.0). The estimator, when on, is the paper's k3.
   2. Advantages divide by `std + eps` with eps = 1e-4 (TRL's value); the paper divides by std alone.
   3. The std is Bessel-corrected (n - 1) by default, as in TRL; the paper does not say which std it uses.
      With 8 rewards, 4 of them 1, that gives std 0.5345 and advantages +-0.935 (population std: 0.5 and +-1).
@@ -25,6 +26,9 @@ ratio-corrected KL (DeepSeek-V3.2), other surrogates (CISPO, SAPO, VESPO: `surro
 high-entropy masks (`masks.py`), the entropy bonus (`entropy.py`), GDPO's decoupled normalization
 (`decoupled_advantages`), reference syncing (`reference.py`), and a weighted mix of outcome and process advantages
 (`mix_advantages`).
+
+The LM head's memory-saving kernels (log-probs from hidden states in tiles, the loss's gradient in the same pass)
+are engine code and live in `grpo.engines.head`.
 """
 
 from grpo.core.advantages import (ADVANTAGE_SCALES, decoupled_advantages, group_advantages, mix_advantages,
