@@ -1,4 +1,4 @@
-"""Tests of grpo.engines.head.logprobs and grpo.engines.head.loss: golden values, agreement with the naive full-softmax
+"""Tests of grpo.engines.head (logprobs, loss, seeded): golden values, agreement with the naive full-softmax
 computation (values and gradients), chunk coverage, and that backward does not keep an (N, T, V) tensor alive."""
 
 import math
@@ -231,7 +231,7 @@ def test_hidden_loss_matches_autograd_through_the_naive_logits(rows_per_chunk, v
 def test_seeded_hidden_loss_matches_autograd_through_the_naive_logits(estimate, corrected, vocab_block, use_bias,
                                                                      monkeypatch, kernels=None, atol=1e-5):
     # tests/test_native.py runs this with the compiled tile kernels.
-    import grpo.engines.head.loss as head_loss_module
+    import grpo.engines.head.seeded as seeded_module
 
     hidden, weight, bias, tokens = random_case(seed=31, rows=4)
     weight[5] += 3.0
@@ -249,8 +249,8 @@ def test_seeded_hidden_loss_matches_autograd_through_the_naive_logits(estimate, 
     logp_estimate = expected_logp.detach() + {"close": 1e-6 * noise, "off": 0.5 * noise, "too_high": 5.0,
                                               "too_low": -120.0, "mixed": 1e-6 * noise + mixed}[estimate]
     passes = []
-    correct = head_loss_module._correct_seeded
-    monkeypatch.setattr(head_loss_module, "_correct_seeded", lambda h, *a: passes.append(len(h)) or correct(h, *a))
+    correct = seeded_module._correct_seeded
+    monkeypatch.setattr(seeded_module, "_correct_seeded", lambda h, *a: passes.append(len(h)) or correct(h, *a))
 
     leaves = [t.detach().clone().requires_grad_() for t in naive]
     loss, logp, entropy = hidden_loss(leaves[0], leaves[1], tokens, row_separable_loss(weights), temperature,
@@ -330,20 +330,20 @@ def test_seeded_hidden_loss_survives_non_finite_and_far_off_estimates(kernels):
 def test_seeded_bfloat16_head_scores_like_the_other_paths():
     """A bfloat16 head's tiles are rounded to bfloat16 before scoring: the seeded pass takes each target logit from
     its tile, as hidden_logprobs does, so the log-probs agree and good estimates need no second pass."""
-    import grpo.engines.head.loss as head_loss_module
+    import grpo.engines.head.seeded as seeded_module
 
     hidden, weight, _, tokens = random_case(seed=34, rows=4, cols=6, vocab=300, hidden_size=16)
     hidden, weight = (3 * hidden).bfloat16(), weight.bfloat16()
     weights = torch.linspace(-1, 1, tokens.numel()).reshape(tokens.shape)
     tiled, _ = hidden_logprobs(hidden, weight, tokens, vocab_block=64)
     passes = []
-    correct = head_loss_module._correct_seeded
-    head_loss_module._correct_seeded = lambda *a: passes.append(1) or correct(*a)
+    correct = seeded_module._correct_seeded
+    seeded_module._correct_seeded = lambda *a: passes.append(1) or correct(*a)
     try:
         _, logp, _ = hidden_loss(hidden.clone().requires_grad_(), weight.clone().requires_grad_(), tokens,
                                  row_separable_loss(weights), vocab_block=64, logp_estimate=tiled)
     finally:
-        head_loss_module._correct_seeded = correct
+        seeded_module._correct_seeded = correct
     torch.testing.assert_close(logp, tiled, atol=1e-5, rtol=1e-5)
     assert not passes
 

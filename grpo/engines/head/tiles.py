@@ -1,6 +1,7 @@
 """The LM head applied in (positions x vocabulary rows) tiles: the pieces `hidden_logprobs` (grpo/engines/head/logprobs.py)
 and `hidden_loss` (grpo/engines/head/loss.py) share. A tile's logits, the target logit picked from it, the running
-(online) log-sum-exp and entropy over tiles, and the gradients of hidden, weight and bias accumulated tile by tile.
+(online) log-sum-exp and entropy over tiles, and the gradients of hidden, weight and bias accumulated tile by tile;
+for `hidden_loss`, a row loss's gradient by autograd (`_loss_and_grad`) and where positions sit in its rows (`_Rows`).
 
 Notation as in grpo/engines/head/logprobs.py: N sequences, T positions, V vocabulary, H hidden size; m positions per tile.
 """
@@ -163,3 +164,51 @@ def _logits_into(out: Tensor, h: Tensor, weight: Tensor, bias: Tensor | None, v0
     else:
         out[:, :width] = _head_block(h, weight, bias, v0, width, temperature)
     return out[:, :width]
+
+
+def _loss_and_grad(row_loss, logp: Tensor, rows: slice) -> tuple[Tensor, Tensor]:
+    """row_loss(logp (r, T), rows) and its gradient d loss / d logp (r, T) in logp's dtype; both detached."""
+    leaf = logp.detach().requires_grad_()
+    with torch.enable_grad():
+        loss = row_loss(leaf, rows)
+    (g,) = torch.autograd.grad(loss, leaf, allow_unused=True)
+    g = torch.zeros_like(leaf) if g is None else g
+    return loss.detach(), g.to(logp.dtype)
+
+
+class _Rows:
+    """The (N, T) rows that `row_loss` takes, and where the flat positions of the hidden states sit in them: every
+    cell, row-major (hidden (N, T, H)), or the True cells of `layout` (N, T), row-major (ragged rows with their
+    padding removed: hidden (n_tok, H)); cells outside the layout hold 0."""
+
+    def __init__(self, hidden: Tensor, layout: Tensor | None):
+        self.layout = layout
+        self.rows, self.cols = hidden.shape[:2] if layout is None else layout.shape
+        counts = [self.cols] * self.rows if layout is None else layout.sum(1).tolist()
+        self.offsets = [0]
+        for c in counts:
+            self.offsets.append(self.offsets[-1] + c)
+
+    def flat(self, part: slice) -> slice:
+        """The flat positions of rows `part`."""
+        return slice(self.offsets[part.start], self.offsets[part.stop])
+
+    def to_rows(self, values: Tensor, part: slice) -> Tensor:
+        """(m,) values of rows `part`'s positions -> (r, T) rows."""
+        if self.layout is None:
+            return values.reshape(-1, self.cols)
+        cells = self.layout[part]
+        return values.new_zeros(cells.shape).masked_scatter_(cells, values)
+
+    def to_flat(self, rows: Tensor, part: slice) -> Tensor:
+        """(r, T) rows `part` -> (m,) values at their positions."""
+        return rows.reshape(-1) if self.layout is None else rows[self.layout[part]]
+
+
+def _saved_grads(ctx, grad_loss: Tensor) -> list:
+    """The gradients a one-pass loss saved during forward, scaled by the incoming grad_loss."""
+    if ctx.weight_in_place_guard and float(grad_loss) != 1.0:
+        raise RuntimeError("hidden_loss(weight_grad_in_place=True): the weight's gradient was added to .grad "
+                           "during forward, so backward must start from this loss with gradient 1 "
+                           "(loss.backward()); scale row_loss instead.")
+    return [None if g is None else (g if float(grad_loss) == 1.0 else g * grad_loss) for g in ctx.grads]
