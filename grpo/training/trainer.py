@@ -116,10 +116,19 @@ class GRPOTrainer(TRLSurface):
         self.eval_dataset = given_eval if given_eval is not None else eval_dataset  # (TRL's attribute)
         check_reward_columns(self.rewards, train_dataset, self.agents)  # before any model load
 
+        self._prompts(model, from_path, processing_class, train_dataset, eval_dataset)
+        self._model_and_engine(model if not from_path else load_model(cfg, quantization_config), peft_config,
+                               optimizers, generator)
+        self._loop_parts(callbacks)
+        self.control.event("on_init_end")
+
+    def _prompts(self, model, from_path: bool, processing_class, train_dataset, eval_dataset) -> None:
+        """The tokenizer (or processor), the train and eval prompts tokenized and checked, the batch layout: before
+        the weights load, so a bad row or length fails in seconds."""
+        cfg = self.cfg
         self.tokenizer = tokenizer_for(cfg, processing_class, cfg.model_name_or_path if from_path else
                                        model.name_or_path)
         self.images = image_processing_for(cfg, processing_class, self.tokenizer, None if from_path else model)
-        # Tokenize and check the data before the weights load: a bad row or length fails in seconds.
         self.train_set, self.sampler = make_prompts(train_dataset, self.tokenizer, cfg, self.prefill, self.rewards,
                                                     agents=self.agents, images=self.images)
         check_sharded_images(self.accel, self.train_set)
@@ -130,8 +139,11 @@ class GRPOTrainer(TRLSurface):
         self.B, self.G = self.layout.prompts_per_rollout, cfg.num_generations
         check_sizes(cfg, prompt_count(self.train_set), self.B, self.train_set.prompt_ids,
                     None if from_path else model.config, self.tokenizer)
-        if from_path:
-            model = load_model(cfg, quantization_config)
+
+    def _model_and_engine(self, model, peft_config, optimizers, generator) -> None:
+        """The loaded model made the policy (LoRA, a reference), its optimizer and schedule, prepared by accelerate;
+        the rollout engine and the update backend."""
+        cfg = self.cfg
         set_threads(cfg.num_threads, model, cfg.max_staleness)  # (null: from the machine and the model's size)
         self.engine = choose_engine(cfg.engine, model, self.accel.device, self.accel.num_processes,
                                     self.accel.distributed_type,
@@ -157,6 +169,11 @@ class GRPOTrainer(TRLSurface):
                                                    self.params, self.reference, generator,
                                                    gather_for_generation=cfg.ds3_gather_for_generation,
                                                    sp=self.procs.sp, offload=cfg.activation_offloading)
+
+    def _loop_parts(self, callbacks) -> None:
+        """The loop's parts over the engine: the rollout and its source, the objective, micro-batches and update, the
+        callbacks' control, health alarms, the loop's state and the checkpoint that saves it."""
+        cfg = self.cfg
         packing, why = self.backend.packing(self.policy, cfg.use_remove_padding)
         self.rollouts = Rollouts(cfg, self.generator, self.policy, self.tokenizer, self.train_set, self.sampler,
                                  self.rewards, self.step_rewards, self.procs, self.B, self.G, self.params,
@@ -184,7 +201,6 @@ class GRPOTrainer(TRLSurface):
             own_parts={"pipeline": self.source}, rollout_steps=self.layout.rollout_steps, replan=self.updates.plan,
             control=self.control, write_run_files=self.run_files.write)
         self._summary = TrainingSummary()
-        self.control.event("on_init_end")
 
     @property
     def step(self) -> int:
