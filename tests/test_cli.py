@@ -263,12 +263,12 @@ def test_a_tracker_not_installed_is_one_line_and_leaves_no_lock_or_files(capsys,
 
 def test_a_run_that_fails_as_it_starts_gives_its_lock_back(tmp_path, tiny_model_dir, data_file, monkeypatch):
     """Anything failing between the lock and the loop (a tracker, a full disk writing config.yaml) left the lock."""
-    import grpo.training.trainer as trainer_module
+    from grpo.training.observe.summary import RunFiles
 
     def fails(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(trainer_module, "write_run_files", fails)
+    monkeypatch.setattr(RunFiles, "write", fails)
     out = tmp_path / "run"
     with pytest.raises(OSError):
         main(["train", f"model_name_or_path={tiny_model_dir}", f"dataset_name={data_file}", "max_steps=1",

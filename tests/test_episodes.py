@@ -20,6 +20,7 @@ from grpo.agents import Episodes  # noqa: E402
 from grpo.agents.tools import calculator  # noqa: E402
 from grpo.config import ConfigError  # noqa: E402
 from grpo.tasks import calculator as calculator_task  # noqa: E402
+from conftest import load_script  # (at the top: tests/trl_suite has a conftest too)
 
 ASSET = str(Path(__file__).resolve().parents[1] / "grpo" / "assets" / "tiny-tools")
 TOOLS = [{"type": "function", "function": {
@@ -172,7 +173,6 @@ def test_an_openai_agents_sdk_agent_trains_through_the_endpoint(tmp_path):
     """scripts/agents_sdk_calculator.py's agent (an Agents SDK Agent with a function tool, unchanged): its calls
     extend one another, so each episode is one row, and nothing drifted from what was sampled."""
     pytest.importorskip("agents")
-    from conftest import load_script
 
     script = load_script("agents_sdk_calculator")
     trainer = GRPOTrainer(model=ASSET, args=config(tmp_path, num_generations=4, max_completion_length=128),

@@ -17,6 +17,7 @@ from grpo.engines.base import SamplingParams
 from grpo.engines.packing import choose_packing, pack
 from grpo.engines.policy import MicroBatch, completion_logprobs
 from grpo.engines.sampling import TransformersSampler
+from conftest import build_char_tokenizer, load_script  # (at the top: tests/trl_suite has a conftest too)
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "gpt_oss")
 
@@ -49,7 +50,6 @@ def tiny_moe(family: str, vocab: int = 40, seed: int = 0, pad: int = 1, eos: int
 @pytest.fixture(scope="module")
 def moe_dirs(tmp_path_factory):
     """Each family's tiny model saved with the byte tokenizer of tests/conftest.py (258 tokens)."""
-    from conftest import build_char_tokenizer
 
     dirs = {}
     for family in FAMILIES:
@@ -310,7 +310,6 @@ def test_the_tiny_moe_build_script_is_deterministic_at_miniature_size(tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from conftest import load_script
 
     script = load_script("build_tiny_moe_model")
     script.main(["--out", str(tmp_path / "a"), "--tiny"])

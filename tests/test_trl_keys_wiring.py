@@ -108,11 +108,11 @@ def test_cadence_reads_strategies_and_ratios():
     cfg = GRPOConfig(logging_steps=0.25, save_steps=0.5, eval_steps=None, logging_first_step=True)
     cadence = Cadence(cfg, steps_per_epoch=4, total=8)
     assert [s for s in range(1, 9) if cadence.log(s)] == [1, 2, 4, 6, 8]  # every 2 (a quarter of 8) and the first
-    assert [s for s in range(1, 9) if cadence.save(s)] == [4]  # every 4; the last writes final/
+    assert [s for s in range(1, 9) if cadence.save(s)] == [4, 8]  # every 4, and the last (transformers' Trainer)
     assert [s for s in range(1, 9) if cadence.evaluate(s, True)] == [2, 4, 6, 8]  # eval_steps null: logging_steps
     epochs = Cadence(GRPOConfig(logging_strategy="epoch", save_strategy="epoch", eval_strategy="epoch"), 3, 7)
     assert [s for s in range(1, 8) if epochs.log(s)] == [3, 6, 7]
-    assert [s for s in range(1, 8) if epochs.save(s)] == [3, 6]
+    assert [s for s in range(1, 8) if epochs.save(s)] == [3, 6, 7]  # (the last, partial epoch ends at 7)
     assert not any(Cadence(GRPOConfig(eval_strategy="no", logging_strategy="no"), 3, 7).evaluate(s, True)
                    for s in range(1, 8))
     samples = Cadence(GRPOConfig(log_completions=True, logging_steps=3), 10, 10)

@@ -157,7 +157,8 @@ class Rollouts:
                        scored.per_func, scored.errors, scored.timeouts, out.logprobs,
                        *((agent.model_mask, agent.stats) if agent is not None else ()), images=images,
                        extra_rows=getattr(agent, "extra_rows", None),
-                       routes=out.routes if agent is None else None)
+                       # (a user's engine's completions may carry no routes)
+                       routes=getattr(out, "routes", None) if agent is None else None)
 
     def _sample_dynamic(self, index: int) -> tuple[Sampled, dict[str, float]]:
         """DAPO dynamic sampling: drop groups whose rewards are all equal, sample more prompts until the step has

@@ -53,12 +53,23 @@ TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"
 
 def check_trackers(report_to) -> None:
     """Each metric sink of report_to importable (its package installed), before the run's lock and files."""
-    import importlib.util
-
     for name in [report_to] if isinstance(report_to, str) else report_to or []:
-        if name in TRACKERS and importlib.util.find_spec(TRACKERS[name]) is None:
+        if name in TRACKERS and not _installed(TRACKERS[name]):
             raise ConfigError(f"report_to: {name!r} needs the {TRACKERS[name]} package, which is not installed; "
                               f"pip install {TRACKERS[name]}, or drop {name!r} from report_to.")
+
+
+def _installed(package: str) -> bool:
+    """Whether `package` imports: already imported (a module put in sys.modules has no spec to find), or found."""
+    import importlib.util
+    import sys
+
+    if package in sys.modules:
+        return True
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def check_model_path(name: str) -> None:
