@@ -30,7 +30,9 @@ def make_rollout(spec: AgentSpec, trainer):
     """The multi-turn rollout of a trainer's run: `spec`'s tools over its rollout engine, prompts an environment
     extends rendered as its training prompts are; or the user's rollout_func, which is handed the trainer."""
     if isinstance(spec.rollout_func, Episodes):  # an agent's episodes through the endpoint
-        return spec.rollout_func.rollout(trainer)
+        return spec.rollout_func.rollout(trainer.generator, trainer.tokenizer, trainer.params,
+                                         trainer.cfg.model_name_or_path, trainer.accel.autocast,
+                                         trainer.cfg.max_completion_length)
     if spec.rollout_func is not None:
         from grpo.agents.custom import CustomRollout
 

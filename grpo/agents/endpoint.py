@@ -39,6 +39,7 @@ from grpo.agents.api import (ApiError, Request, chat_reply, chat_response, check
 from grpo.agents.recording import Call, Episode, normal_message
 from grpo.config import ConfigError
 from grpo.engines.base import SamplingParams
+from grpo.engines.vllm_server import send_json
 
 logger = logging.getLogger(__name__)
 LOCAL = ("127.0.0.1", "localhost", "::1")
@@ -303,12 +304,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._answer(*self.endpoint.handle(self.path, body, self.headers.get("Authorization")))
 
     def _answer(self, status: int, obj: dict) -> None:
-        data = json.dumps(obj).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, status, obj)
 
     def log_message(self, format, *args):  # noqa: A002 - http.server's signature
         logger.debug("endpoint: " + format, *args)

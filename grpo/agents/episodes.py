@@ -56,11 +56,12 @@ class Episodes:
         """The episode's return as a reward function (weight 1), which also logs the episodes' counts."""
         return [("episode", episode_reward)]
 
-    def rollout(self, trainer) -> "EpisodeRollout":
-        endpoint = Endpoint(trainer.generator, trainer.tokenizer, trainer.params, self.host, self.port, self.token,
-                            self.window_s, str(getattr(trainer.cfg, "model_name_or_path", None) or "policy"),
-                            trainer.accel.autocast)
-        return EpisodeRollout(self, endpoint, trainer.cfg.max_completion_length)
+    def rollout(self, generator, tokenizer, params, model_name: str | None, autocast,
+                max_completion_length: int) -> "EpisodeRollout":
+        """The episodes' rollout over `generator` (the run's rollout engine), served under the run's `autocast`."""
+        endpoint = Endpoint(generator, tokenizer, params, self.host, self.port, self.token, self.window_s,
+                            str(model_name or "policy"), autocast)
+        return EpisodeRollout(self, endpoint, max_completion_length)
 
     def __call__(self, prompts, trainer):  # (the rollout_func shape; the trainer takes `rollout` instead)
         raise ConfigError("Episodes: pass it as rollout_func to GRPOTrainer, which runs it through its endpoint.")

@@ -149,18 +149,23 @@ def serve(model: str, host: str = "0.0.0.0", port: int = 8000, **engine_kwargs) 
         server.server_close()
 
 
+def send_json(handler: BaseHTTPRequestHandler, status: int, body: dict) -> None:
+    """An HTTP handler's JSON reply: status, headers with the length, the body."""
+    data = json.dumps(body).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
 class Handler(BaseHTTPRequestHandler):
     """The endpoints of the module docstring, on the server's `served` engine."""
 
     protocol_version = "HTTP/1.1"  # (chunked request bodies)
 
     def _reply(self, body: dict, status: int = 200) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, status, body)
 
     def do_GET(self):  # noqa: N802 - http.server's name
         if self.path != "/health":
