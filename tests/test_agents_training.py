@@ -12,7 +12,7 @@ from datasets import Dataset
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.agents.template import ToolTemplate
 from grpo.config import ConfigError
-from grpo.core import policy_loss
+from grpo.core import LossSettings, policy_loss
 from grpo.engines.base import ScriptedGenerator, row_seed
 
 CALL = "<tool_call>\n" + json.dumps({"name": "calculator", "arguments": {"expression": "6 * 7"}}) + "\n</tool_call>"
@@ -72,7 +72,7 @@ def test_the_loss_mask_is_the_models_tokens_token_by_token(tmp_path, tools_model
     N = batch.input_ids.shape[0]
     advantages = torch.tensor([1.0, -2.0, 0.5, 3.0])[:N]
     logp = torch.full((N, T), -1.0, requires_grad=True)
-    out = policy_loss(logp, logp.detach(), advantages, batch.completion_mask, aggregation="sequence_mean")
+    out = policy_loss(logp, logp.detach(), advantages, batch.completion_mask, LossSettings(aggregation="sequence_mean"))
     out.loss.backward()
     expected = -advantages[:, None] / (model_tokens * N) * batch.completion_mask
     assert torch.allclose(logp.grad, expected, atol=1e-9)

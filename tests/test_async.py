@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.config import ConfigError
 from grpo.training.checkpoint.files import load_trainer_state
-from grpo.core import engine_importance_weights, policy_loss
+from grpo.core import LossSettings, engine_importance_weights, policy_loss
 from grpo.training.update.objective import MicroInputs, Objective
 from grpo.training.rollout.pipeline import LaggedRollouts
 from grpo.training.rollout.sources import SyncRollouts
@@ -56,7 +56,8 @@ def test_decoupled_objective_by_hand():
     weights, metrics = engine_importance_weights(prox, behav, mask, mode="token_truncate", clip_max=1.5)
     assert weights[0].tolist() == pytest.approx([1.5, 0.25])
     assert metrics["ratio_mean"].item() == pytest.approx(1.125) and metrics["bounded_frac"].item() == 0.5
-    out = policy_loss(logp, prox, torch.tensor([1.0]), mask, eps_low=0.2, eps_high=0.2, sampling_weights=weights)
+    out = policy_loss(logp, prox, torch.tensor([1.0]), mask, LossSettings(eps_low=0.2, eps_high=0.2),
+                      sampling_weights=weights)
     assert out.loss.item() == pytest.approx(-1.0125, abs=1e-6)
     out.loss.backward()
     assert logp.grad[0].tolist() == pytest.approx([0.0, -0.1125], abs=1e-6)

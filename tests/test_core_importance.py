@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from grpo.core import engine_importance_weights, policy_loss
+from grpo.core import LossSettings, engine_importance_weights, policy_loss
 
 LN = math.log
 
@@ -80,7 +80,8 @@ def test_sampling_weights_scale_the_surrogate_not_the_kl():
     out.loss.backward()
     assert logp.grad[0, 0].item() == pytest.approx(-0.5) and logp.grad[1, 1].item() == 0.0
     k3 = math.exp(-0.1) + 0.1 - 1
-    out = policy_loss(logp, logp.detach(), adv, mask, sampling_weights=w, ref_logp=logp.detach() - 0.1, beta=1.0)
+    out = policy_loss(logp, logp.detach(), adv, mask, LossSettings(beta=1.0), sampling_weights=w,
+                      ref_logp=logp.detach() - 0.1)
     assert out.loss.item() == pytest.approx(-0.375 + k3, abs=1e-6)
     with pytest.raises(ValueError, match="sampling_weights has shape"):
         policy_loss(logp, logp.detach(), adv, mask, sampling_weights=w[:, :1])

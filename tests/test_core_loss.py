@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from grpo.core import AGGREGATIONS, kl_penalty, policy_loss
+from grpo.core import AGGREGATIONS, LossSettings, kl_penalty, policy_loss
 from grpo.core.loss import TOKEN_AGGREGATIONS
 
 
@@ -15,7 +15,7 @@ def one_token(p_new, p_old, advantage, **kwargs):
     logp = torch.tensor([[math.log(p_new)]], dtype=torch.float64, requires_grad=True)
     old = torch.tensor([[math.log(p_old)]], dtype=torch.float64)
     out = policy_loss(logp, old, torch.tensor([advantage], dtype=torch.float64), torch.ones(1, 1, dtype=torch.bool),
-                      **kwargs)
+                      LossSettings(**kwargs))
     return out, logp
 
 
@@ -132,7 +132,7 @@ def test_gradient_step_moves_logprob_with_the_sign_of_the_advantage(advantage, r
     logp = torch.log(torch.tensor([[0.3, 0.5, 0.2]])).requires_grad_()
     start = logp.detach().clone()
     out = policy_loss(logp, start, torch.tensor([advantage]), torch.ones(1, 3, dtype=torch.bool),
-                      ratio_level=ratio_level)
+                      LossSettings(ratio_level=ratio_level))
     out.loss.backward()
     with torch.no_grad():
         logp -= 0.1 * logp.grad
@@ -147,13 +147,14 @@ def test_sequence_ratio_is_geometric_mean_and_gradient_reaches_every_token():
     old = torch.log(torch.tensor([[0.25, 0.5]], dtype=torch.float64))
     logp = (old + torch.tensor([[math.log(2), 0.0]], dtype=torch.float64)).requires_grad_()
     mask = torch.ones(1, 2, dtype=torch.bool)
-    out = policy_loss(logp, old, torch.tensor([-1.0], dtype=torch.float64), mask, ratio_level="sequence")
+    sequence = LossSettings(ratio_level="sequence")
+    out = policy_loss(logp, old, torch.tensor([-1.0], dtype=torch.float64), mask, sequence)
     assert out.loss.item() == pytest.approx(math.sqrt(2))
     out.loss.backward()
     torch.testing.assert_close(logp.grad, torch.full((1, 2), math.sqrt(2) / 2, dtype=torch.float64))
     # A = +1: clipped at 1.2 -> loss -1.2 and no gradient anywhere.
     logp.grad = None
-    out = policy_loss(logp, old, torch.tensor([1.0], dtype=torch.float64), mask, ratio_level="sequence")
+    out = policy_loss(logp, old, torch.tensor([1.0], dtype=torch.float64), mask, sequence)
     assert out.loss.item() == pytest.approx(-1.2)
     out.loss.backward()
     assert torch.equal(logp.grad, torch.zeros(1, 2, dtype=torch.float64))
@@ -166,7 +167,7 @@ def test_kl_term_is_added_per_token_with_beta():
     logp = torch.tensor([[math.log(0.5)]], dtype=torch.float64, requires_grad=True)
     ref = torch.tensor([[math.log(0.25)]], dtype=torch.float64)
     out = policy_loss(logp, logp.detach(), torch.zeros(1, dtype=torch.float64), torch.ones(1, 1, dtype=torch.bool),
-                      ref_logp=ref, beta=0.04)
+                      LossSettings(beta=0.04), ref_logp=ref)
     assert out.loss.item() == pytest.approx(0.04 * (0.5 + math.log(2) - 1))
     assert out.metrics["kl"].item() == pytest.approx(0.5 + math.log(2) - 1)
     out.loss.backward()
@@ -205,7 +206,8 @@ def aggregation_batch():
 )
 def test_aggregation_hand_values(aggregation, kwargs, expected):
     logp, old, adv, mask = aggregation_batch()
-    out = policy_loss(logp, old, adv, mask, aggregation=aggregation, **kwargs)
+    settings = LossSettings(aggregation=aggregation, max_length=kwargs.get("max_length"))
+    out = policy_loss(logp, old, adv, mask, settings, normalizer=kwargs.get("normalizer"))
     assert out.loss.item() == pytest.approx(expected)
     # Metrics are plain token means over this micro-batch whatever the aggregation: -9 / 4.
     assert out.metrics["policy_loss"].item() == pytest.approx(-2.25)
@@ -220,11 +222,11 @@ def test_micro_batches_with_normalizer_sum_to_the_full_batch(aggregation):
     logp = (old + 0.3 * torch.randn(6, 5, generator=generator, dtype=torch.float64)).requires_grad_()
     adv = torch.randn(6, generator=generator, dtype=torch.float64)
     mask = torch.arange(5)[None, :] < torch.tensor([5, 1, 3, 0, 4, 2])[:, None]
-    kwargs = {"aggregation": aggregation, "max_length": 5, "eps_high": 0.28}
-    full = policy_loss(logp, old, adv, mask, **kwargs).loss
+    settings = LossSettings(aggregation=aggregation, max_length=5, eps_high=0.28)
+    full = policy_loss(logp, old, adv, mask, settings).loss
     (full_grad,) = torch.autograd.grad(full, logp)
     normalizer = int(mask.sum()) if aggregation in TOKEN_AGGREGATIONS else 6
-    parts = [policy_loss(logp[rows], old[rows], adv[rows], mask[rows], normalizer=normalizer, **kwargs).loss
+    parts = [policy_loss(logp[rows], old[rows], adv[rows], mask[rows], settings, normalizer=normalizer).loss
              for rows in (slice(0, 2), slice(2, 6))]
     (parts_grad,) = torch.autograd.grad(sum(parts), logp)
     assert sum(parts).item() == pytest.approx(full.item())
@@ -245,8 +247,9 @@ def test_garbage_in_masked_positions_cannot_leak():
     mask = torch.tensor([[1, 0], [1, 0]], dtype=torch.bool)
     for aggregation in AGGREGATIONS:
         logp.grad = None
-        out = policy_loss(logp, old, torch.tensor([1.0, -1.0]), mask, ref_logp=ref, beta=0.1,
-                          aggregation=aggregation, max_length=2, entropy=torch.full((2, 2), float("nan")))
+        out = policy_loss(logp, old, torch.tensor([1.0, -1.0]), mask,
+                          LossSettings(beta=0.1, aggregation=aggregation, max_length=2), ref_logp=ref,
+                          entropy=torch.full((2, 2), float("nan")))
         out.loss.backward()
         assert torch.isfinite(out.loss) and torch.isfinite(logp.grad).all()
         assert torch.equal(logp.grad[:, 1], torch.zeros(2))
@@ -274,7 +277,8 @@ def test_metrics_hand_values():
 
 def test_empty_mask_gives_zero_loss_and_metrics():
     logp = torch.zeros(2, 3, requires_grad=True)
-    out = policy_loss(logp, logp.detach(), torch.ones(2), torch.zeros(2, 3, dtype=torch.bool), aggregation="token_mean")
+    out = policy_loss(logp, logp.detach(), torch.ones(2), torch.zeros(2, 3, dtype=torch.bool),
+                      LossSettings(aggregation="token_mean"))
     assert out.loss.item() == 0.0 and out.metrics["ratio_mean"].item() == 0.0
     out.loss.backward()
     assert torch.equal(logp.grad, torch.zeros(2, 3))
@@ -283,13 +287,17 @@ def test_empty_mask_gives_zero_loss_and_metrics():
 def test_bad_arguments_raise_clear_errors():
     logp, old, adv, mask = aggregation_batch()
     with pytest.raises(ValueError, match="beta=0.04 needs ref_logp"):
-        policy_loss(logp, old, adv, mask, beta=0.04)
-    with pytest.raises(ValueError, match=r"aggregation='seq' is not one of"):
-        policy_loss(logp, old, adv, mask, aggregation="seq")
+        policy_loss(logp, old, adv, mask, LossSettings(beta=0.04))
+    with pytest.raises(ValueError, match=r"LossSettings: aggregation='seq' is not one of"):
+        LossSettings(aggregation="seq")
     with pytest.raises(ValueError, match="needs max_length > 0"):
-        policy_loss(logp, old, adv, mask, aggregation="constant")
+        LossSettings(aggregation="constant")
     with pytest.raises(ValueError, match=r"ratio_level='tok' is not one of"):
-        policy_loss(logp, old, adv, mask, ratio_level="tok")
+        LossSettings(ratio_level="tok")
+    with pytest.raises(ValueError, match=r"kl_estimator='k4' is not one of"):
+        LossSettings(kl_estimator="k4")
+    with pytest.raises(ValueError, match="need eps_low >= 0 and eps_high >= 0, got 0.2 and -0.1"):
+        LossSettings(eps_high=-0.1)
     with pytest.raises(ValueError, match=r"advantages must be \(B\*G,\) or \(B\*G, T\)"):
         policy_loss(logp, old, adv[:, :2], mask)
     with pytest.raises(ValueError, match="mask has shape"):
@@ -371,8 +379,8 @@ def test_policy_loss_matches_loop(seed):
                 settings = {"beta": 0.05 if use_ref else 0.0, "eps_low": 0.2, "eps_high": 0.28,
                             "ratio_level": ratio_level, "aggregation": aggregation, "max_length": length}
                 logp = logp0.clone().requires_grad_()
-                out = policy_loss(logp, old, adv, mask, ref_logp=ref if use_ref else None, kl_estimator=estimator,
-                                  **settings)
+                out = policy_loss(logp, old, adv, mask, LossSettings(kl_estimator=estimator, **settings),
+                                  ref_logp=ref if use_ref else None)
                 (grad,) = torch.autograd.grad(out.loss, logp)
                 logp_ref = logp0.clone().requires_grad_()
                 loss, metrics = slow_policy_loss(logp_ref, old, adv, mask, ref if use_ref else None,

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from grpo.config import LOSS_TYPES
-from grpo.core import (adaptive_entropy_coef, aggregation_normalizer, applied_entropy_coef, cispo_surrogate,
-                       clip_surrogate, decoupled_advantages, entropy_bonus, entropy_threshold, high_entropy_mask,
-                       off_policy_mask, policy_loss, sapo_surrogate, sync_reference_, vespo_weights)
+from grpo.core import (LossSettings, adaptive_entropy_coef, aggregation_normalizer, applied_entropy_coef,
+                       cispo_surrogate, clip_surrogate, decoupled_advantages, entropy_bonus, entropy_threshold,
+                       high_entropy_mask, off_policy_mask, policy_loss, sapo_surrogate, sync_reference_, vespo_weights)
 
 
 def t(*values):
@@ -71,8 +71,8 @@ def test_ratio_corrected_kl_value_and_gradient():
     # Its gradient: dk3/dlogp * rho + k3 * rho
     # = (1 - e^-0.5 + e^-0.5 + 0.5 - 1) * rho = 0.5 * rho = 0.6107014. With beta = 1 and A = 0 it is the loss.
     logp = t(-1.0)[None, :].requires_grad_()
-    out = policy_loss(logp, t(-1.2)[None, :], t(0.0), torch.ones(1, 1, dtype=torch.bool), ref_logp=t(-1.5)[None, :],
-                      beta=1.0, kl_ratio_correction=True)
+    out = policy_loss(logp, t(-1.2)[None, :], t(0.0), torch.ones(1, 1, dtype=torch.bool),
+                      LossSettings(beta=1.0, kl_ratio_correction=True), ref_logp=t(-1.5)[None, :])
     out.loss.backward()
     assert out.loss.item() == pytest.approx(0.1301168, rel=1e-6)
     assert out.metrics["kl"].item() == pytest.approx(0.1301168, rel=1e-6)
@@ -192,11 +192,11 @@ def ours(logp, entropy, old, ref, adv, mask, *, loss_type, beta=0.0, epsilon=0.2
     if off_policy_mask_threshold is not None:
         sequence_mask = off_policy_mask(adv, logp, sampling_logp if sampling_logp is not None else old, mask,
                                         off_policy_mask_threshold)
-    out = policy_loss(logp, old, adv, mask, ref_logp=ref, beta=beta, eps_low=epsilon,
-                      eps_high=epsilon if epsilon_high is None else epsilon_high, ratio_level=importance_sampling_level,
-                      aggregation=aggregation, max_length=max_completion_length or logp.shape[1],
-                      normalizer=normalizer, surrogate=surrogate, delta=delta,
-                      kl_ratio_correction=use_bias_correction_kl,
+    settings = LossSettings(beta=beta, eps_low=epsilon, eps_high=epsilon if epsilon_high is None else epsilon_high,
+                            ratio_level=importance_sampling_level, aggregation=aggregation,
+                            max_length=max_completion_length or logp.shape[1], surrogate=surrogate, delta=delta,
+                            kl_ratio_correction=use_bias_correction_kl)
+    out = policy_loss(logp, old, adv, mask, settings, ref_logp=ref, normalizer=normalizer,
                       sequence_mask=sequence_mask, token_mask=token_mask)
     loss = out.loss
     if entropy_coef != 0 or use_adaptive_entropy:

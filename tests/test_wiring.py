@@ -25,7 +25,7 @@ import torch
 from datasets import Dataset
 
 from grpo import GRPOConfig, GRPOTrainer
-from grpo.core import group_advantages, mix_advantages, policy_loss, process_advantages
+from grpo.core import LossSettings, group_advantages, mix_advantages, policy_loss, process_advantages
 from grpo.engines.head import token_entropy, token_logprobs
 
 G, B = 4, 2  # completions per prompt, prompts per step: N = 8 rows, two groups
@@ -121,7 +121,7 @@ def by_hand(model_dir, state, batch, *, temperature=1.0, old_state=None, mask=No
         with torch.no_grad():
             old = logprobs(fresh_model(model_dir, old_state), batch, temperature)
     out = policy_loss(logp, old, batch.advantages if advantages is None else advantages,
-                      batch.completion_mask if mask is None else mask, ref_logp=ref_logp, **loss_kwargs)
+                      batch.completion_mask if mask is None else mask, LossSettings(**loss_kwargs), ref_logp=ref_logp)
     grads = torch.autograd.grad(out.loss, list(model.parameters()), allow_unused=True)
     norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads if g is not None))
     return {k: float(v) for k, v in out.metrics.items()}, float(norm)
@@ -200,8 +200,8 @@ def test_loss_aggregation_reaches_the_gradient(tiny_model_dir, tmp_path, aggrega
     halves = [slice(0, 4), slice(4, 8)]
     model = fresh_model(tiny_model_dir, state)
     logp = logprobs(model, batch)
-    own = sum(policy_loss(logp[h], logp[h].detach(), batch.advantages[h], mask[h], aggregation=aggregation,
-                          max_length=max_len).loss for h in halves)
+    settings = LossSettings(aggregation=aggregation, max_length=max_len)
+    own = sum(policy_loss(logp[h], logp[h].detach(), batch.advantages[h], mask[h], settings).loss for h in halves)
     grads = torch.autograd.grad(own, list(model.parameters()))
     assert_apart(norm, float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads))), what="per-micro-batch counts")
 

@@ -6,7 +6,7 @@ numbers in (for exact gradient accumulation across micro-batches and processes i
 outcome advantages are (B, G), per-token tensors (B*G, T).
 
 Where our defaults depart from the DeepSeekMath paper (arXiv:2402.03300, sections 4.1.2-4.1.3, eq. 3):
-  1. `policy_loss`'s KL coefficient `beta` defaults to 0.0, so the function needs no reference log-probs unless
+  1. `LossSettings`'s KL coefficient `beta` defaults to 0.0, so `policy_loss` needs no reference log-probs unless
      asked; the trainer's config passes the paper's 0.04 by default (`GRPOConfig.beta`; TRL's default and DAPO's
      are 0.0). The estimator, when on, is the paper's k3.
   2. Advantages divide by `std + eps` with eps = 1e-4 (TRL's value); the paper divides by std alone.
@@ -35,8 +35,8 @@ from grpo.core.advantages import (ADVANTAGE_SCALES, decoupled_advantages, group_
                                    process_advantages)
 from grpo.core.entropy import adaptive_entropy_coef, applied_entropy_coef, entropy_bonus
 from grpo.core.importance import IMPORTANCE_SAMPLING_MODES, engine_importance_weights
-from grpo.core.loss import (AGGREGATIONS, KL_ESTIMATORS, RATIO_LEVELS, LossOutput, aggregation_normalizer,
-                            kl_penalty, policy_loss)
+from grpo.core.loss import (AGGREGATIONS, KL_ESTIMATORS, RATIO_LEVELS, LossOutput, LossSettings,
+                            aggregation_normalizer, kl_penalty, policy_loss)
 from grpo.core.masks import entropy_threshold, high_entropy_mask, off_policy_mask
 from grpo.core.reference import sync_reference_
 from grpo.core.surrogates import SURROGATES, cispo_surrogate, clip_surrogate, sapo_surrogate, vespo_weights
@@ -49,6 +49,7 @@ __all__ = [
     "RATIO_LEVELS",
     "SURROGATES",
     "LossOutput",
+    "LossSettings",
     "adaptive_entropy_coef",
     "aggregation_normalizer",
     "applied_entropy_coef",

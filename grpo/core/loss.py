@@ -7,7 +7,7 @@ completion tokens. The objective maximised by DeepSeekMath (arXiv:2402.03300, eq
     rho_it = pi_theta(o_it) / pi_old(o_it) = exp(logp - old_logp),
 
 and `policy_loss` returns its negation. Three ideas that other libraries fuse into one `loss_type` string are kept
-apart here, each with its own named argument:
+apart here, each a field of its own in `LossSettings` (the run's fixed choices, checked once when built):
   * the importance ratio: per token (the paper) or per sequence (`ratio_level="sequence"`, GSPO);
   * the clip range: `eps_low` and `eps_high` may differ (DAPO's "clip-higher", arXiv:2503.14476);
   * the aggregation over tokens and sequences: `AGGREGATIONS` below.
@@ -24,11 +24,11 @@ from grpo.core.surrogates import (SURROGATES, cispo_surrogate, clip_surrogate, s
                                   vespo_weights)
 
 RATIO_LEVELS = ("token", "sequence")
-"""Allowed values of `policy_loss(ratio_level=...)`."""
+"""Allowed values of `LossSettings.ratio_level`."""
 
 AGGREGATIONS = ("sequence_mean", "token_mean", "constant", "sequence_sum", "micro_batch_token_mean",
                 "rollout_token_mean")
-"""Allowed values of `policy_loss(aggregation=...)`. Over one optimizer step of N sequences (all micro-batches and
+"""Allowed values of `LossSettings.aggregation`. Over one optimizer step of N sequences (all micro-batches and
 processes):
   sequence_mean           1/N sum_i 1/|o_i| sum_t l_it        the paper (every completion weighs the same)
   token_mean              1/(sum_i |o_i|) sum_i sum_t l_it    DAPO (every token of the step weighs the same)
@@ -127,22 +127,51 @@ def _check_loss_tensors(logp, old_logp, advantages, mask, ref_logp, entropy) -> 
         )
 
 
-def _check_loss_options(*, ratio_level, aggregation, kl_estimator, eps_low, eps_high, beta, has_ref, max_length,
-                        normalizer, surrogate="clip") -> None:
-    """Raise ValueError naming the option of `policy_loss` that is unknown or out of range."""
-    for key, value, allowed in (("ratio_level", ratio_level, RATIO_LEVELS), ("aggregation", aggregation, AGGREGATIONS),
-                                ("kl_estimator", kl_estimator, tuple(KL_ESTIMATORS)), ("surrogate", surrogate,
-                                                                                      SURROGATES)):
-        if value not in allowed:
-            raise ValueError(f"policy_loss: {key}={value!r} is not one of {allowed}")
-    if eps_low < 0 or eps_high < 0:  # (eps_low >= 1: no lower clip, as ratios are > 0; TRL accepts it)
-        raise ValueError(f"policy_loss: need eps_low >= 0 and eps_high >= 0, got {eps_low} and {eps_high}")
-    if beta != 0 and not has_ref:
-        raise ValueError(f"policy_loss: beta={beta} needs ref_logp (log-probs of the reference policy)")
-    if aggregation == "constant" and not (max_length or 0) > 0:
-        raise ValueError("policy_loss: aggregation='constant' needs max_length > 0 (the maximum completion length)")
-    if normalizer is not None and not normalizer > 0:
-        raise ValueError(f"policy_loss: normalizer must be > 0, got {normalizer}")
+@dataclass(frozen=True)
+class LossSettings:
+    """The loss's fixed choices: what a run decides once (from its config) and every micro-batch's `policy_loss`
+    reads. Checked when built: an unknown name or a value out of range is a ValueError naming the field.
+
+    beta: KL coefficient (DeepSeekMath used 0.04; 0 disables the penalty, as in DAPO and TRL's default).
+    kl_estimator: "k1", "k2" or "k3" (default); see `kl_penalty`.
+    eps_low, eps_high: clip range [1 - eps_low, 1 + eps_high]; eps_high=None means eps_high = eps_low.
+    ratio_level: "token" (the paper) or "sequence" (GSPO: per-sequence geometric mean of token ratios).
+    aggregation: "sequence_mean" (the paper), "token_mean" (DAPO), "constant" (Dr. GRPO), ...; see AGGREGATIONS.
+    max_length: the constant of aggregation="constant" (the maximum completion length); required there.
+    surrogate: "clip" (the paper), "cispo", "sapo" or "vespo"; see grpo.core.surrogates.
+    delta: clip only: cap of the unclipped branch's ratio (two-sided clipping, INTELLECT-2). None: no cap.
+    sapo_temperatures: (tau_pos, tau_neg) of surrogate="sapo".
+    vespo_params: (k_pos, lambda_pos, k_neg, lambda_neg) of surrogate="vespo".
+    kl_ratio_correction: multiply the KL term by the importance ratio rho (with its gradient): the unbiased
+        reverse-KL gradient of DeepSeek-V3.2 (TRL's use_bias_correction_kl). The reported kl is this product.
+    """
+
+    beta: float = 0.0
+    kl_estimator: str = "k3"
+    eps_low: float = 0.2
+    eps_high: float | None = None
+    ratio_level: str = "token"
+    aggregation: str = "sequence_mean"
+    max_length: int | None = None
+    surrogate: str = "clip"
+    delta: float | None = None
+    sapo_temperatures: tuple[float, float] = (1.0, 1.05)
+    vespo_params: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0)
+    kl_ratio_correction: bool = False
+
+    def __post_init__(self) -> None:
+        if self.eps_high is None:
+            object.__setattr__(self, "eps_high", self.eps_low)
+        for key, allowed in (("ratio_level", RATIO_LEVELS), ("aggregation", AGGREGATIONS),
+                             ("kl_estimator", tuple(KL_ESTIMATORS)), ("surrogate", SURROGATES)):
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"LossSettings: {key}={getattr(self, key)!r} is not one of {allowed}")
+        if self.eps_low < 0 or self.eps_high < 0:  # (eps_low >= 1: no lower clip, as ratios are > 0; TRL accepts it)
+            raise ValueError(f"LossSettings: need eps_low >= 0 and eps_high >= 0, got {self.eps_low} and "
+                             f"{self.eps_high}")
+        if self.aggregation == "constant" and not (self.max_length or 0) > 0:
+            raise ValueError("LossSettings: aggregation='constant' needs max_length > 0 (the maximum completion "
+                             "length)")
 
 
 def _importance_ratio(log_ratio: Tensor, mask: Tensor, ratio_level: str) -> Tensor:
@@ -210,23 +239,12 @@ def policy_loss(
     old_logp: Tensor,
     advantages: Tensor,
     mask: Tensor,
+    settings: LossSettings = LossSettings(),
     *,
     ref_logp: Tensor | None = None,
-    beta: float = 0.0,
-    kl_estimator: str = "k3",
-    eps_low: float = 0.2,
-    eps_high: float | None = None,
-    ratio_level: str = "token",
-    aggregation: str = "sequence_mean",
-    max_length: int | None = None,
     normalizer: float | None = None,
     entropy: Tensor | None = None,
     sampling_weights: Tensor | None = None,
-    surrogate: str = "clip",
-    delta: float | None = None,
-    sapo_temperatures: tuple[float, float] = (1.0, 1.05),
-    vespo_params: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0),
-    kl_ratio_correction: bool = False,
     sequence_mask: Tensor | None = None,
     token_mask: Tensor | None = None,
 ) -> LossOutput:
@@ -240,13 +258,10 @@ def policy_loss(
         advantages: (B*G,) one advantage per completion, or (B*G, T) per token (process supervision). Detached.
         mask: (B*G, T) bool or 0/1, True on completion tokens. Masked-out entries of every input are replaced by 0
             before any exp(), so padding holding -inf or garbage cannot turn the loss or its gradient into NaN.
-        ref_logp: (B*G, T) log pi_ref, needed when beta != 0; when given, the KL is also reported as a metric.
-        beta: KL coefficient (DeepSeekMath used 0.04; 0 disables the penalty, as in DAPO and TRL's default).
-        kl_estimator: "k1", "k2" or "k3" (default); see `kl_penalty`.
-        eps_low, eps_high: clip range [1 - eps_low, 1 + eps_high]; eps_high=None means eps_high = eps_low.
-        ratio_level: "token" (the paper) or "sequence" (GSPO: per-sequence geometric mean of token ratios).
-        aggregation: "sequence_mean" (the paper), "token_mean" (DAPO) or "constant" (Dr. GRPO); see AGGREGATIONS.
-        max_length: the constant of aggregation="constant" (the maximum completion length); required there.
+        settings: the run's fixed choices (clip range, KL, ratio level, aggregation, surrogate); see LossSettings.
+            Default: the paper's loss without the KL penalty.
+        ref_logp: (B*G, T) log pi_ref, needed when settings.beta != 0; when given, the KL is also reported as a
+            metric.
         normalizer: replaces this micro-batch's own count in the denominator, so that summing the losses of all
             micro-batches (and processes) of one optimizer step gives exactly the loss of the whole step:
             for "token_mean" pass the total number of completion tokens of the step, for "sequence_mean" and
@@ -257,12 +272,6 @@ def policy_loss(
         sampling_weights: (B*G, T) weights of each token's surrogate (not of its KL term, as in TRL), detached: the
             correction for a rollout engine that samples from another distribution than pi_old
             (`engine_importance_weights`). None: all 1. With surrogate="vespo" they join its sequence weight instead.
-        surrogate: "clip" (the paper), "cispo", "sapo" or "vespo"; see grpo.core.surrogates.
-        delta: clip only: cap of the unclipped branch's ratio (two-sided clipping, INTELLECT-2). None: no cap.
-        sapo_temperatures: (tau_pos, tau_neg) of surrogate="sapo".
-        vespo_params: (k_pos, lambda_pos, k_neg, lambda_neg) of surrogate="vespo".
-        kl_ratio_correction: multiply the KL term by the importance ratio rho (with its gradient): the unbiased
-            reverse-KL gradient of DeepSeek-V3.2 (TRL's use_bias_correction_kl). The reported kl is this product.
         sequence_mask: (B*G,) or (B*G, 1) 0/1 weights of each sequence's surrogate (`off_policy_mask`). None: all 1.
         token_mask: (B*G, T) bool, the tokens whose surrogate counts (`high_entropy_mask`). None: all of `mask`.
 
@@ -273,11 +282,12 @@ def policy_loss(
         (their sum), ratio_mean, advantage_mean, advantage_std, plus kl when ref_logp is given and entropy when
         entropy is given.
     """
-    eps_high = eps_low if eps_high is None else eps_high
     _check_loss_tensors(logp, old_logp, advantages, mask, ref_logp, entropy)
-    _check_loss_options(ratio_level=ratio_level, aggregation=aggregation, kl_estimator=kl_estimator, eps_low=eps_low,
-                        eps_high=eps_high, beta=beta, has_ref=ref_logp is not None, max_length=max_length,
-                        normalizer=normalizer, surrogate=surrogate)
+    if settings.beta != 0 and ref_logp is None:
+        raise ValueError(f"policy_loss: beta={settings.beta} needs ref_logp (log-probs of the reference policy)")
+    if normalizer is not None and not normalizer > 0:
+        raise ValueError(f"policy_loss: normalizer must be > 0, got {normalizer}")
+    s = settings
     mask = mask.bool()
     zeros = torch.zeros_like(logp)
     logp = torch.where(mask, logp, zeros)  # (N, T)
@@ -286,7 +296,7 @@ def policy_loss(
     adv = (adv[:, None] if adv.dim() == 1 else adv).expand_as(logp)  # (N, T)
 
     log_ratio = logp - old_logp
-    ratio = _importance_ratio(log_ratio, mask, ratio_level)  # (N, T)
+    ratio = _importance_ratio(log_ratio, mask, s.ratio_level)  # (N, T)
     weights = None
     if sampling_weights is not None:
         if sampling_weights.shape != logp.shape:
@@ -294,15 +304,15 @@ def policy_loss(
                              f"{tuple(logp.shape)}")
         weights = torch.where(mask, sampling_weights.detach().to(logp.dtype), zeros)
     extra = {}
-    if surrogate == "clip":
-        per_surrogate = clip_surrogate(ratio, adv, eps_low, eps_high, delta)  # (N, T); minus: we minimise
-    elif surrogate == "cispo":
-        per_surrogate = cispo_surrogate(ratio, adv, logp, eps_high)
-        extra["cispo_clip_frac"] = _masked_mean(((ratio > eps_high) & (adv > 0)).to(logp.dtype), mask).detach()
-    elif surrogate == "sapo":
-        per_surrogate = sapo_surrogate(ratio, adv, *sapo_temperatures)
+    if s.surrogate == "clip":
+        per_surrogate = clip_surrogate(ratio, adv, s.eps_low, s.eps_high, s.delta)  # (N, T); minus: we minimise
+    elif s.surrogate == "cispo":
+        per_surrogate = cispo_surrogate(ratio, adv, logp, s.eps_high)
+        extra["cispo_clip_frac"] = _masked_mean(((ratio > s.eps_high) & (adv > 0)).to(logp.dtype), mask).detach()
+    elif s.surrogate == "sapo":
+        per_surrogate = sapo_surrogate(ratio, adv, *s.sapo_temperatures)
     else:  # vespo: the engine's weights go into the sequence weight
-        phi = vespo_weights(adv, log_ratio, mask, weights, *vespo_params)  # (N, 1)
+        phi = vespo_weights(adv, log_ratio, mask, weights, *s.vespo_params)  # (N, 1)
         per_surrogate = vespo_surrogate(phi, adv, logp)
         extra["vespo_phi_mean"] = phi.mean().detach()
         weights = None
@@ -316,15 +326,15 @@ def policy_loss(
     kl = None
     if ref_logp is not None:
         ref_logp = torch.where(mask, ref_logp.detach().to(logp.dtype), zeros)
-        kl = kl_penalty(logp, ref_logp, kl_estimator)  # (N, T)
-        if kl_ratio_correction:
+        kl = kl_penalty(logp, ref_logp, s.kl_estimator)  # (N, T)
+        if s.kl_ratio_correction:
             kl = kl * ratio
-        if beta != 0:
-            per_token = per_surrogate + beta * kl
-    loss = _aggregate(per_token, mask, aggregation, max_length, normalizer)
+        if s.beta != 0:
+            per_token = per_surrogate + s.beta * kl
+    loss = _aggregate(per_token, mask, s.aggregation, s.max_length, normalizer)
 
-    shown = ratio if delta is None or surrogate != "clip" else torch.clamp(ratio, max=delta)  # (TRL's metrics)
-    metrics = _loss_metrics(per_surrogate, shown, adv, mask, eps_low, eps_high, kl, entropy, clip=surrogate == "clip",
-                            per_sequence=ratio_level == "sequence")
+    shown = ratio if s.delta is None or s.surrogate != "clip" else torch.clamp(ratio, max=s.delta)  # (TRL's metrics)
+    metrics = _loss_metrics(per_surrogate, shown, adv, mask, s.eps_low, s.eps_high, kl, entropy,
+                            clip=s.surrogate == "clip", per_sequence=s.ratio_level == "sequence")
     metrics.update(extra)
     return LossOutput(loss=loss, metrics=metrics)

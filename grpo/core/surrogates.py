@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 SURROGATES = ("clip", "cispo", "sapo", "vespo")
-"""Allowed values of `policy_loss(surrogate=...)`."""
+"""Allowed values of `LossSettings.surrogate`."""
 
 
 def clip_surrogate(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float,

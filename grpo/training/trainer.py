@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 
-from grpo.config.base import shipped_model
 from grpo.agents import make_agent_spec, make_rollout
+from grpo.config.base import shipped_model
+from grpo.config.derived import needs_reference
 from grpo.core import sync_reference_
 from grpo.engines.base import SamplingParams
 from grpo.engines.moe import make_routing
@@ -329,7 +330,7 @@ class GRPOTrainer(TRLSurface):
         per pass (with one, they come from the first pass, before any step)."""
         if self.layout.steps_per_rollout > 1:
             batch.old_logp = self.updates.score(self.policy, batch)
-        if self.cfg.beta > 0 and batch.ref_logp is None:  # (a rollout worker may have scored them already)
+        if needs_reference(self.cfg) and batch.ref_logp is None:  # (a rollout worker may have scored them already)
             batch.ref_logp = self._reference_logprobs(batch)
 
     @torch.no_grad()

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from transformers.trainer_pt_utils import log_metrics, metrics_format, save_metrics, save_state
 
+from grpo.config.derived import needs_reference
 from grpo.core import entropy_threshold, high_entropy_mask, off_policy_mask
 
 _SENTINEL = -1e9  # entropies are >= 0: pads the gathered entropies across processes, then dropped
@@ -112,7 +113,7 @@ class TRLSurface:
     def ref_model(self):
         """The reference model: None when beta is 0 and with LoRA (the policy with its adapters off is the reference),
         as in TRL; on the CPU engine a DiskReference (its weights wait on disk between passes)."""
-        return self.reference if self.cfg.beta != 0.0 else None
+        return self.reference if needs_reference(self.cfg) else None
 
     @property
     def reward_processing_classes(self) -> list:

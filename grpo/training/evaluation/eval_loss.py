@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from grpo.config.derived import needs_reference
 from grpo.core import aggregation_normalizer
 from grpo.engines.policy import completion_logprobs, reference_view
 from grpo.training.update.objective import MicroInputs, Objective
@@ -50,7 +51,7 @@ def eval_loss(train: Rollouts, objective: Objective, reference, accel, prompt_se
         mask = batch.completion_mask[chunk].to(device)
         logp, entropy = completion_logprobs(policy, ids, att, width, cfg.temperature, with_entropy=True)
         ref = None
-        if cfg.beta > 0:
+        if needs_reference(cfg):
             with reference_view(policy, reference) as reference:
                 ref = completion_logprobs(reference, ids, att, width, cfg.temperature)
         normalizer = aggregation_normalizer(cfg.loss_aggregation, step_tokens=tokens, step_rows=rows * procs.world,

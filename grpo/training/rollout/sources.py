@@ -14,6 +14,7 @@ import torch
 
 from grpo.agents import AgentRollout
 from grpo.config import ConfigError
+from grpo.config.derived import needs_reference
 from grpo.training.rollout.pipeline import LaggedRollouts
 from grpo.training.rollout.pipeline_server import ServerRollouts
 from grpo.training.rollout.rollouts import Rollouts
@@ -104,5 +105,5 @@ def make_source(cfg, rollouts: Rollouts, policy, device, rollout_steps: int, tot
                           "forked worker needs them whole: use use_vllm with vllm_mode: server (the push gathers "
                           "them), or set max_staleness: 0.")
     alone = rollouts.procs.world == 1 or cfg.max_tokens_per_micro_batch is None
-    reference = reference if cfg.beta > 0 and not cfg.sync_ref_model and alone else None
+    reference = reference if needs_reference(cfg) and not cfg.sync_ref_model and alone else None
     return LaggedRollouts(rollouts, policy, cfg.max_staleness, rollout_steps, total_rollouts, reference)

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from grpo.config import ConfigError, GRPOConfig
+from grpo.config.derived import needs_reference
 from grpo.engines.cpu.reference import DiskReference
 from grpo.engines.images import is_vision_config
 from grpo.engines.policy import is_peft
@@ -143,7 +144,7 @@ def prepare_model(model, cfg: GRPOConfig, peft_config=None, reference_dir: Path 
         raise ConfigError("sync_ref_model: with LoRA the reference is the model with its adapters off, nothing to "
                           "sync (TRL refuses it too); train all weights or turn it off.")
     reference = None
-    if cfg.beta > 0 and peft_config is None:
+    if needs_reference(cfg) and peft_config is None:
         if reference_dir is not None and not cfg.sync_ref_model:  # (a synced reference changes: kept in memory)
             reference = disk_reference(model, reference_dir, reference_prefix)
         else:

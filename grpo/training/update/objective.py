@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo.config.derived import corrects_sampling, loss_settings
 from grpo.core import (LossOutput, adaptive_entropy_coef, applied_entropy_coef, engine_importance_weights,
                        entropy_bonus, entropy_threshold, high_entropy_mask, off_policy_mask, policy_loss)
 
@@ -33,27 +34,50 @@ class MicroInputs:
     micro_batches: int  # per optimizer step on this process, for the entropy bonus's mean of means
 
 
+@dataclass(frozen=True)
+class EntropyControl:
+    """The entropy bonus's settings: a fixed coefficient (TRL's entropy_coef) or one moved by adaptive control
+    towards `target` by `delta` per optimizer step, kept in [low, high]."""
+
+    coef: float
+    adaptive: bool
+    target: float
+    delta: float
+    low: float
+    high: float
+
+    @property
+    def on(self) -> bool:
+        return self.coef != 0.0 or self.adaptive
+
+
 class Objective:
+    """The run's loss, with every setting read from the config once, here (grpo.config.derived for the facts
+    other parts share)."""
+
     def __init__(self, cfg, processes):
-        self.cfg, self.procs = cfg, processes
+        self.procs = processes
+        self.settings = loss_settings(cfg)
+        # The engine's importance weights (the keyword arguments of engine_importance_weights), or None: no correction.
+        self.importance = (dict(mode=cfg.vllm_importance_sampling_mode, clip_max=cfg.vllm_importance_sampling_clip_max,
+                                clip_min=cfg.vllm_importance_sampling_clip_min) if corrects_sampling(cfg) else None)
+        self.off_policy_threshold = cfg.off_policy_mask_threshold
+        self.top_entropy_quantile = cfg.top_entropy_quantile
+        self.control = EntropyControl(cfg.entropy_coef, cfg.use_adaptive_entropy, cfg.entropy_target,
+                                      cfg.entropy_coef_delta, cfg.entropy_coef_min, cfg.entropy_coef_max)
         self.entropy_coef = cfg.entropy_coef
         self.last_entropy = math.inf  # the last optimizer step's mean token entropy (adaptive control)
         self._window: torch.Tensor | None = None  # (entropy sum, tokens) over this step's micro-batches
         self._bonus: torch.Tensor | None = None  # the entropy bonus terms added to this step's loss
 
     @property
-    def bonus(self) -> bool:
-        return self.cfg.entropy_coef != 0.0 or self.cfg.use_adaptive_entropy
-
-    @property
     def entropy_in_loss(self) -> bool:
         """Whether the loss itself needs the token entropies (not only the metric)."""
-        return self.bonus or self.cfg.top_entropy_quantile < 1.0
+        return self.control.on or self.top_entropy_quantile < 1.0
 
     def loss(self, logp: torch.Tensor, entropy: torch.Tensor | None, micro: MicroInputs,
              sub=slice(None)) -> LossOutput:
         """The loss of rows `sub` of the micro-batch (all of them unless the engine scores rows in chunks)."""
-        cfg = self.cfg
         mask = micro.mask[sub]
         old = logp.detach() if micro.old_logp is None else micro.old_logp[sub]
         sampling = None if micro.sampling_logp is None else micro.sampling_logp[sub]
@@ -62,68 +86,62 @@ class Objective:
         # weights of k rollouts before. The ratio to pi_old (the proximal policy, the weights this rollout's update
         # starts from) is then a bounded importance weight, and the clip stays around pi_old: decoupled PPO
         # (Hilton et al. 2022; AReaL, arXiv:2505.24298, eq. 5).
-        if ((cfg.use_vllm or cfg.max_staleness > 0) and cfg.vllm_importance_sampling_correction
-                and sampling is not None):
-            weights, engine_metrics = engine_importance_weights(
-                old, sampling, mask, mode=cfg.vllm_importance_sampling_mode,
-                clip_max=cfg.vllm_importance_sampling_clip_max, clip_min=cfg.vllm_importance_sampling_clip_min)
+        if self.importance is not None and sampling is not None:
+            weights, engine_metrics = engine_importance_weights(old, sampling, mask, **self.importance)
         sequence_mask = None
-        if cfg.off_policy_mask_threshold is not None:  # vLLM's own log-probs where it gave them (TRL)
+        if self.off_policy_threshold is not None:  # vLLM's own log-probs where it gave them (TRL)
             sequence_mask = off_policy_mask(micro.advantages[sub], logp, sampling if sampling is not None else old,
-                                            mask, cfg.off_policy_mask_threshold)
+                                            mask, self.off_policy_threshold)
         token_mask = None
-        if cfg.top_entropy_quantile < 1.0:
+        if self.top_entropy_quantile < 1.0:
             token_mask = high_entropy_mask(entropy.detach(), mask, self._threshold(entropy.detach(), mask))
         ref = None if micro.ref_logp is None else micro.ref_logp[sub]
-        out = policy_loss(logp, old, micro.advantages[sub], mask, ref_logp=ref, beta=cfg.beta,
-                          kl_estimator=cfg.kl_estimator, eps_low=cfg.epsilon, eps_high=cfg.epsilon_high,
-                          ratio_level=cfg.importance_sampling_level, aggregation=cfg.loss_aggregation,
-                          max_length=cfg.max_completion_length, normalizer=micro.normalizer,
-                          entropy=None if entropy is None else entropy.detach(), sampling_weights=weights,
-                          surrogate=cfg.surrogate, delta=cfg.delta,
-                          sapo_temperatures=(cfg.sapo_temperature_pos, cfg.sapo_temperature_neg),
-                          vespo_params=(cfg.vespo_k_pos, cfg.vespo_lambda_pos, cfg.vespo_k_neg, cfg.vespo_lambda_neg),
-                          kl_ratio_correction=cfg.use_bias_correction_kl, sequence_mask=sequence_mask,
-                          token_mask=token_mask)
+        out = policy_loss(logp, old, micro.advantages[sub], mask, self.settings, ref_logp=ref,
+                          normalizer=micro.normalizer, entropy=None if entropy is None else entropy.detach(),
+                          sampling_weights=weights, sequence_mask=sequence_mask, token_mask=token_mask)
         out.metrics.update({f"sampling/importance_{k}": v for k, v in engine_metrics.items()})
-        if self.bonus:
-            effective = mask.bool() if token_mask is None else mask.bool() & token_mask
-            tokens = effective.sum().to(logp.dtype)
-            coef = applied_entropy_coef(self.entropy_coef, self.last_entropy, cfg.entropy_target,
-                                        cfg.use_adaptive_entropy)
-            # TRL: the micro-batch's mean over its tokens, divided by the accumulation steps (and, through our
-            # backward's x processes, averaged over processes).
-            scale = tokens.clamp(min=1) * (micro.micro_batches * self.procs.world)  # (a tensor: no host sync)
-            bonus = entropy_bonus(entropy, effective, coef, scale)
-            out.loss = out.loss + bonus
-            self._bonus = bonus.detach() + (self._bonus if self._bonus is not None else 0.0)
-            stats = torch.stack([(entropy.detach() * effective).sum(), tokens]).double()
-            self._window = stats if self._window is None else self._window + stats
+        if self.control.on:
+            out.loss = out.loss + self._bonus_term(entropy, mask, token_mask, micro.micro_batches, logp.dtype)
         return out
+
+    def _bonus_term(self, entropy: torch.Tensor, mask: torch.Tensor, token_mask: torch.Tensor | None,
+                    micro_batches: int, dtype: torch.dtype) -> torch.Tensor:
+        """The entropy bonus of this micro-batch's tokens (those of the high-entropy mask where it is on)."""
+        effective = mask.bool() if token_mask is None else mask.bool() & token_mask
+        tokens = effective.sum().to(dtype)  # (the log-probs' dtype: a count in bf16 is exact only to 256)
+        control = self.control
+        coef = applied_entropy_coef(self.entropy_coef, self.last_entropy, control.target, control.adaptive)
+        # TRL: the micro-batch's mean over its tokens, divided by the accumulation steps (and, through our
+        # backward's x processes, averaged over processes).
+        scale = tokens.clamp(min=1) * (micro_batches * self.procs.world)  # (a tensor: no host sync)
+        bonus = entropy_bonus(entropy, effective, coef, scale)
+        self._bonus = bonus.detach() + (self._bonus if self._bonus is not None else 0.0)
+        stats = torch.stack([(entropy.detach() * effective).sum(), tokens]).double()
+        self._window = stats if self._window is None else self._window + stats
+        return bonus
 
     def _threshold(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The (1 - top_entropy_quantile) quantile of this micro-batch's token entropies on every process."""
         if self.procs.world == 1:  # NaN off the mask, which nanquantile skips: no boolean index (a host sync)
             values = entropy.float().masked_fill(~mask.bool(), math.nan).flatten()
-            return torch.nanquantile(values, 1.0 - self.cfg.top_entropy_quantile).nan_to_num(math.inf)
+            return torch.nanquantile(values, 1.0 - self.top_entropy_quantile).nan_to_num(math.inf)
         # (several processes: their token counts differ, and the ragged gather reads them, as TRL's does)
         local = entropy[mask.bool()]
         values = self.procs.gather_ragged(local.float())
         if values.numel() == 0:
             return torch.tensor(math.inf, device=local.device)
-        return entropy_threshold(values, 1.0 - self.cfg.top_entropy_quantile).to(local.device)
+        return entropy_threshold(values, 1.0 - self.top_entropy_quantile).to(local.device)
 
     def end_step(self) -> dict[str, float]:
         """After an optimizer step: adaptive control moves the coefficient by the step's entropy on every process."""
-        if not self.bonus:
+        if not self.control.on:
             return {}
-        if self.cfg.use_adaptive_entropy and self._window is not None:
+        control = self.control
+        if control.adaptive and self._window is not None:
             total = self.procs.gather(self._window.cpu().reshape(1, 2)).sum(0)
             entropy = float(total[0] / total[1].clamp(min=1.0))
-            cfg = self.cfg
-            self.entropy_coef = adaptive_entropy_coef(self.entropy_coef, entropy, cfg.entropy_target,
-                                                      cfg.entropy_coef_delta, cfg.entropy_coef_min,
-                                                      cfg.entropy_coef_max)
+            self.entropy_coef = adaptive_entropy_coef(self.entropy_coef, entropy, control.target, control.delta,
+                                                      control.low, control.high)
             self.last_entropy = entropy
         self._window = None
         # The bonus's share of the step's loss, every process's (TRL's policy_loss is the loss without it).
