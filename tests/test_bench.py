@@ -255,6 +255,8 @@ def test_trl_gets_the_default_jobs_settings_and_prompts_in_grpos_order(tmp_path)
     assert rows["prompt"] == [train[i]["prompt"] + "<think>" for i in order]
 
 
+# (CI time: test_miniature_benchmark_end_to_end runs both sides of the benchmark in CI)
+@pytest.mark.slow
 def test_default_job_benchmark_end_to_end(tmp_path):
     """`python -m bench.default_job` with a one-step recipe: both whole commands run, both final models are scored
     by `grpo eval`, and the JSON line carries both wall times and accuracies (TRL's side where TRL is installed)."""

@@ -117,6 +117,8 @@ def assert_reordered_run(dir_a, dir_b, a, b, terms: int, steps: int):
     assert diff <= 4 * F32_EPS * largest * steps, (diff, largest)
 
 
+# (CI time: test_two_processes_match_one runs the two-process path; test_sequence_parallel.py per-process budgets)
+@pytest.mark.slow
 def test_two_padding_free_processes_with_token_budgets_match_one_padded_process(tmp_path, tiny_model_dir):
     """Each process packs its rows and fills micro-batches up to 24 tokens, so the two may need different numbers of
     them: both run the larger number (an all-reduce in each backward under DeepSpeed or FSDP needs both), and the
@@ -155,6 +157,8 @@ def deepspeed(tmp_path, stage: int) -> list[str]:
             str(Path(__file__).parent / "accelerate_driver.py")]
 
 
+# (CI time: DeepSpeed runs in CI through tests/test_sharded.py's ZeRO-3 cases)
+@pytest.mark.slow
 def test_deepspeed_matches_one_process(tmp_path, tiny_model_dir):
     """Under DeepSpeed ZeRO-2 (accelerate's config, DeepSpeed's CPU backend) the run reaches the plain run's weights:
     the 4 micro-batches of a step are one optimizer step (DeepSpeed's engine steps in backward unless told more

@@ -26,7 +26,8 @@ HERE = Path(__file__).parent
 GRADS = {"plain": 26, "checkpointing": 26, "lora": 28, "lora-head": 18}
 
 
-@pytest.mark.parametrize("kv_heads,modes", [(2, ["plain", "checkpointing", "lora", "lora-head"]), (1, ["plain"])],
+@pytest.mark.parametrize("kv_heads,modes", [(2, ["plain", "checkpointing", "lora", "lora-head"]),
+                                            pytest.param(1, ["plain"], marks=pytest.mark.slow)],  # (CI time)
                          ids=["kv-split", "kv-repeated"])
 def test_two_processes_match_one(tmp_path, kv_heads, modes):
     """4 attention heads over SP=2: 2 key/value heads split one per process; 1 key/value head is repeated first.
@@ -149,6 +150,8 @@ def test_sequence_parallel_composes_with_checkpointing_and_a_per_process_token_b
     assert [r["completions/max_length"] for r in rows] == [64] * 3
 
 
+# (CI time: test_two_processes_match_one[kv-split] runs LoRA under SP in CI)
+@pytest.mark.slow
 def test_sequence_parallel_composes_with_lora(runs):
     """SP=2 with LoRA (adapters on every linear layer but the head; the reference is the policy with its adapters
     off) reaches the one-process LoRA run's rewards, gradient norms and merged weights."""

@@ -31,6 +31,8 @@ try:
 except ImportError:
     deepspeed = None
 KINDS = ["fsdp2", pytest.param("zero3", marks=pytest.mark.skipif(deepspeed is None, reason="pip install deepspeed"))]
+# (CI time: where FSDP2 covers the same path, the ZeRO-3 case runs in the slow tier; full-weight ZeRO-3 stays in CI)
+SLOW_ZERO3 = pytest.param("zero3", marks=[pytest.mark.slow, *KINDS[1].marks])
 HERE = Path(__file__).parent
 JOB = ["engine=transformers", "num_iterations=2", "max_steps=6"]  # (3 rollouts of 2 optimizer steps each)
 LORA = ["use_peft=true", "lora_dropout=0"]  # (dropout draws from each process's own random stream)
@@ -112,8 +114,10 @@ def runs(tmp_path_factory, tiny_model_dir):
     return get
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("kind,lora", [("fsdp2", False), ("fsdp2", True),
+                                       pytest.param("zero3", False, marks=KINDS[1].marks),
+                                       pytest.param("zero3", True, marks=SLOW_ZERO3.marks)],
+                         ids=["full-fsdp2", "lora-fsdp2", "full-zero3", "lora-zero3"])
 def test_sharded_run_matches_one_process(runs, kind, lora):
     one, sharded = runs("one", lora), runs(kind, lora)
     # Same completions at every step (sampling seeds belong to rows), same gradients up to summation order.
@@ -132,7 +136,7 @@ def test_sharded_run_matches_one_process(runs, kind, lora):
     assert AutoModelForCausalLM.from_pretrained(sharded / "final").config.architectures == ["Qwen2ForCausalLM"]
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ["fsdp2", SLOW_ZERO3])
 def test_sequence_parallel_over_sharded_weights_matches_one_process(runs, kind):
     """sequence_parallel_size=2 on the 2 sharded processes: one SP group, each process holding half of every packed
     micro-batch's tokens and half of the weights. The passes take the model's own forward through the wrapper (its
@@ -160,7 +164,7 @@ def test_each_process_holds_about_half_the_weights_and_optimizer_state(runs, kin
 
 
 @pytest.mark.parametrize("kind,point", [("fsdp2", "micro_step:4"),
-                                        pytest.param("zero3", "save:2", marks=KINDS[1].marks)])
+                                        pytest.param("zero3", "save:2", marks=SLOW_ZERO3.marks)])
 def test_kill_and_resume_reaches_the_uninterrupted_weights(runs, tmp_path, kind, point):
     """SIGKILL of the main process after the first micro-batch of step 4 (FSDP2: the second optimizer step of the
     second rollout, so the last checkpoint, of step 3, holds each process's rows of a rollout still feeding a step),
@@ -224,7 +228,7 @@ def test_two_machines_train_as_one_launch(runs):
     assert rewards(metrics(out)) and rewards(metrics(out)) == rewards(metrics(runs("fsdp2")))
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ["fsdp2", SLOW_ZERO3])
 def test_sampling_is_collective_safe_and_weights_go_one_tensor_at_a_time(runs, tmp_path, kind, tiny_model_dir):
     """tests/sharded_checks.py with a LoRA model: the main process's rows end at their first token and the other's
     run to the limit. Through the sharded model (each forward collective) and from gathered weights, the run
