@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 from http.server import ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 import torch
@@ -190,3 +191,44 @@ def test_a_run_goes_on_when_a_server_dies_and_stops_with_a_checkpoint_when_all_d
     assert result.returncode == 0, result.stderr[-3000:]
     resumed = load_file(str(tmp_path / "down" / "final" / "model.safetensors"))
     assert all(torch.equal(one[k], resumed[k]) for k in one)
+
+
+def test_two_machine_ranks_against_two_servers_match_one_launch_against_one(tmp_path, tiny_model_dir):
+    """The cluster layout in miniature (docs/distributed.md, "Generation nodes"): two launches as machine ranks 0
+    and 1 on this machine (one process each, gloo), against two servers named by this machine's host name (the run
+    refuses a loopback address on several machines), reach one launch of two processes against one server: the
+    same rewards and the same weights, bit for bit."""
+    import socket
+
+    from safetensors.torch import load_file
+
+    from test_distributed import job
+
+    env = job(tmp_path, tiny_model_dir)
+    (tmp_path / "recipe.yaml").write_text(RECIPE.format(model=tiny_model_dir, data=tmp_path / "data.jsonl"))
+    config = Path(__file__).parents[1] / "recipes" / "accelerate" / "ddp_cpu.yaml"
+
+    def launch(out, urls, *machine):
+        return subprocess.Popen([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+                                 *machine, "-m", "grpo.cli", "train", str(tmp_path / "recipe.yaml"),
+                                 f"output_dir={out}", "per_device_train_batch_size=4",
+                                 f"vllm_server_base_url={','.join(urls)}"],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def finish(*procs):
+        for proc in procs:
+            _, err = proc.communicate(timeout=600)
+            assert proc.returncode == 0, err[-3000:]
+
+    with stub_servers(SeededEngine()) as [url]:
+        finish(launch(tmp_path / "one", [url], "--main_process_port", str(free_port())))
+    port, host = str(free_port()), socket.gethostname()
+    with stub_servers(SeededEngine(), SeededEngine()) as urls:
+        urls = [u.replace("127.0.0.1", host) for u in urls]
+        finish(*(launch(tmp_path / "two", urls, "--num_machines", "2", "--num_processes", "2", "--machine_rank",
+                        str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", port)
+                 for rank in (0, 1)))
+    assert [r["reward/total"] for r in steps(tmp_path / "one")] == [r["reward/total"] for r in steps(tmp_path / "two")]
+    assert [r["fleet/servers_up"] for r in steps(tmp_path / "two")] == [2, 2, 2, 2]
+    one, two = (load_file(str(tmp_path / d / "final" / "model.safetensors")) for d in ("one", "two"))
+    assert all(torch.equal(one[k], two[k]) for k in one)

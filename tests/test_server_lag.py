@@ -51,6 +51,26 @@ def test_a_queued_push_waits_for_the_request_that_names_it():
         assert health()["weights_version"] == 5  # (pushes of steps 0, 1, 2, 3 and 9)
 
 
+def test_a_server_given_no_rows_still_loads_the_push_its_step_names():
+    """Two servers, requests of one row naming steps 1 then 2, each after its queued push: the server without rows
+    gets an empty part naming the step and loads the staged push, so the next push does not wait behind it for
+    ever (as it did before: only servers with rows were asked)."""
+    from grpo.engines.vllm_fleet import VLLMFleet
+
+    model, params = torch.nn.Linear(3, 2), SamplingParams(2)
+    a, b = SeededEngine(), SeededEngine()
+    with stub_servers(a, b) as urls:
+        fleet = VLLMFleet(urls, [0], timeout=60, transport="http")
+        fleet.update_weights(model, step=0)
+        for step in (1, 2, 3):
+            push = threading.Thread(target=fleet.update_weights, args=(model, step, True))
+            push.start()
+            push.join(timeout=60)
+            assert not push.is_alive(), step
+            assert fleet.generate_at([[5]], params, [step], step=step)[1] == step
+        assert len(a.loaded) == len(b.loaded) == 4 and sorted([len(a.calls), len(b.calls)]) == [0, 3]
+
+
 class WaitingEngine(SeededEngine):
     """A SeededEngine whose request for the weights of step v in `hold` (rollout v + 2 at lag 2, one step a rollout)
     does not finish until the trainer's next push (of step v + 1) has reached the server. The trainer pushes step

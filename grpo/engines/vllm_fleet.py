@@ -130,7 +130,10 @@ class VLLMFleet(EngineDefaults):
             parts = spread([prompt_ids[i] for i in todo], len(up), params.max_new_tokens)
             key = together if together is None or attempt == 0 else f"{together} (again, {attempt})"
             jobs = [(member, [todo[j] for j in part]) for member, part in zip(up, parts)]
-            if key is None or self.processes == 1:  # (the others need an empty part only to complete theirs)
+            # An empty part goes too when other processes send theirs under the key (the server's Together waits
+            # for every part), and when the request names a step: it loads a push staged for that step, which a
+            # server given no rows would otherwise hold, and the next push would wait behind it for ever.
+            if step is None and (key is None or self.processes == 1):
                 jobs = [(member, rows) for member, rows in jobs if rows]
             futures = [self.pool.submit(member.generate_at, [prompt_ids[i] for i in rows], params,
                                         [seeds[i] for i in rows], step, key) for member, rows in jobs]
