@@ -6,9 +6,10 @@
 The layout of a cluster in miniature on a 2-core machine: `grpo vllm-serve` of the default job's model pinned to
 core 0 (`taskset`, one OpenMP thread, vLLM's own thread binding set to that core), the trainer (`grpo train`) pinned
 to core 1 with one torch thread, talking to the server over 127.0.0.1 (`vllm_mode: server`, weights pushed over a
-gloo group). Each side `lagK` is the default job with `max_staleness=K` and longer completions than the default job
-(`--completion-length`, 128: generation then takes about as long as the update); `lagK-Nservers` is the same against
-N servers, all on the server's core (the protocol's cost, not more hardware). The servers start once (about a
+gloo group). Each side `lagK` is the default job with `max_staleness=K` and a longer completion budget than the
+default job's 64 (`--completion-length`, 128; the tiny model's answers end at EOS after about 22 tokens, so the
+budget changes little); `lagK-Nservers` is the same against N servers, all on the server's core (the protocol's
+cost, not more hardware). The servers start once (about a
 minute each) and serve every side in turn; each trainer pushes its own weights first, so no side sees another's.
 
 Each side is timed as a user waits for it: the whole `grpo train` command, from start to exit (imports, data, model,
