@@ -18,6 +18,7 @@ from grpo.engines.base import SamplingParams
 from grpo.engines.vllm_server import VLLMServerClient
 from test_fleet import SeededEngine, stub_servers
 from test_resume import read_rows, run_driver
+from test_vllm_server import free_port
 
 
 def test_a_queued_push_waits_for_the_request_that_names_it():
@@ -51,7 +52,38 @@ def test_a_queued_push_waits_for_the_request_that_names_it():
         assert health()["weights_version"] == 5  # (pushes of steps 0, 1, 2, 3 and 9)
 
 
-def test_a_server_given_no_rows_still_loads_the_push_its_step_names():
+def test_a_queued_collective_push_waits_for_the_slot_outside_the_group():
+    """Over a gloo group whose collectives time out after 3 s (vllm_server_timeout): a queued push made while
+    another is staged waits (here 5 s) for the server to load that one, then goes through. It waits over HTTP
+    (/wait_unstaged), not inside the group's broadcast, which would have timed out and broken the group."""
+
+    model, params = torch.nn.Linear(3, 2), SamplingParams(2)
+    engine = SeededEngine()
+    with stub_servers(engine) as [url]:
+        client = VLLMServerClient(url, [0], timeout=3, transport="collective", group_port=free_port())
+        client.update_weights(model, step=0)
+        client.update_weights(model, step=1, queued=True)
+        failed = []
+        push = threading.Thread(target=lambda: failed.extend(_raised(client.update_weights, model, 2, True)))
+        push.start()
+        push.join(timeout=5.0)
+        assert push.is_alive() and client._call("/health")["staged_step"] == 1
+        assert client.generate_at([[5]], params, [0], step=1)[1] == 1
+        push.join(timeout=60)
+        assert failed == [] and client._call("/health")["staged_step"] == 2 and engine.loaded == [8, 8]
+        client.close()
+
+
+def _raised(call, *args) -> list[BaseException]:
+    try:
+        call(*args)
+    except Exception as err:  # noqa: BLE001 - the test reports it
+        return [err]
+    return []
+
+
+@pytest.mark.parametrize("transport", ["http", "collective"])
+def test_a_server_given_no_rows_still_loads_the_push_its_step_names(transport):
     """Two servers, requests of one row naming steps 1 then 2, each after its queued push: the server without rows
     gets an empty part naming the step and loads the staged push, so the next push does not wait behind it for
     ever (as it did before: only servers with rows were asked)."""
@@ -60,7 +92,7 @@ def test_a_server_given_no_rows_still_loads_the_push_its_step_names():
     model, params = torch.nn.Linear(3, 2), SamplingParams(2)
     a, b = SeededEngine(), SeededEngine()
     with stub_servers(a, b) as urls:
-        fleet = VLLMFleet(urls, [0], timeout=60, transport="http")
+        fleet = VLLMFleet(urls, [0], timeout=60, transport=transport, group_port=free_port())
         fleet.update_weights(model, step=0)
         for step in (1, 2, 3):
             push = threading.Thread(target=fleet.update_weights, args=(model, step, True))
@@ -69,6 +101,7 @@ def test_a_server_given_no_rows_still_loads_the_push_its_step_names():
             assert not push.is_alive(), step
             assert fleet.generate_at([[5]], params, [step], step=step)[1] == step
         assert len(a.loaded) == len(b.loaded) == 4 and sorted([len(a.calls), len(b.calls)]) == [0, 3]
+        fleet.close()
 
 
 class WaitingEngine(SeededEngine):

@@ -162,6 +162,13 @@ class VLLMFleet(EngineDefaults):
         up = self._live("the weight push")
         tag = push_tag(step, queued)
         if self.transport == "collective":
+            if queued:  # (each server's staged push loaded before the broadcasts: VLLMServerClient.push_weights)
+                for member, ready in [(m, self.pool.submit(m._call, "/wait_unstaged", b"")) for m in up]:
+                    try:
+                        ready.result()
+                    except OSError as err:
+                        self._down(member, err, "the weight push")
+                up = self._live("the weight push")
             replies = [self.pool.submit(m._call, f"/update_weights?transport=collective{tag}", b"") for m in up]
             _, failed = vllm_weights.fan_out([m.group for m in up], weights, up[0].device, up[0].dtype)
             errors = dict(failed)

@@ -28,6 +28,14 @@ class PushQueue:
         self.staged: tuple[int | None, list] | None = None  # (step, [(name, host tensor), ...])
         self.receiving = False
 
+    def wait_free(self) -> None:
+        """Return once no push is staged or being read. A trainer about to broadcast a queued push over its process
+        group asks this first (`/wait_unstaged`): the wait for the slot, as long as the requests before it take,
+        then happens over HTTP, which has no timeout, and not inside the group's broadcast, which has one
+        (vllm_server_timeout)."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.staged is None and not self.receiving)
+
     def stage(self, weights, step: int | None, state: dict) -> None:
         """Read the pushed (name, tensor) pairs (each bucket of them already on the host) and hold them until a
         request for `step` comes; first wait until an earlier staged push has been loaded."""

@@ -15,6 +15,7 @@ a web framework to talk to it:
                               ?transport=http: a chunked body of the same buckets -> {"weights_version": n}
                               &step=s: the trainer's optimizer steps behind these weights (policy_step)
                               &queued=1: held until a request names step s (grpo.engines.vllm_pushes)
+    POST /wait_unstaged       answers once no queued push is staged (before a queued collective push)
 
 `weights_version` counts the pushes; `policy_step` is the step the trainer named with the last push (null when it
 named none). A generate request that names a `step` is refused unless the server holds exactly those weights: with
@@ -202,6 +203,9 @@ class Handler(BaseHTTPRequestHandler):
                 if body.get("together"):  # (one part of a request several trainer processes send)
                     return self._reply(served.together.join(body, lambda merged: generate(served, merged)))
                 return self._reply(generate(served, body))
+            if path == "/wait_unstaged":  # (before a queued collective push: grpo.engines.vllm_pushes)
+                served.pushes.wait_free()
+                return self._reply({"ok": True})
             if path == "/init_communicator":
                 # (blocks until the trainer joins: the trainer sends this from a thread of its own). An earlier
                 # trainer's group, if any, is shut down.
@@ -354,6 +358,8 @@ class VLLMServerClient(EngineDefaults):
         """Send (name, tensor) pairs to the server, one bucket at a time; returns the server's reply."""
         tag = push_tag(step, queued)
         if self.transport == "collective":
+            if queued:  # (the broadcast starts once the server can take it: its wait has no timeout, a group's has)
+                self._call("/wait_unstaged", b"")
             with ThreadPoolExecutor(1) as pool:  # (the server's reply waits for the whole stream)
                 reply = pool.submit(self._call, f"/update_weights?transport=collective{tag}", b"")
                 vllm_weights.send_weights(self.group, weights, self.device, self.dtype)
