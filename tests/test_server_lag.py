@@ -56,7 +56,6 @@ def test_a_queued_collective_push_waits_for_the_slot_outside_the_group():
     """Over a gloo group whose collectives time out after 3 s (vllm_server_timeout): a queued push made while
     another is staged waits (here 5 s) for the server to load that one, then goes through. It waits over HTTP
     (/wait_unstaged), not inside the group's broadcast, which would have timed out and broken the group."""
-
     model, params = torch.nn.Linear(3, 2), SamplingParams(2)
     engine = SeededEngine()
     with stub_servers(engine) as [url]:
