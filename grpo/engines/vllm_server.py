@@ -17,8 +17,9 @@ a web framework to talk to it:
                               &queued=1: held until a request names step s (grpo.engines.vllm_pushes)
     POST /wait_unstaged       answers once no queued push is staged (before a queued collective push)
 
-`weights_version` counts the pushes; `policy_step` is the step the trainer named with the last push (null when it
-named none). A generate request that names a `step` is refused unless the server holds exactly those weights: with
+`weights_version` counts the pushes; `policy_step` is the step the trainer named with the push the engine holds
+(null when it named none), `staged_step` that of a queued push not loaded yet. A generate request that names a
+`step` is refused unless the server holds exactly those weights or has them staged (then loads them first): with
 max_staleness the trainer asks for rollout t with the weights of step t - k, and this check makes a push that
 overtook its requests an error instead of a silently different run (grpo.training.rollout.pipeline_server).
 
@@ -61,10 +62,9 @@ class Served:
     state: dict = dataclasses.field(default_factory=dict)
     group: tuple | None = None  # (process group, the device it receives on)
     together: Together = dataclasses.field(default_factory=lambda: Together())
-    pushes: PushQueue = None  # (pushes staged for a lagged trainer: grpo.engines.vllm_pushes)
+    pushes: PushQueue = dataclasses.field(default_factory=PushQueue)  # (a lagged trainer's: vllm_pushes)
 
     def __post_init__(self):
-        self.pushes = PushQueue()
         self.state.setdefault("staged_step", None)
 
 
