@@ -6,8 +6,9 @@
 The layout of a cluster in miniature on a 2-core machine: `grpo vllm-serve` of the default job's model pinned to
 core 0 (`taskset`, one OpenMP thread, vLLM's own thread binding set to that core), the trainer (`grpo train`) pinned
 to core 1 with one torch thread, talking to the server over 127.0.0.1 (`vllm_mode: server`, weights pushed over a
-gloo group). Each side `lagK` is the default job with `max_staleness=K` and a longer completion budget than the
-default job's 64 (`--completion-length`, 128; the tiny model's answers end at EOS after about 22 tokens, so the
+gloo group). Each side `lagK` is the default job with `max_staleness=K`, `beta=0` (TRL's default: no reference
+pass, which would add to the trainer's half; a key=value override puts it back) and a longer completion budget than
+the default job's 64 (`--completion-length`, 128; the tiny model's answers end at EOS after about 22 tokens, so the
 budget changes little); `lagK-Nservers` is the same against N servers, all on the server's core (the protocol's
 cost, not more hardware). The servers start once (about a
 minute each) and serve every side in turn; each trainer pushes its own weights first, so no side sees another's.
@@ -104,7 +105,7 @@ def train_command(lag: int, urls: list[str], out: Path, overrides: list[str], co
     return ["taskset", "-c", core, sys.executable, "-m", "grpo.cli", "train", f"output_dir={out}", "num_threads=1",
             f"max_completion_length={completion_length}", "use_vllm=true", "vllm_mode=server",
             f"vllm_server_base_url={','.join(urls)}", "vllm_server_timeout=600", f"vllm_group_port={free_port()}",
-            f"max_staleness={lag}", *overrides]
+            f"max_staleness={lag}", "beta=0", *overrides]
 
 
 def summarize(seconds: dict[str, float], scores: dict[str, dict]) -> dict:
