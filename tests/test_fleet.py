@@ -44,6 +44,25 @@ class SeededEngine:
         self.loaded.append(sum(t.numel() for _, t in weights))
 
 
+def free_ports(n: int) -> int:
+    """The first of `n` consecutive free local ports (a fleet's weight groups take vllm_group_port + i)."""
+    import socket
+
+    while True:
+        first, held = free_port(), []
+        try:
+            for port in range(first, first + n):
+                s = socket.socket()
+                held.append(s)
+                s.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+
+
 def kill(server) -> None:
     """Stop a stub server from any thread: no new connection is accepted after this returns."""
     threading.Thread(target=server.shutdown, daemon=True).start()
@@ -90,7 +109,7 @@ def test_two_servers_answer_as_one_and_each_takes_every_push(transport, tmp_path
     one, a, b = SeededEngine(), SeededEngine(), SeededEngine()
     with stub_servers(one) as [url], stub_servers(a, b) as urls:
         single = VLLMFleet([url], [0], timeout=60, transport="http")
-        fleet = VLLMFleet(urls, [0], timeout=60, transport=transport, group_port=free_port())
+        fleet = VLLMFleet(urls, [0], timeout=60, transport=transport, group_port=free_ports(2))
         assert fleet.generate(prompts, params, list(range(6))) == single.generate(prompts, params, list(range(6)))
         assert one.calls == [6] and sorted(a.calls + b.calls) == [2, 4]
         fleet.update_weights(model, step=3)

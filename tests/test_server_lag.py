@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from grpo.engines.base import SamplingParams
 from grpo.engines.vllm_server import VLLMServerClient
-from test_fleet import SeededEngine, stub_servers
+from test_fleet import SeededEngine, free_ports, stub_servers
 from test_resume import read_rows, run_driver
 from test_vllm_server import free_port
 
@@ -91,7 +91,7 @@ def test_a_server_given_no_rows_still_loads_the_push_its_step_names(transport):
     model, params = torch.nn.Linear(3, 2), SamplingParams(2)
     a, b = SeededEngine(), SeededEngine()
     with stub_servers(a, b) as urls:
-        fleet = VLLMFleet(urls, [0], timeout=60, transport=transport, group_port=free_port())
+        fleet = VLLMFleet(urls, [0], timeout=60, transport=transport, group_port=free_ports(2))
         fleet.update_weights(model, step=0)
         for step in (1, 2, 3):
             push = threading.Thread(target=fleet.update_weights, args=(model, step, True))

@@ -13,7 +13,8 @@ import torch
 
 from conftest import build_tiny_model
 from test_vllm import needs_vllm
-from test_vllm_server import free_port, serving
+from test_fleet import free_ports
+from test_vllm_server import serving
 
 
 @needs_vllm
@@ -29,7 +30,7 @@ def test_two_servers_give_the_one_server_run_bit_for_bit(tmp_path):
     env = job(tmp_path, model)
     with serving(model, tmp_path / "a.log") as a, serving(model, tmp_path / "b.log") as b:
         common = ["eval_steps=0", "use_vllm=true", "vllm_mode=server", "vllm_server_timeout=180",
-                  f"vllm_group_port={free_port()}"]
+                  f"vllm_group_port={free_ports(2)}"]
         run(["-m", "grpo.cli"], tmp_path / "one", env, overrides=[*common, f"vllm_server_base_url=http://127.0.0.1:{a}"])
         run(["-m", "grpo.cli"], tmp_path / "two", env,
             overrides=[*common, f"vllm_server_base_url=http://127.0.0.1:{a},http://127.0.0.1:{b}"])
