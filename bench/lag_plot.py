@@ -28,15 +28,21 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "lag_plot.png"
 
 
 def run_timed(lag: int, out: Path, overrides: list[str], threads: int | None, poll: float = 0.2) -> float:
-    """`grpo train` of the default job at `lag` into `out`, stamping each metrics row with the seconds since the
-    command started (out/wall_times.json: [[step, seconds], ...]); returns the whole command's seconds."""
+    """`grpo train` of the default job at `lag` into `out`, stamped as `run_stamped` says; the command's seconds."""
     side = "grpo" if lag == 0 else f"grpo-lag{lag}"
+    return run_stamped(command(side, out, overrides, threads), environment(side_threads(side, threads)), out,
+                       f"bench.lag_plot: lag {lag}", poll)
+
+
+def run_stamped(cmd: list[str], env: dict, out: Path, name: str, poll: float = 0.2) -> float:
+    """Run a `grpo train` command whose output_dir is `out`, stamping each metrics row with the seconds since the
+    command started (out/wall_times.json: [[step, seconds], ...]); returns the whole command's seconds. Its log
+    goes beside `out`; `name` says which run failed."""
     metrics, stamps, pending = out / "metrics.jsonl", [], ""
     log = out.parent / f"{out.name}.log"
     t0 = time.perf_counter()
     with open(log, "w") as log_file:
-        proc = subprocess.Popen(command(side, out, overrides, threads), cwd=ROOT,
-                                env=environment(side_threads(side, threads)), stdout=log_file, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT)
         reader = None  # metrics.jsonl, read from where the last poll stopped (the run's only cost to this process)
         while True:
             done = proc.poll() is not None
@@ -53,10 +59,9 @@ def run_timed(lag: int, out: Path, overrides: list[str], threads: int | None, po
         reader.close()
     seconds = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise SystemExit(f"bench.lag_plot: lag {lag} failed (exit {proc.returncode}); end of {log}:\n"
-                         + log.read_text()[-3000:])
+        raise SystemExit(f"{name} failed (exit {proc.returncode}); end of {log}:\n" + log.read_text()[-3000:])
     (out / STAMPS).write_text(json.dumps(stamps))
-    print(f"[bench.lag_plot] lag {lag}: {seconds:.1f} s", file=sys.stderr, flush=True)
+    print(f"[{name}] {seconds:.1f} s", file=sys.stderr, flush=True)
     return seconds
 
 
@@ -76,8 +81,9 @@ def reward_by_time(run: Path) -> tuple[list[float], list[float], bool]:
     return [t for t, _ in points], [r for _, r in points], stamped
 
 
-def draw(runs: dict[int, Path], out: Path) -> Path:
-    """One axis: each lag's reward/total against seconds (raw, light, under its moving average)."""
+def draw(runs: dict, out: Path, label=lambda lag: f"max_staleness {lag}") -> Path:
+    """One axis: each run's reward/total against seconds (raw, light, under its moving average); `label` names a
+    run by its key (a lag)."""
     from matplotlib.figure import Figure
 
     from grpo.training.observe.plot import plot_smoothed
@@ -89,11 +95,11 @@ def draw(runs: dict[int, Path], out: Path) -> Path:
         seconds, rewards, stamped = reward_by_time(run)
         stamped_all &= stamped
         end = f", {seconds[-1]:.0f} s" if seconds else ""
-        plot_smoothed(ax, seconds, rewards, label=f"max_staleness {lag}{end}", color=f"C{i}")
+        plot_smoothed(ax, seconds, rewards, label=f"{label(lag)}{end}", color=f"C{i}")
     ax.set_xlabel("seconds since the command started" if stamped_all else "seconds (sum of time/step where a run "
                   "has no wall stamps)")
     ax.set_ylabel("reward/total")
-    ax.set_title("the default job: reward against wall time at each lag", loc="left", fontsize=10)
+    ax.set_title("the default job: reward against wall time", loc="left", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
     fig.savefig(out, dpi=110)

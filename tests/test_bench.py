@@ -277,3 +277,19 @@ def test_default_job_benchmark_end_to_end(tmp_path):
         assert out["trl_wall_s"] > 0 and 0 <= out["trl_accuracy"] <= 1
         assert out["speedup"] == pytest.approx(out["trl_wall_s"] / out["grpo_wall_s"])
         assert (tmp_path / "trl-0" / "final" / "config.json").exists()
+
+
+def test_server_lag_names_its_sides_and_compares_each_to_lag_0():
+    """bench.server_lag: lagK and lagK-Nservers, anything else refused by name; the speedup is lag 0's wall seconds
+    over the side's (60 / 40 = 1.5), and the accuracy gap 0.46 - 0.50 = -0.04 is within two standard errors of the
+    difference (2 x sqrt(0.02^2 + 0.02^2) = 0.057), 0.40 - 0.50 = -0.10 is not."""
+    from bench.server_lag import parse_side, summarize
+
+    assert parse_side("lag0") == (0, 1) and parse_side("lag2-2servers") == (2, 2)
+    with pytest.raises(SystemExit, match="name sides lagK or lagK-Nservers"):
+        parse_side("lag1-servers")
+    out = summarize({"lag0": 60.0, "lag1": 40.0, "lag2": 30.0},
+                    {"lag0": {"accuracy": 0.50, "accuracy_se": 0.02}, "lag1": {"accuracy": 0.46, "accuracy_se": 0.02},
+                     "lag2": {"accuracy": 0.40, "accuracy_se": 0.02}})
+    assert out["lag1_speedup"] == 1.5 and out["lag2_speedup"] == 2.0
+    assert out["lag1_same_accuracy"] is True and out["lag2_same_accuracy"] is False

@@ -149,11 +149,10 @@ def test_a_failed_request_thread_stops_every_process_together(here, there):
 
     pushed = []
     source = object.__new__(ServerRollouts)
-    source.pushed, source.step, source.policy, source.drained, source.pushing = 0, 1, "policy", 0.0, 0.0
-    source.worker = types.SimpleNamespace(drain=lambda: (_ for _ in ()).throw(RuntimeError("my rewards raised"))
-                                          if here else None)
-    source.client = types.SimpleNamespace(barrier=lambda: None,
-                                          update_weights=lambda policy, step: pushed.append((policy, step)))
+    source.pushed, source.step, source.policy, source.pushing = 0, 1, "policy", 0.0
+    source.worker = types.SimpleNamespace(who="vLLM server requests", failure="my rewards raised" if here else None)
+    source.client = types.SimpleNamespace(barrier=lambda: None, update_weights=lambda policy, step, queued:
+                                          pushed.append((policy, step, queued)))
     source.rollouts = types.SimpleNamespace(procs=_Procs(others_failed=there))
     if here or there:
         with pytest.raises(RuntimeError, match="my rewards raised" if here else
@@ -162,4 +161,4 @@ def test_a_failed_request_thread_stops_every_process_together(here, there):
         assert pushed == []
     else:
         source._send_weights(1)
-        assert pushed == [("policy", 1)]
+        assert pushed == [("policy", 1, True)]

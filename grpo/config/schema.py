@@ -189,10 +189,11 @@ class GRPOConfig:
     vllm_mode: str = _f("colocate", "colocate: a vLLM engine in the trainer's process, on its device; server: a "
                         "`grpo vllm-serve` process that every trainer process sends prompts to. Either is given the "
                         "policy's weights after every optimizer step.", ("colocate", "server"))
-    vllm_server_base_url: str | None = _f(None, "Server mode: the server's URL, e.g. http://10.0.0.2:8000 (then "
-                                          "vllm_server_host and vllm_server_port are not used).")
-    vllm_server_host: str = _f("0.0.0.0", "Server mode: the server's host (on several machines set it, or "
-                                "vllm_server_base_url, to the server's address).")
+    vllm_server_base_url: str | list[str] | None = _f(None, "Server mode: the server's URL (http://10.0.0.2:8000), "
+                                                      "or several (a list, or separated by commas: rows spread over "
+                                                      "them); then the host and port keys are not used.")
+    vllm_server_host: str = _f("0.0.0.0", "Server mode: the server's host, or several (host or host:port, separated "
+                                "by commas); on several machines the server's address, not 0.0.0.0.")
     vllm_server_port: int = _f(8000, "Server mode: the server's port.")
     vllm_server_timeout: float = _f(240.0, "Server mode: seconds to wait for the server to answer at start.")
     vllm_weight_transfer: str = _f("collective", "Server mode: how the weights reach the server after each step: "

@@ -10,6 +10,7 @@ backward: grpo.engines.policy). The trainer prints the choice and its reason at 
 
 from __future__ import annotations
 
+import urllib.parse
 from dataclasses import dataclass
 
 import torch
@@ -149,26 +150,46 @@ def per_row_seeds(cfg, device) -> bool:
     return cfg.vllm_per_row_seeds if cfg.vllm_per_row_seeds is not None else torch.device(device).type == "cpu"
 
 
-def _server_client(cfg, policy, eos: list[int], accelerator):
-    from grpo.engines.vllm_server import VLLMServerClient
+def server_urls(cfg) -> list[str]:
+    """The servers of `vllm_mode: server`: vllm_server_base_url (a URL, a list of them, or URLs separated by
+    commas), else vllm_server_host (a host or several separated by commas, each `host` or `host:port`, the port
+    vllm_server_port where none is given)."""
+    def names(value) -> list[str]:
+        return [v.strip() for v in (value.split(",") if isinstance(value, str) else value) if str(v).strip()]
 
-    if (cfg.vllm_server_base_url is None and cfg.vllm_server_host in LOCAL_HOSTS and machines() > 1):
-        raise ConfigError(f"vllm_server_base_url: this run spans {machines()} machines, and "
-                          f"vllm_server_host {cfg.vllm_server_host!r} would point each one at itself; set "
-                          f"vllm_server_base_url (or vllm_server_host) to the server's address.")
-    url = cfg.vllm_server_base_url or f"http://{cfg.vllm_server_host}:{cfg.vllm_server_port}"
+    if cfg.vllm_server_base_url:
+        urls = [url.rstrip("/") for url in names(cfg.vllm_server_base_url)]
+        local = [u for u in urls if urllib.parse.urlsplit(u).hostname in LOCAL_HOSTS]
+    else:
+        hosts = names(cfg.vllm_server_host)
+        urls = [f"http://{h}" if h.count(":") == 1 else f"http://{h}:{cfg.vllm_server_port}" for h in hosts]
+        local = [h for h in hosts if h.split(":")[0] in LOCAL_HOSTS or h in LOCAL_HOSTS]
+    if not urls:
+        raise ConfigError("vllm_server_base_url / vllm_server_host: no server named; give its URL or host.")
+    if len(set(urls)) < len(urls):
+        raise ConfigError(f"vllm_server_base_url / vllm_server_host: a server named twice ({', '.join(urls)}).")
+    if local and machines() > 1:
+        raise ConfigError(f"vllm_server_base_url: this run spans {machines()} machines, and {local[0]!r} would point "
+                          f"each one at itself; set vllm_server_base_url (or vllm_server_host) to the server's "
+                          f"address.")
+    return urls
+
+
+def _server_client(cfg, policy, eos: list[int], accelerator):
+    from grpo.engines.vllm_fleet import VLLMFleet
+
+    urls = server_urls(cfg)
     together = {}
     if accelerator.num_processes > 1:
         from accelerate.utils import broadcast_object_list, gather_object
 
         together = {"gather": gather_object, "share": lambda parts: broadcast_object_list([parts])[0]}
     try:
-        client = VLLMServerClient(url, eos, cfg.vllm_server_timeout, push=accelerator.is_main_process,
-                                  barrier=accelerator.wait_for_everyone if accelerator.num_processes > 1 else None,
-                                  transport=cfg.vllm_weight_transfer, group_port=cfg.vllm_group_port,
-                                  device=accelerator.device, per_row_seeds=cfg.vllm_per_row_seeds,
-                                  rank=accelerator.process_index, processes=accelerator.num_processes,
-                                  **together)
+        client = VLLMFleet(urls, eos, cfg.vllm_server_timeout, push=accelerator.is_main_process,
+                           barrier=accelerator.wait_for_everyone if accelerator.num_processes > 1 else None,
+                           transport=cfg.vllm_weight_transfer, group_port=cfg.vllm_group_port,
+                           device=accelerator.device, per_row_seeds=cfg.vllm_per_row_seeds,
+                           rank=accelerator.process_index, processes=accelerator.num_processes, **together)
     except ConnectionError as err:
         raise ConfigError(f"vllm_mode: server: {err}") from None
     # The server holds whatever it was last given (the checkpoint it loaded, or an earlier run's weights): the

@@ -5,7 +5,8 @@ optimizer step.
 The protocol is HTTP endpoints with JSON bodies, served by the standard library, so a trainer needs neither vLLM nor
 a web framework to talk to it:
 
-    GET  /health              {"model", "weights_version", "policy_step", "device", "device_uuid", "dtype"}
+    GET  /health              {"model", "weights_version", "policy_step", "staged_step", "device", "device_uuid",
+                              "dtype"}
     POST /generate            {"prompt_ids", "params" (SamplingParams' fields), "seeds" (or null), "eos_ids",
                               "step" (optional)} -> {"ids", "truncated", "logprobs", "policy_step"}
     POST /init_communicator   {"host", "port", "backend"}: join the trainer in a two-rank process group
@@ -13,9 +14,12 @@ a web framework to talk to it:
     POST /update_weights      ?transport=collective: receive the weights over that group, bucket by bucket;
                               ?transport=http: a chunked body of the same buckets -> {"weights_version": n}
                               &step=s: the trainer's optimizer steps behind these weights (policy_step)
+                              &queued=1: held until a request names step s (grpo.engines.vllm_pushes)
+    POST /wait_unstaged       answers once no queued push is staged (before a queued collective push)
 
-`weights_version` counts the pushes; `policy_step` is the step the trainer named with the last push (null when it
-named none). A generate request that names a `step` is refused unless the server holds exactly those weights: with
+`weights_version` counts the pushes; `policy_step` is the step the trainer named with the push the engine holds
+(null when it named none), `staged_step` that of a queued push not loaded yet. A generate request that names a
+`step` is refused unless the server holds exactly those weights or has them staged (then loads them first): with
 max_staleness the trainer asks for rollout t with the weights of step t - k, and this check makes a push that
 overtook its requests an error instead of a silently different run (grpo.training.rollout.pipeline_server).
 
@@ -43,6 +47,7 @@ import torch
 
 from grpo.engines import vllm_weights
 from grpo.engines.base import Completions, EngineDefaults, SamplingParams
+from grpo.engines.vllm_pushes import PushQueue
 
 
 @dataclasses.dataclass
@@ -57,19 +62,31 @@ class Served:
     state: dict = dataclasses.field(default_factory=dict)
     group: tuple | None = None  # (process group, the device it receives on)
     together: Together = dataclasses.field(default_factory=lambda: Together())
+    pushes: PushQueue = dataclasses.field(default_factory=PushQueue)  # (a lagged trainer's: vllm_pushes)
+
+    def __post_init__(self):
+        self.state.setdefault("staged_step", None)
 
 
 class Refused(ValueError):
     """A generate request for weights the server does not hold (HTTP 409)."""
 
 
+class ServersDown(RuntimeError):
+    """Every server the trainer generates with stopped answering (grpo.engines.vllm_fleet): the run writes a
+    checkpoint of its last step and stops with exit status 75, to be resumed once a server is back."""
+
+
 def generate(served: Served, body: dict) -> dict:
     """Run one /generate body on the engine (one request at a time); its reply."""
     with served.lock:
+        served.pushes.apply_for(served.engine, served.state, body.get("step"))  # (a staged push it names)
         held = served.state["policy_step"]
         if body.get("step") is not None and body["step"] != held:
             raise Refused(f"the request names the weights of step {body['step']}, the server holds those of step "
                           f"{held}")
+        if not body["prompt_ids"]:  # (a fleet's part with no rows: every process sends one to every server)
+            return {"ids": [], "truncated": [], "logprobs": [], "policy_step": held}
         served.engine.eos_ids = list(body["eos_ids"])
         served.engine.per_row_seeds = body["seeds"] is not None
         out = served.engine.generate(body["prompt_ids"], SamplingParams(**body["params"]),
@@ -179,12 +196,16 @@ class Handler(BaseHTTPRequestHandler):
                 options = urllib.parse.parse_qs(query)
                 step = options.get("step", [None])[0]
                 return self._reply(self._update_weights(options.get("transport", [""])[0],
-                                                        None if step is None else int(step)))
+                                                        None if step is None else int(step),
+                                                        options.get("queued", ["0"])[0] == "1"))
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
             if path == "/generate":
                 if body.get("together"):  # (one part of a request several trainer processes send)
                     return self._reply(served.together.join(body, lambda merged: generate(served, merged)))
                 return self._reply(generate(served, body))
+            if path == "/wait_unstaged":  # (before a queued collective push: grpo.engines.vllm_pushes)
+                served.pushes.wait_free()
+                return self._reply({"ok": True})
             if path == "/init_communicator":
                 # (blocks until the trainer joins: the trainer sends this from a thread of its own). An earlier
                 # trainer's group, if any, is shut down.
@@ -201,21 +222,26 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             self._reply({"error": f"{type(err).__name__}: {err}"}, 500)
 
-    def _update_weights(self, transport: str, step: int | None) -> dict:
+    def _update_weights(self, transport: str, step: int | None, queued: bool) -> dict:
         served = self.server.served
         if transport == "collective":
             if served.group is None:
                 raise RuntimeError("no weight-transfer group: POST /init_communicator first")
-            weights = vllm_weights.receive_weights(*served.group)
+            # (a queued push is held in host memory, one bucket copied off the device at a time)
+            weights = vllm_weights.receive_weights(*served.group, to_host=queued)
         elif transport == "http":
             reader = vllm_weights.ChunkedReader(self.rfile)
             weights = vllm_weights.read_http_weights(reader)
         else:
             raise ValueError(f"transport {transport!r}: use collective or http")
-        with served.lock:
-            served.engine.load_weights(weights)  # (one reload_weights, reading the stream as it goes)
-            served.state["weights_version"] += 1
-            served.state["policy_step"] = step
+        if queued:  # (loaded by the first request that names `step`: grpo.engines.vllm_pushes)
+            served.pushes.stage(weights, step, served.state)
+        else:
+            with served.lock:
+                served.pushes.drop(served.state)
+                served.engine.load_weights(weights)  # (one reload_weights, reading the stream as it goes)
+                served.state["weights_version"] += 1
+                served.state["policy_step"] = step
         if transport == "http":
             reader.finish()
         return {"weights_version": served.state["weights_version"]}
@@ -321,37 +347,19 @@ class VLLMServerClient(EngineDefaults):
     def generate_together(self, prompt_ids: list[list[int]], params: SamplingParams, seeds: list[int]
                           ) -> Completions:
         """`generate` for every process's rows in one request; every process must call it at the same time."""
-        if self.gather is None:
-            return self.generate(prompt_ids, params, seeds)
-        shares = self.gather([(prompt_ids, list(seeds))])  # one (prompt_ids, seeds) per process, in rank order
-        parts = None
-        if self.rank == 0:
-            out = self.generate([row for ids, _ in shares for row in ids], params,
-                                [seed for _, share in shares for seed in share])
-            parts, start = [], 0
-            for ids, _ in shares:
-                stop = start + len(ids)
-                parts.append(Completions(out.ids[start:stop], out.truncated[start:stop],
-                                         None if out.logprobs is None else out.logprobs[start:stop]))
-                start = stop
-        return self.share(parts)[self.rank]
+        return generate_together(self, prompt_ids, params, seeds)
 
-    def update_weights(self, model, step: int | None = None) -> None:
-        """Push the policy's weights (`step`: the optimizer steps behind them, which the server then reports)."""
-        from grpo.engines.sharding import hf_weights, sharding
+    def update_weights(self, model, step: int | None = None, queued: bool = False) -> None:
+        """Push the policy's weights (`step`: the optimizer steps behind them, which the server then reports;
+        `queued`: the server loads them when a request names `step`, grpo.engines.vllm_pushes)."""
+        update_weights(self, model, step, queued)
 
-        if not self.push and sharding(model) is not None:
-            for _ in hf_weights(model):  # gathering a sharded model is collective: every process takes part
-                pass
-        if self.push:
-            self.push_weights(hf_weights(model), step)
-        if self.barrier is not None:
-            self.barrier()
-
-    def push_weights(self, weights, step: int | None = None) -> dict:
+    def push_weights(self, weights, step: int | None = None, queued: bool = False) -> dict:
         """Send (name, tensor) pairs to the server, one bucket at a time; returns the server's reply."""
-        tag = "" if step is None else f"&step={int(step)}"
+        tag = push_tag(step, queued)
         if self.transport == "collective":
+            if queued:  # (the broadcast starts once the server can take it: its wait has no timeout, a group's has)
+                self._call("/wait_unstaged", b"")
             with ThreadPoolExecutor(1) as pool:  # (the server's reply waits for the whole stream)
                 reply = pool.submit(self._call, f"/update_weights?transport=collective{tag}", b"")
                 vllm_weights.send_weights(self.group, weights, self.device, self.dtype)
@@ -368,3 +376,57 @@ class VLLMServerClient(EngineDefaults):
         if response.status != 200:
             raise RuntimeError(f"vLLM server {self.url}/update_weights: {reply.get('error', response.reason)}")
         return reply
+
+
+def generate_together(client, prompt_ids: list[list[int]], params: SamplingParams, seeds: list[int]) -> Completions:
+    """`client.generate` of every process's rows in one request from the main process, each process handed its own
+    completions (`client.gather` / `client.share`: the process group's object gather and broadcast). A
+    ServersDown of the main process's request is handed to every process, which all raise it."""
+    if client.gather is None:
+        return client.generate(prompt_ids, params, seeds)
+    shares = client.gather([(prompt_ids, list(seeds))])  # one (prompt_ids, seeds) per process, in rank order
+    parts = None
+    if client.rank == 0:
+        try:
+            out = client.generate([row for ids, _ in shares for row in ids], params,
+                                  [seed for _, share in shares for seed in share])
+        except ServersDown as err:
+            parts = [err] * len(shares)
+        else:
+            parts, start = [], 0
+            for ids, _ in shares:
+                stop = start + len(ids)
+                parts.append(Completions(out.ids[start:stop], out.truncated[start:stop],
+                                         None if out.logprobs is None else out.logprobs[start:stop]))
+                start = stop
+    part = client.share(parts)[client.rank]
+    if isinstance(part, ServersDown):
+        raise part
+    return part
+
+
+def push_tag(step: int | None, queued: bool) -> str:
+    """The query arguments of /update_weights after the transport: the step, and whether the push is queued."""
+    return ("" if step is None else f"&step={int(step)}") + ("&queued=1" if queued else "")
+
+
+def update_weights(client, model, step: int | None, queued: bool = False) -> None:
+    """Push `model`'s weights with `client.push_weights` from the process that pushes (`client.push`); every
+    process walks a sharded model's weights (gathering them is collective), then waits at `client.barrier`."""
+    from grpo.engines.sharding import hf_weights, sharding
+
+    if not client.push and sharding(model) is not None:
+        for _ in hf_weights(model):  # gathering a sharded model is collective: every process takes part
+            pass
+    failure = None
+    if client.push:
+        try:
+            client.push_weights(hf_weights(model), step, queued)
+        except ServersDown as err:  # (every process learns it below and raises it: none waits at the barrier)
+            failure = err
+    if client.share is not None:
+        failure = client.share(failure)
+    if failure is not None:
+        raise failure
+    if client.barrier is not None:
+        client.barrier()

@@ -129,27 +129,65 @@ def address_towards(host: str, port: int) -> str:
 
 
 def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
-    options = dist.BroadcastOptions()
-    options.rootRank, options.rootTensor = 0, 0
-    group.broadcast([tensor], options).wait()
+    _start(group, tensor).wait()
 
 
 def send_weights(group: dist.ProcessGroup, weights, device: torch.device, dtype: torch.dtype | None = None,
                  limit: int | None = None) -> int:
     """Broadcast `weights` bucket by bucket from rank 0; returns the bytes sent."""
-    sent = 0
-    for bucket in buckets(weights, limit):
-        header, flat = pack(bucket, device, dtype)
-        _broadcast(group, torch.tensor([len(header)], dtype=torch.int64, device=device))
-        _broadcast(group, torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device))
-        _broadcast(group, flat)
-        sent += flat.numel()
-    _broadcast(group, torch.zeros(1, dtype=torch.int64, device=device))
+    sent, failed = fan_out([group], weights, device, dtype, limit)
+    if failed:
+        raise failed[0]
     return sent
 
 
-def receive_weights(group: dist.ProcessGroup, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-    """The (name, tensor) pairs rank 0 sends, each bucket received only when the last one's tensors are taken."""
+def fan_out(groups: list[dist.ProcessGroup], weights, device: torch.device, dtype: torch.dtype | None = None,
+            limit: int | None = None) -> tuple[int, dict[int, Exception]]:
+    """Broadcast `weights` bucket by bucket from rank 0 of each group (one group per server): each bucket is packed
+    once and its broadcasts on every group are issued before any is waited on (NCCL runs each communicator on its
+    own stream, so the servers receive side by side). A group whose broadcast fails is left out from then on.
+    Returns the bytes sent to each server, and the failures by group index."""
+    sent, failed = 0, {}
+    live = dict(enumerate(groups))
+    for bucket in buckets(weights, limit):
+        header, flat = pack(bucket, device, dtype)
+        length = torch.tensor([len(header)], dtype=torch.int64, device=device)
+        header = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)
+        _each(live, failed, (length, header, flat))
+        sent += flat.numel()
+    _each(live, failed, (torch.zeros(1, dtype=torch.int64, device=device),))
+    return sent, failed
+
+
+def _each(live: dict, failed: dict, tensors: tuple) -> None:
+    """Broadcast `tensors` in order on every live group, all issued before any is waited on; a failed group moves
+    from `live` to `failed`."""
+    works = {}
+    for i, group in list(live.items()):
+        try:
+            works[i] = [_start(group, tensor) for tensor in tensors]
+        except RuntimeError as err:  # (gloo raises at once on a peer gone)
+            failed[i] = err
+            del live[i]
+    for i, pending in works.items():
+        try:
+            for work in pending:
+                work.wait()
+        except RuntimeError as err:  # (a peer gone; a timeout: vllm_server_timeout)
+            failed[i] = err
+            live.pop(i, None)
+
+
+def _start(group: dist.ProcessGroup, tensor: torch.Tensor):
+    options = dist.BroadcastOptions()
+    options.rootRank, options.rootTensor = 0, 0
+    return group.broadcast([tensor], options)
+
+
+def receive_weights(group: dist.ProcessGroup, device: torch.device, to_host: bool = False
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs rank 0 sends, each bucket received only when the last one's tensors are taken
+    (`to_host`: each bucket copied to the host in one piece, views of that copy)."""
     while True:
         length = torch.zeros(1, dtype=torch.int64, device=device)
         _broadcast(group, length)
@@ -160,7 +198,7 @@ def receive_weights(group: dist.ProcessGroup, device: torch.device) -> Iterator[
         header = bytes(header.cpu().numpy())
         flat = torch.empty(_buffer_size(header), dtype=torch.uint8, device=device)
         _broadcast(group, flat)
-        yield from unpack(header, flat)
+        yield from unpack(header, flat.cpu() if to_host else flat)
 
 
 # ---- http ------------------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from grpo.engines.base import SamplingParams
 from grpo.engines.moe import make_routing
 from grpo.engines.policy import reference_view
 from grpo.engines.select import choose_engine, make_engine, make_vllm
+from grpo.engines.vllm_server import ServersDown
 from grpo.training.run import run_dir
 from grpo.training.checkpoint import sharded as sharded_ckpt
 from grpo.training.run.control import RunControl
@@ -51,7 +52,7 @@ from grpo.training.rollout.batch import RolloutBatch
 from grpo.training.setup.sharded import check_sharded_images, check_sharding, place_reference, reduce_in_float32
 from grpo.training.run.errors import TrainingStopped
 from grpo.training.run.faults import engine_faults
-from grpo.training.run.signals import StopSignals, stop_if_signalled
+from grpo.training.run.signals import StopSignals, stop_if_signalled, stopped_with_checkpoint
 from grpo.training.checkpoint.state import Checkpointing
 from grpo.training.setup.build import (check_inputs, check_reward_columns, check_sequence_parallel, check_sizes, config_of,
                                  configure_process, fill_deepspeed_auto, load_task, make_accelerator, make_datasets,
@@ -247,8 +248,12 @@ class GRPOTrainer(TRLSurface):
                 if self.step == 0 and self.control.cadence.evaluate_first(self.eval_set is not None):
                     report(0, self.evaluate(loss=False))
                 while self.step < self.total_steps and not self.control.control.should_training_stop:
-                    with engine_faults(cfg, "update"):
-                        last = self._step_and_report(report)
+                    try:
+                        with engine_faults(cfg, "update"):
+                            last = self._step_and_report(report)
+                    except ServersDown as err:  # (every vLLM server gone: a checkpoint, then exit 75 as on a signal)
+                        raise stopped_with_checkpoint(str(err), cfg, self.accel, self.step, self.total_steps,
+                                                      self.save_checkpoint) from None
                     # a stop signal: this step's checkpoint, then TrainingInterrupted
                     stop_if_signalled(signals, cfg, self.accel, self.step, self.total_steps, self.save_checkpoint)
             finally:

@@ -6,17 +6,18 @@ and metrics); what differs is who generates. Here the server does, and a thread 
 client thread) sends it the requests, one at a time in the order they were asked for, and scores the completions.
 At each rollout boundary (the last optimizer step of rollout t - 1, on every process at once):
 
-    1. the trainer waits until the server has answered every request this process sent (they name older weights:
-       vLLM cannot load weights while it generates, and a push that overtook a request would change its weights);
-    2. the main process pushes the weights (bucketed, grpo.engines.vllm_weights), tagged with their step
-       t x steps-per-rollout; under several processes every one waits at a barrier before and after;
-    3. rollout t + k's request goes to the client thread, which sends it naming that step, and the trainer updates on
-       rollout t while the server generates.
+    1. the main process pushes the weights (bucketed, grpo.engines.vllm_weights), tagged with their step
+       t x steps-per-rollout and queued: the server reads them into host memory and loads them between requests,
+       when the first request naming that step comes (grpo.engines.vllm_pushes), so the requests of older weights
+       still to run (rollouts t .. t + k - 1) keep theirs and the trainer does not wait for them; under several
+       processes every one waits at a barrier before and after;
+    2. rollout t + k's request goes to the client thread, which sends it naming that step, and the trainer updates on
+       rollout t while the server generates rollouts t + 1 .. t + k in order.
 
-The server refuses a request that names weights other than those it holds (grpo.engines.vllm_server) and reports
-the step it sampled with, which becomes the rollout's `pipeline/weight_version`. With lag 1 step 1 costs nothing:
-the trainer needs rollout t next anyway. With lag k > 1 it waits for rollouts t .. t + k - 1 before each push, so the
-server runs at most one rollout ahead of the update; the weights of each rollout are still exactly step t - k's.
+The server refuses a request that names weights other than those it holds or has staged (grpo.engines.vllm_server)
+and reports the step it sampled with, which becomes the rollout's `pipeline/weight_version`. With lag 1 step 1 costs
+nothing: the trainer needs rollout t next anyway. With lag k the server runs up to k rollouts ahead of the update;
+it stages one push at a time, so a push while one is staged waits until the server loads that one.
 
 The reference's log-probs are taken in the trainer's process (its model is there); the behaviour policy of the
 decoupled objective is vLLM's own sampling log-probs.
@@ -54,7 +55,7 @@ class ServerRollouts(LaggedRollouts):
         # The trainer's own uses of the engine (evaluation) wait for the thread's requests and push the weights of
         # now in order; its rollouts never reach the client directly.
         rollouts.generator = _InOrder(self)
-        self.drained = self.pushing = 0.0  # seconds waiting for the server, and pushing, since the last rollout
+        self.pushing = 0.0  # seconds pushing (a queued push waits while the server holds an older one staged)
 
     def _make_worker(self) -> _ClientThread:
         return _ClientThread(self.rollouts, self.client)
@@ -64,18 +65,15 @@ class ServerRollouts(LaggedRollouts):
             return
         t0 = time.perf_counter()
         failure = None
-        try:
-            if self.worker is not None:  # (an evaluation outside train() has no thread)
-                self.worker.drain()
-        except RuntimeError as err:
-            failure = err
-        t1 = time.perf_counter()
-        # (every process has drained: no request of older weights is left; a failure stops every process)
+        if self.worker is not None and self.worker.failure is not None:  # (evaluation outside train(): no thread)
+            failure = RuntimeError(f"{self.worker.who}: a rollout failed:\n{self.worker.failure}")
+        # (a failure stops every process together). The push is queued at the server, which loads it when the
+        # first request naming `version` comes, after the requests of older weights (grpo.engines.vllm_pushes):
+        # no wait for them here. Then the barrier: no process asks for `version` before the server holds it.
         self._agree(failure)
-        self.client.update_weights(self.policy, step=version)  # (then the barrier: nobody asks before it lands)
+        self.client.update_weights(self.policy, step=version, queued=True)
         self.pushed = version
-        self.drained += t1 - t0
-        self.pushing += time.perf_counter() - t1
+        self.pushing += time.perf_counter() - t0
 
     def _take(self, index: int) -> tuple:
         failure, answer = None, None
@@ -103,9 +101,8 @@ class ServerRollouts(LaggedRollouts):
 
     def next(self, index: int) -> RolloutBatch:
         batch = super().next(index)
-        batch.metrics["pipeline/trainer_idle"] += self.drained
         batch.metrics["pipeline/weight_push"] = self.pushing
-        self.drained = self.pushing = 0.0
+        self.pushing = 0.0
         return batch
 
 
@@ -124,6 +121,10 @@ class _InOrder(EngineDefaults):
     def wake(self) -> None:
         if self.source.worker is not None:
             self.source.worker.drain()
+
+    @property
+    def servers_up(self) -> int | None:
+        return getattr(self.source.client, "servers_up", None)
 
 
 class _Pinned(EngineDefaults):

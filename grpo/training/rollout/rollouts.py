@@ -17,6 +17,7 @@ from grpo.agents.metrics import agent_metrics, sample_stats
 from grpo.core import decoupled_advantages, group_advantages, mix_advantages, process_advantages
 from grpo.engines.base import SamplingParams, row_seed
 from grpo.engines.moe import batch_routes
+from grpo.engines.vllm_server import ServersDown
 from grpo.training.run.faults import engine_faults
 from grpo.training.setup.processes import Processes
 from grpo.training.rollout.batch import (RolloutBatch, SampleRequest, Sampled, as_completion, char_to_token_ends,
@@ -68,10 +69,15 @@ class Rollouts:
         """Rollout `index` of the run."""
         self._begin()
         self.ready_engine()
-        if self.cfg.dynamic_sampling:
-            sampled, sampling_metrics = self._sample_dynamic(index)
-        else:
-            sampled, sampling_metrics = self._sample(self.prompts.next(self.B), index), {}
+        drawn = self.prompts.state_dict()
+        try:
+            if self.cfg.dynamic_sampling:
+                sampled, sampling_metrics = self._sample_dynamic(index)
+            else:
+                sampled, sampling_metrics = self._sample(self.prompts.next(self.B), index), {}
+        except ServersDown:  # (the run stops with a checkpoint of its last step: this rollout's prompts come next)
+            self.prompts.load_state_dict(drawn)
+            raise
         self.generator.sleep()  # (vLLM's sleep mode: its memory is the update's until the next rollout)
         return self.finish(sampled, sampling_metrics, index)
 
@@ -82,6 +88,9 @@ class Rollouts:
         batch.metrics.update(self._reward_logs())
         if self.cfg.dataset_on_bad_row == "skip":
             batch.metrics["data/skipped_rows"] = float(self.train_set.skipped)
+        servers = getattr(self.generator, "servers_up", None)  # (a fleet of vLLM servers: grpo.engines.vllm_fleet)
+        if servers is not None:
+            batch.metrics["fleet/servers_up"] = float(servers)
         batch.index = index
         return batch
 

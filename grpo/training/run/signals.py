@@ -72,14 +72,21 @@ def stop_if_signalled(signals: StopSignals, cfg, accel, step: int, total_steps: 
     """After optimizer step `step`: when a stop signal came to any process, write this step's checkpoint (`save()`,
     unless the cadence just did) and raise TrainingInterrupted saying how to resume. Collective."""
     number = signals.agreed()
-    if not number:
-        return
+    if number:
+        raise stopped_with_checkpoint(signal.Signals(number).name, cfg, accel, step, total_steps, save)
+
+
+def stopped_with_checkpoint(reason: str, cfg, accel, step: int, total_steps: int,
+                            save: Callable[[], Any]) -> TrainingInterrupted:
+    """Write step `step`'s checkpoint (unless the cadence just did): the TrainingInterrupted (exit 75) that says
+    `reason` and how to resume. Collective. Also when every vLLM server of the run stopped answering (its
+    ServersDown: the step's rollout had not begun to change anything the checkpoint holds)."""
     if not _saved_now(cfg.output_dir, step, accel):
         save()
     path = Path(cfg.output_dir) / f"{PREFIX}{step}"
     note = " (model only: save_only_model is set, so it cannot be resumed)" if cfg.save_only_model else ""
-    raise TrainingInterrupted(f"{signal.Signals(number).name} after step {step} of {total_steps}; wrote {path}{note}. "
-                              f"Resume: {resume_hint()}")
+    return TrainingInterrupted(f"{reason} after step {step} of {total_steps}; wrote {path}{note}. "
+                               f"Resume: {resume_hint()}")
 
 
 def _saved_now(output_dir: str, step: int, accel) -> bool:
