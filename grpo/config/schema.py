@@ -107,7 +107,8 @@ class GRPOConfig:
 
     # ---- rewards -----------------------------------------------------------------------------------------------
     reward_funcs: Specs = _f([], "Reward functions: built-in names, 'module:function' paths, reward-model "
-                            "directories, or {name: ..., <factory args>} maps. Default: the task's.")
+                            "directories, reward-server URLs (OpenRLHF's remote_rm_url), or {name: ..., <factory "
+                            "args>} maps ({name: llm_judge, base_url: ...}: docs/agents.md). Default: the task's.")
     reward_weights: list[float] | None = _f(None, "One weight per reward function. Default: the task's, else all 1.")
     multi_objective_aggregation: str = _f("sum_then_normalize", "Combine several rewards: weighted sum, then "
                                           "group advantages; or each reward normalized in its group, summed, then "
