@@ -34,45 +34,42 @@ ROUNDS_OF_CALLS = 2  # (max_tool_calling_iterations of the loop's side)
 
 def episode(client, row) -> float:
     """The calculator task as an agent of the openai client, doing what the built-in loop does."""
-    import json as json_
-
-    from grpo.agents.tools import calculator
-
-    history = [{"role": "user", "content": row["prompt"]}] if isinstance(row["prompt"], str) else list(row["prompt"])
+    history = first_messages(row)
     for turn in range(ROUNDS_OF_CALLS + 1):
         message = client.chat.completions.create(model="policy", messages=history, tools=TOOLS).choices[0].message
-        history.append(message.model_dump(exclude_none=True))
-        if not message.tool_calls or turn == ROUNDS_OF_CALLS:
+        if not went_on(history, message, turn):
             break
-        for call in message.tool_calls:
-            try:
-                answer = calculator(**json_.loads(call.function.arguments))
-            except Exception as err:  # noqa: BLE001 - the model's bad call is answered, as the loop does
-                answer = f"Error: {err}"
-            history.append({"role": "tool", "tool_call_id": call.id, "content": str(answer)})
     return float(f"<answer>{row['answer']}</answer>" in (history[-1].get("content") or ""))
 
 
 async def async_episode(client, row) -> float:
     """`episode` for an AsyncOpenAI client (the episodes share one event loop instead of a thread each)."""
-    import json as json_
-
-    from grpo.agents.tools import calculator
-
-    history = [{"role": "user", "content": row["prompt"]}] if isinstance(row["prompt"], str) else list(row["prompt"])
+    history = first_messages(row)
     for turn in range(ROUNDS_OF_CALLS + 1):
         reply = await client.chat.completions.create(model="policy", messages=history, tools=TOOLS)
-        message = reply.choices[0].message
-        history.append(message.model_dump(exclude_none=True))
-        if not message.tool_calls or turn == ROUNDS_OF_CALLS:
+        if not went_on(history, reply.choices[0].message, turn):
             break
-        for call in message.tool_calls:
-            try:
-                answer = calculator(**json_.loads(call.function.arguments))
-            except Exception as err:  # noqa: BLE001 - the model's bad call is answered, as the loop does
-                answer = f"Error: {err}"
-            history.append({"role": "tool", "tool_call_id": call.id, "content": str(answer)})
     return float(f"<answer>{row['answer']}</answer>" in (history[-1].get("content") or ""))
+
+
+def first_messages(row) -> list[dict]:
+    return [{"role": "user", "content": row["prompt"]}] if isinstance(row["prompt"], str) else list(row["prompt"])
+
+
+def went_on(history: list[dict], message, turn: int) -> bool:
+    """Append the model's turn and, if it called the calculator within the rounds allowed, the answers (True)."""
+    from grpo.agents.tools import calculator
+
+    history.append(message.model_dump(exclude_none=True))
+    if not message.tool_calls or turn == ROUNDS_OF_CALLS:
+        return False
+    for call in message.tool_calls:
+        try:
+            answer = calculator(**json.loads(call.function.arguments))
+        except Exception as err:  # noqa: BLE001 - the model's bad call is answered, as the loop does
+            answer = f"Error: {err}"
+        history.append({"role": "tool", "tool_call_id": call.id, "content": str(answer)})
+    return True
 
 
 def run(side: str, steps: int, out: Path, seed: int, window_s: float) -> list[dict]:
