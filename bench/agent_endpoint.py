@@ -29,7 +29,7 @@ ASSET = str(ROOT / "grpo" / "assets" / "tiny-tools")
 TOOLS = [{"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression exactly.",
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
-ROUNDS_OF_CALLS = 2  # (max_tool_calling_iterations of the loop's side)
+ROUNDS_OF_CALLS = 2  # (max_tool_calling_iterations of the loop's side; --model wider: 0, one call an episode)
 
 
 def episode(client, row) -> float:
@@ -72,7 +72,25 @@ def went_on(history: list[dict], message, turn: int) -> bool:
     return True
 
 
-def run(side: str, steps: int, out: Path, seed: int, window_s: float) -> list[dict]:
+def wider_model(out: Path) -> str:
+    """A randomly initialised Qwen2 of hidden 256, 4 layers, MLP 1024 (3.4M parameters, ~3x tiny-tools' cost a
+    token) with tiny-tools' tokenizer and chat template: a turn that costs more to sample against the same
+    per-request costs. It calls no tool (its `<tool_call>` is random), so both sides run with 0 rounds of calls."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = out / "wider-model"
+    if not (path / "config.json").exists():
+        config = AutoConfig.from_pretrained(ASSET)
+        config.hidden_size, config.intermediate_size, config.num_hidden_layers = 256, 1024, 4
+        config.num_attention_heads = config.num_key_value_heads = 4
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(path)
+        AutoTokenizer.from_pretrained(ASSET).save_pretrained(path)
+    return str(path)
+
+
+def run(side: str, steps: int, out: Path, seed: int, window_s: float, model: str = ASSET) -> list[dict]:
     """One training run of `side` ("loop", "endpoint": the sync agent, "endpoint_async"); its per-step log."""
     from datasets import Dataset
 
@@ -88,10 +106,10 @@ def run(side: str, steps: int, out: Path, seed: int, window_s: float) -> list[di
     if side == "loop":
         args = GRPOConfig(task="calculator", tools=["calculator"], max_tool_calling_iterations=ROUNDS_OF_CALLS,
                           **common)
-        trainer = GRPOTrainer(model=ASSET, args=args, train_dataset=dataset)
+        trainer = GRPOTrainer(model=model, args=args, train_dataset=dataset)
     else:
         args = GRPOConfig(task=None, **common)
-        trainer = GRPOTrainer(model=ASSET, args=args, train_dataset=dataset, reward_funcs=[],
+        trainer = GRPOTrainer(model=model, args=args, train_dataset=dataset, reward_funcs=[],
                               rollout_func=Episodes(async_episode if side == "endpoint_async" else episode,
                                                     timeout_s=300, window_s=window_s))
     trainer.train()
@@ -117,18 +135,24 @@ def main(argv=None) -> dict:
     parser.add_argument("--window-s", type=float, default=0.05, help="the endpoint's batching window")
     parser.add_argument("--out", default="/tmp/grpo-bench-agent-endpoint")
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--model", choices=("tiny-tools", "wider"), default="tiny-tools",
+                        help="wider: a random 3.4M-parameter model, one call an episode (see wider_model)")
     args = parser.parse_args(argv)
     if args.steps <= args.warmup:
         parser.error("--steps must be more than --warmup")
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    global ROUNDS_OF_CALLS
+    model = ASSET
+    if args.model == "wider":
+        ROUNDS_OF_CALLS, model = 0, wider_model(Path(args.out))
     sides = ("loop", "endpoint", "endpoint_async")
     logs: dict[str, list[dict]] = {side: [] for side in sides}
     started = time.time()
     for r in range(args.rounds):
         for side in sides[r % 3:] + sides[:r % 3]:  # (each round starts with the next side)
-            logs[side] += run(side, args.steps, Path(args.out) / f"round{r}", seed=r, window_s=args.window_s)[
-                args.warmup:]
+            logs[side] += run(side, args.steps, Path(args.out) / f"round{r}", seed=r, window_s=args.window_s,
+                              model=model)[args.warmup:]
     result = {side: figures(log, 0, 64) for side, log in logs.items()}
     result["ratio"] = {f"{side}/loop": {key: result[side][key] / result["loop"][key]
                                         for key in ("generation_tokens_per_s", "steps_per_s")}
