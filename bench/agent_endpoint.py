@@ -73,7 +73,7 @@ def went_on(history: list[dict], message, turn: int) -> bool:
 
 
 def wider_model(out: Path) -> str:
-    """A randomly initialised Qwen2 of hidden 256, 4 layers, MLP 1024 (3.4M parameters, ~3x tiny-tools' cost a
+    """A randomly initialised Qwen2 of hidden 256, 4 layers, MLP 1024 (4.3M parameters, ~4x tiny-tools' cost a
     token) with tiny-tools' tokenizer and chat template: a turn that costs more to sample against the same
     per-request costs. It calls no tool (its `<tool_call>` is random), so both sides run with 0 rounds of calls."""
     import torch
@@ -136,7 +136,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", default="/tmp/grpo-bench-agent-endpoint")
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--model", choices=("tiny-tools", "wider"), default="tiny-tools",
-                        help="wider: a random 3.4M-parameter model, one call an episode (see wider_model)")
+                        help="wider: a random 4.3M-parameter model, one call an episode (see wider_model)")
     args = parser.parse_args(argv)
     if args.steps <= args.warmup:
         parser.error("--steps must be more than --warmup")
