@@ -80,7 +80,7 @@ def evaluate(model_dir: str, n: int, seed: int = 1234) -> dict:
             try:
                 return await episode(client, row), endpoint.close_episode(key)
             finally:
-                endpoint.waiting -= 1
+                endpoint.episode_ended()
 
         return await asyncio.gather(*(one(i, r) for i, r in enumerate(rows)), return_exceptions=True)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -188,6 +189,27 @@ def test_requests_arriving_together_are_one_engine_call_and_sample_what_they_wou
                        add_special_tokens=False)["input_ids"]
     alone = [engine.generate([prompt], SamplingParams(24), [s]).ids[0] for s in range(6)]
     assert [replies[s] for s in range(6)] == alone
+
+
+def test_a_batch_waits_while_episodes_make_progress_and_closes_after_a_quiet_window():
+    from grpo.agents.endpoint import EngineBatcher
+
+    eos = 0
+    engine = Counting(ScriptedGenerator(lambda ids, rng: [5, eos], [eos]))
+    batcher = EngineBatcher(engine, window_s=1.0, expected=lambda: 2)
+    first = threading.Thread(target=batcher.submit, args=([1], SamplingParams(4), 0))
+    first.start()
+    for _ in range(6):  # 1.5 s of responses going out (touch) and no request: the window stays open
+        time.sleep(0.25)
+        batcher.touch()
+    batcher.submit([2], SamplingParams(4), 1)
+    first.join()
+    assert engine.batches == [2]  # (a window from the first request alone would have closed at 1 s: [1, 1])
+    lone = threading.Thread(target=batcher.submit, args=([3], SamplingParams(4), 2))
+    lone.start()
+    lone.join(timeout=60)  # (nothing else comes: the batch goes after a quiet window, short of `expected`)
+    batcher.close()
+    assert engine.batches == [2, 1]
 
 
 def agent_turns(c, tools=TOOLS) -> list:

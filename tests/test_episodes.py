@@ -202,3 +202,55 @@ def test_the_engines_logprobs_are_the_update_passes_on_every_trained_token(tmp_p
     mask = batch.completion_mask.bool()
     assert mask.sum() > 0 and (batch.sampling_logp[mask] < 0).all()
     assert torch.allclose(update.cpu()[mask], batch.sampling_logp[mask], atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow  # (three training processes: about a minute)
+def test_a_run_through_the_endpoint_killed_and_resumed_ends_bit_exact(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    driver = Path(__file__).parent / "episodes_resume_driver.py"
+    cfg = dict(model_name_or_path=ASSET, task=None, num_generations=2, prompts_per_step=2, max_completion_length=64,
+               max_steps=2, save_steps=1, report_to=[], learning_rate=1e-3, log_completions_steps=0, beta=0.04,
+               seed=3, temperature=1.0)
+
+    def run(name: str, kill_step: int, **more) -> int:
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({**cfg, "output_dir": str(tmp_path / name), **more}))
+        proc = subprocess.run([sys.executable, str(driver), str(path), str(kill_step)], capture_output=True,
+                              text=True, timeout=300)
+        if proc.returncode not in (0, -signal.SIGKILL):
+            print(proc.stderr[-4000:])
+        return proc.returncode
+
+    assert run("straight", 0) == 0
+    assert run("killed", 2) == -signal.SIGKILL  # (inside an episode of step 2; step 1's checkpoint saved)
+    assert not (tmp_path / "killed" / "final").exists()
+    assert run("killed", 0, resume=True) == 0
+    want = load_file(str(tmp_path / "straight" / "final" / "model.safetensors"))
+    got = load_file(str(tmp_path / "killed" / "final" / "model.safetensors"))
+    assert max((got[k] - want[k]).abs().max().item() for k in want) == 0.0
+    rows = [json.loads(line) for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    straight = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    keys = ("reward/total", "policy/loss", "train/grad_norm", "episodes/model_calls")
+    assert [[r.get(k) for k in keys] for r in rows] == [[r.get(k) for k in keys] for r in straight]
+
+
+calculator_episode = calculator_agent()  # (an episode function by path, as a recipe's `agent` names it)
+
+
+def test_a_config_trains_an_agent_by_its_path_with_the_tasks_data_and_the_episodes_reward(tmp_path):
+    args = config(tmp_path, task="calculator", agent="test_episodes:calculator_episode")
+    trainer = GRPOTrainer(model=ASSET, args=args)
+    assert isinstance(trainer.agents.rollout_func, Episodes) and trainer.reward_names == ["episode"]  # (not the
+    # task's math_accuracy as well: the episode's return is the reward)
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    assert logged["episodes/model_calls"] >= 4 and "rewards/episode/mean" in logged
+    with pytest.raises(ConfigError, match="agent: an agent's episodes are the rollout; give agent or rollout_func"):
+        GRPOTrainer(model=ASSET, args=config(tmp_path, agent="test_episodes:calculator_episode",
+                                             rollout_func="test_episodes:calculator_episode"),
+                    train_dataset=problems())

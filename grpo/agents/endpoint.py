@@ -44,6 +44,7 @@ from grpo.engines.vllm_server import send_json
 logger = logging.getLogger(__name__)
 LOCAL = ("127.0.0.1", "localhost", "::1")
 MAX_BODY = 16 * 2**20
+MAX_WAIT_WINDOWS = 40  # a batch waits for late requests at most this many windows after its first
 ROUTE = re.compile(r"^(?:/episodes/(?P<key>[A-Za-z0-9_-]+))?/v1/(?P<what>chat/completions|completions|models)/?$")
 
 
@@ -55,14 +56,16 @@ class _Pending:
 
 
 class EngineBatcher:
-    """One thread calls the engine; requests that arrive within `window_s` of the first of a batch (or until
-    `expected()` requests wait) go to it together, one engine call per distinct sampling settings."""
+    """One thread calls the engine. A batch takes requests until `expected()` wait, or until neither a request
+    arrived nor a response was sent (`touch`) for `window_s` (a response sent: its episode is on its way to its next
+    request), at most MAX_WAIT_WINDOWS windows after its first; one engine call per distinct sampling settings."""
 
-    def __init__(self, engine, window_s: float = 0.02, expected=lambda: 0, context=contextlib.nullcontext):
+    def __init__(self, engine, window_s: float = 0.05, expected=lambda: 0, context=contextlib.nullcontext):
         # `context()`: entered around each engine call, in this thread (autocast is per thread: the trainer's)
         self.engine, self.window_s, self.expected, self.context = engine, window_s, expected, context
         self.queue: queue.Queue = queue.Queue()
         self.engine_calls = 0
+        self.last = time.monotonic()  # the last request or response (the quiet window runs from it)
         self.thread = threading.Thread(target=self._serve, name="grpo-endpoint-engine", daemon=True)
         self.thread.start()
 
@@ -75,6 +78,10 @@ class EngineBatcher:
             raise item.error
         return item.result
 
+    def touch(self) -> None:
+        """A response was sent: an episode is on its way to its next request, so the quiet window starts again."""
+        self.last = time.monotonic()
+
     def close(self) -> None:
         self.queue.put(None)
         self.thread.join(timeout=60)
@@ -84,15 +91,21 @@ class EngineBatcher:
             first = self.queue.get()
             if first is None:
                 return
-            batch, deadline = [first], time.monotonic() + self.window_s
-            while len(batch) < max(1, self.expected()):
-                try:
-                    item = self.queue.get(timeout=max(0.0, deadline - time.monotonic()))
-                except queue.Empty:
+            batch = [first]
+            self.last = time.monotonic()
+            cap = self.last + MAX_WAIT_WINDOWS * self.window_s
+            while len(batch) < max(1, self.expected()):  # (until the running episodes all wait, or a quiet window)
+                left = min(self.last + self.window_s, cap) - time.monotonic()
+                if left <= 0:
                     break
+                try:
+                    item = self.queue.get(timeout=left)
+                except queue.Empty:
+                    continue  # (a response sent meanwhile moved the window: look again)
                 if item is None:
                     self.queue.put(None)
                     break
+                self.last = time.monotonic()
                 batch.append(item)
             groups: dict[tuple, list[_Pending]] = {}
             for item in batch:  # (by the settings but max_new_tokens)
@@ -127,7 +140,7 @@ class Endpoint:
     settings are used whatever the request asks (the trainer's log-probs assume them), its max_tokens aside."""
 
     def __init__(self, engine, tokenizer, params: SamplingParams, host: str = "127.0.0.1", port: int = 0,
-                 token: str | None = None, window_s: float = 0.02, model_name: str = "policy",
+                 token: str | None = None, window_s: float = 0.05, model_name: str = "policy",
                  context=contextlib.nullcontext):
         if host not in LOCAL and not token:
             raise ConfigError(f"endpoint: bound to {host}, every request must bear a token; give token=... (the "
@@ -184,6 +197,14 @@ class Endpoint:
             key = f"e{next(self._keys)}"
             self.episodes[key] = Episode(key, seed, budget)
         return key
+
+    def episode_ended(self) -> None:
+        """A running episode ended: one request fewer for a batch to wait for, and the quiet window starts again."""
+        with self._lock:
+            self.waiting -= 1
+        batcher = self.batcher
+        if batcher is not None:
+            batcher.touch()
 
     def close_episode(self, key: str) -> Episode:
         """The episode's record; later calls under its key are refused (an agent that overran its deadline)."""
@@ -305,6 +326,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _answer(self, status: int, obj: dict) -> None:
         send_json(self, status, obj)
+        batcher = self.endpoint.batcher
+        if batcher is not None:
+            batcher.touch()
 
     def log_message(self, format, *args):  # noqa: A002 - http.server's signature
         logger.debug("endpoint: " + format, *args)

@@ -2,7 +2,8 @@
 or a rollout function of the user's; and the checks that need no model.
 
 `make_agent_spec` takes the trainer's arguments (TRL's `tools`, `environment_factory`, `rollout_func`) or, when they
-are not given, the config's keys of the same names (import paths), then the task's tools. The tool worker processes
+are not given, the config's keys of the same names (import paths), then the task's tools; the config's `agent` (an
+episode function's path) becomes `Episodes(episode)`. The tool worker processes
 are forked here, while the process is still small (grpo.agents.worker).
 """
 
@@ -92,10 +93,17 @@ def make_agent_spec(cfg, tools=None, environment_factory=None, rollout_func=None
                     accelerator=None) -> AgentSpec | None:
     """The run's AgentSpec, or None for single-turn rollouts. Raises ConfigError naming the key. Forks the tool
     worker processes: call it before the model loads."""
-    tools = list(tools) if tools is not None else list(cfg.tools or (task.tools if task is not None else []))
+    task_tools = task.tools if task is not None and not cfg.agent else []  # (an agent brings its own tools)
+    tools = list(tools) if tools is not None else list(cfg.tools or task_tools)
     factory = environment_factory if environment_factory is not None else _factories(cfg.environment_factory)
     rollout = rollout_func if rollout_func is not None else (
         import_object(cfg.rollout_func, "rollout_func") if cfg.rollout_func else None)
+    if cfg.agent:
+        if rollout is not None:
+            raise ConfigError("agent: an agent's episodes are the rollout; give agent or rollout_func, not both.")
+        from grpo.agents.episodes import Episodes
+
+        rollout = Episodes(import_object(cfg.agent, "agent"))
     if not tools and factory is None and rollout is None:
         return None
     if rollout is not None and (tools or factory is not None):

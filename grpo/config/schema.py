@@ -106,8 +106,8 @@ class GRPOConfig:
     prompt_truncation: str = _f("error", "What to do with a longer prompt.", ("error", "left"))
 
     # ---- rewards -----------------------------------------------------------------------------------------------
-    reward_funcs: Specs = _f([], "Reward functions: built-in names, 'module:function' paths, reward-model "
-                            "directories, or {name: ..., <factory args>} maps. Default: the task's.")
+    reward_funcs: Specs = _f([], "Reward functions: built-in names, 'module:function' paths, reward-model dirs, "
+                            "reward-server URLs, or {name: ..., <factory args>} maps. Default: the task's.")
     reward_weights: list[float] | None = _f(None, "One weight per reward function. Default: the task's, else all 1.")
     multi_objective_aggregation: str = _f("sum_then_normalize", "Combine several rewards: weighted sum, then "
                                           "group advantages; or each reward normalized in its group, summed, then "
@@ -238,6 +238,7 @@ class GRPOConfig:
                                   "column.")
     rollout_func: str | None = _f(None, "TRL's rollout_func: a 'module:function' path of a rollout of your own "
                                   "(called with this process's prompts and the trainer).")
+    agent: str | None = _f(None, "'module:function' of an agent's episode(client, row), trained via the endpoint.")
     max_tool_calling_iterations: int | None = _f(None, "Most rounds of tool calls per completion (TRL's key); null: "
                                                  "until max_completion_length, which counts tool answers too.")
     tool_timeout: float = _f(10.0, "Seconds one tool call may take; past it the model is answered with an error "

@@ -12,6 +12,8 @@ exact_use=True)` or `Countdown(exact_use=True)`, or from a config `{"name": "cou
     repetition_penalty / RepetitionPenalty       n-gram repetition (open-r1)
     soft_overlong / SoftOverlong                 DAPO overlong punishment on token counts (TRL)
     RewardModel                                  a sequence-classification checkpoint, scores logits[:, 0]
+    LLMJudge (llm_judge)                         a model behind an OpenAI-compatible server grades each completion
+    RemoteRewardModel (remote_rm)                a reward server in OpenRLHF's remote_rm_url protocol
 Step rewards (process supervision) return per completion a list of (end char offset, score):
     arithmetic_steps / ArithmeticSteps           each `a op b = c` line checked exactly
 """
@@ -19,11 +21,13 @@ Step rewards (process supervision) return per completion a list of (end char off
 from .base import ConfigurableReward
 from .coding import Code, code, code_syntax
 from .countdown import Countdown, countdown
+from .judge import LLMJudge
 from .format import r1_format, reasoning_steps, tag_count, think_format
 from .math_accuracy import MathAccuracy, math_accuracy
 from .registry import ALIASES, BUILTINS, STEP_BUILTINS, resolve_reward, resolve_step_reward
+from .remote import RemoteRewardModel
 from .reward_model import RewardModel
-from .runner import RewardError, RewardOutput, RewardRunner, column_requirements
+from .runner import RewardError, RewardOutput, RewardRunner, RewardUnavailable, column_requirements
 from .shaping import CosineLength, RepetitionPenalty, SoftOverlong, cosine_length, repetition_penalty, soft_overlong
 from .steps import ArithmeticSteps, arithmetic_steps
 
@@ -38,12 +42,15 @@ __all__ = [
     "ConfigurableReward",
     "CosineLength",
     "Countdown",
+    "LLMJudge",
     "MathAccuracy",
+    "RemoteRewardModel",
     "RepetitionPenalty",
     "RewardError",
     "RewardModel",
     "RewardOutput",
     "RewardRunner",
+    "RewardUnavailable",
     "SoftOverlong",
     "arithmetic_steps",
     "column_requirements",

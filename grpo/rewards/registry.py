@@ -4,6 +4,7 @@ A spec is one of:
 - a built-in name (`"think_format"`) or an open-r1 alias (`"accuracy"`, `"format"`);
 - `"package.module:function"`, imported (a user's file on `sys.path`);
 - a local directory holding a sequence-classification checkpoint (`config.json`), loaded as a `RewardModel`;
+- an http(s) URL: a reward model behind a server in OpenRLHF's remote_rm_url protocol (`RemoteRewardModel`);
 - a callable, named by its `__name__`;
 - a dict `{"name": <one of the above>, **settings}`: the settings configure a built-in (`countdown` with
   `exact_use: true`), are passed to `RewardModel` for a checkpoint, or, for an imported object, are passed to it as
@@ -22,7 +23,9 @@ from .competitive import cf_code
 from .countdown import countdown
 from .format import code_format, r1_format, reasoning_steps, tag_count, think_format
 from .ioi import ioi_code
+from .judge import LLMJudge
 from .math_accuracy import math_accuracy
+from .remote import RemoteRewardModel
 from .reward_model import RewardModel
 from .shaping import cosine_length, kimi_length, repetition_penalty, soft_overlong
 from .steps import arithmetic_steps
@@ -44,6 +47,9 @@ BUILTINS: dict[str, Callable] = {
     "soft_overlong": soft_overlong,
     "kimi_length": kimi_length,
     "code_format": code_format,
+    # Rewards that ask a server; each needs its URL: {"name": "llm_judge", "base_url": ...}, or a bare URL (remote_rm).
+    "llm_judge": LLMJudge,
+    "remote_rm": RemoteRewardModel,
 }
 ALIASES = {"accuracy": "math_accuracy", "format": "r1_format", "length": "kimi_length"}  # open-r1's names
 STEP_BUILTINS: dict[str, Callable] = {"arithmetic_steps": arithmetic_steps}
@@ -108,6 +114,8 @@ def _resolve(spec: Any, table: dict, aliases: dict, allow_model: bool) -> tuple[
     name = aliases.get(spec, spec)
     if name in table:
         return name, _configured(table[name], settings, name)
+    if allow_model and spec.startswith(("http://", "https://")):  # OpenRLHF's remote_rm_url
+        return RemoteRewardModel.name, _configured(RemoteRewardModel, {"url": spec, **settings}, spec)
     if allow_model and os.path.isdir(spec):
         if not os.path.isfile(os.path.join(spec, "config.json")):
             raise ValueError(f"reward model directory {spec!r} has no config.json")
@@ -125,6 +133,11 @@ def _configured(target: Callable, settings: dict, label: str) -> Callable:
     """The target itself, or the reward it builds from the settings."""
     if isinstance(target, ConfigurableReward):
         return target.configure(**settings) if settings else target
+    if inspect.isclass(target) and issubclass(target, ConfigurableReward):
+        unknown = sorted(set(settings) - set(target.setting_names()))
+        if unknown:
+            raise ValueError(f"reward {label!r} has no setting {', '.join(map(repr, unknown))}; its settings are: "
+                             f"{', '.join(target.setting_names())}")
     if inspect.isclass(target):
         return target(**settings)  # a reward class: instantiate it (with or without settings)
     if not settings:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .text import completion_text, content_text
+from .text import completion_text, prompt_text
 
 
 class RewardModel:
@@ -81,7 +81,7 @@ class RewardModel:
         if isinstance(prompt, list) and self.tokenizer.chat_template:
             reply = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
             return self.tokenizer.apply_chat_template(prompt + reply, tokenize=False)
-        return _prompt_text(prompt) + completion_text(completion)
+        return prompt_text(prompt) + completion_text(completion)
 
     @torch.inference_mode()
     def _score(self, texts: list[str]) -> list[float]:
@@ -143,9 +143,3 @@ def _run_device() -> torch.device:
     if is_initialized():
         return AcceleratorState().device
     return torch.accelerator.current_accelerator() if torch.accelerator.is_available() else torch.device("cpu")
-
-
-def _prompt_text(prompt: Any) -> str:
-    if isinstance(prompt, str):
-        return prompt
-    return "\n".join(content_text(message.get("content")) for message in prompt)

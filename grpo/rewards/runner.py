@@ -29,7 +29,9 @@ that never returns to Python cannot be interrupted this way (work that must be k
 `math_accuracy` and `code` do). Off the main thread (a trainer run from a thread), signals cannot be used: the
 function runs on a daemon thread that is abandoned if it overruns. An async function is cancelled. An overrun is a
 `RewardError` naming the function, or with `on_error="zero"` scores the whole batch 0 for that function and is
-counted in `timeouts` (it is not re-run row by row, which would hang once per row).
+counted in `timeouts` (it is not re-run row by row, which would hang once per row). A function that raises
+`RewardUnavailable` (a reward's server down or out of protocol: grpo.rewards.judge, grpo.rewards.remote) is treated
+alike: a `RewardError`, or with `on_error="zero"` the batch scored 0 and counted, not re-run row by row.
 
 Besides the columns, every function may take TRL's `trainer_state` (a `transformers.TrainerState`), `log_extra(column,
 values)` (a column of the sample completions) and `log_metric(name, value)` (a metric averaged over the step), given
@@ -58,6 +60,11 @@ EXTRAS = ("trainer_state", "log_extra", "log_metric")
 
 class RewardError(ValueError):
     """A reward function broke the protocol or failed; the message names the function and, when known, the row."""
+
+
+class RewardUnavailable(RuntimeError):
+    """A reward's server failed the whole batch (down, too slow, a reply out of protocol): not the fault of a row,
+    so the runner does not re-run it row by row (which would wait on the server once per row)."""
 
 
 @dataclass
@@ -181,6 +188,8 @@ class RewardRunner:
         for name, func, result in zip(self.names, self.funcs, results):
             if isinstance(result, RewardTimeout):
                 values = self._timed_out(name, n, errors, timeouts)
+            elif isinstance(result, RewardUnavailable):
+                values = self._unavailable(name, n, result, errors)
             elif isinstance(result, Exception):
                 values = self._row_by_row(name, func, batch, result, errors)
             else:
@@ -201,6 +210,15 @@ class RewardRunner:
                    "scored 0")
         timeouts[name] += 1
         errors[name] += n  # (every row of the call failed: as n rows that raised, so reward_errors alarms alike)
+        return [0.0] * n
+
+    def _unavailable(self, name: str, n: int, error: RewardUnavailable, errors: dict) -> list[float | None]:
+        if self.on_error == "raise":
+            raise RewardError(f"reward function '{name}' failed on a batch of {n} completions: {error}. Or set "
+                              "reward_on_error: zero to score such batches 0 and count them.") from error
+        self._once(name, "unavailable", f"reward function '{name}' failed on the batch ({error}); its {n} rewards "
+                   "scored 0")
+        errors[name] += n
         return [0.0] * n
 
     def _row_by_row(self, name: str, func: Callable, batch: dict, error: Exception, errors: dict) -> list:

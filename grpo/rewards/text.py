@@ -29,6 +29,13 @@ def completion_texts(completions: list) -> list[str]:
     return [completion_text(c) for c in completions]
 
 
+def prompt_text(prompt: Any) -> str:
+    """A prompt's text: the string itself, or its messages' contents, one per line."""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(content_text(message.get("content")) for message in prompt)
+
+
 def content_text(content: Any) -> str:
     """The text of one message's `content` (a string, None, or a list of typed parts)."""
     if content is None:

@@ -130,6 +130,8 @@ def make_reward_runner(cfg: GRPOConfig, reward_funcs, task, processing_classes=N
     config's, else the task's; and the environments' get_reward (weight 1) when `agents` has them."""
     from grpo.rewards import RewardRunner, resolve_reward
 
+    if getattr(getattr(agents, "rollout_func", None), "reads_rows", False):
+        task = None  # (an agent's episodes: its return is the reward; the task gives the data only)
     specs = reward_funcs if reward_funcs is not None else (cfg.reward_funcs or (task.reward_funcs if task else []))
     if not isinstance(specs, (list, tuple)):  # one reward, as TRL's quickstarts pass it
         specs = [specs]

@@ -1,0 +1,173 @@
+"""The endpoint's cost: the calculator task trained through grpo's OpenAI-compatible endpoint (an agent of the
+`openai` client as `Episodes`) against grpo's built-in tool loop, on the same engine, model, data and seeds, in one
+process, the two sides alternating.
+
+    python bench/agent_endpoint.py --steps 4 --rounds 2          # prints one JSON line; --markdown: a table too
+
+Both sides train the shipped tiny tools model (`recipes/calculator_tools.yaml`'s settings: 8 prompts x 8 completions,
+128 completion tokens, at most 2 rounds of calculator calls). The agent does what the loop does: it sends the
+conversation with the calculator's schema, runs the calls it gets back (the same exact calculator, in its own
+process rather than in the loop's tool workers) and goes on, at most 2 rounds. A step's model tokens are the
+tokens the model sampled (`completion/mean_length` x completions); generation tokens/s divides them by the step's
+`time/generation` (the rollout: the loop's turns, or the episodes through the endpoint), steps/s by `time/step`.
+The first `--warmup` steps of each run are not counted; figures are medians over the counted steps of both rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ASSET = str(ROOT / "grpo" / "assets" / "tiny-tools")
+TOOLS = [{"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression exactly.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+ROUNDS_OF_CALLS = 2  # (max_tool_calling_iterations of the loop's side; --model wider: 0, one call an episode)
+
+
+def episode(client, row) -> float:
+    """The calculator task as an agent of the openai client, doing what the built-in loop does."""
+    history = first_messages(row)
+    for turn in range(ROUNDS_OF_CALLS + 1):
+        message = client.chat.completions.create(model="policy", messages=history, tools=TOOLS).choices[0].message
+        if not went_on(history, message, turn):
+            break
+    return float(f"<answer>{row['answer']}</answer>" in (history[-1].get("content") or ""))
+
+
+async def async_episode(client, row) -> float:
+    """`episode` for an AsyncOpenAI client (the episodes share one event loop instead of a thread each)."""
+    history = first_messages(row)
+    for turn in range(ROUNDS_OF_CALLS + 1):
+        reply = await client.chat.completions.create(model="policy", messages=history, tools=TOOLS)
+        if not went_on(history, reply.choices[0].message, turn):
+            break
+    return float(f"<answer>{row['answer']}</answer>" in (history[-1].get("content") or ""))
+
+
+def first_messages(row) -> list[dict]:
+    return [{"role": "user", "content": row["prompt"]}] if isinstance(row["prompt"], str) else list(row["prompt"])
+
+
+def went_on(history: list[dict], message, turn: int) -> bool:
+    """Append the model's turn and, if it called the calculator within the rounds allowed, the answers (True)."""
+    from grpo.agents.tools import calculator
+
+    history.append(message.model_dump(exclude_none=True))
+    if not message.tool_calls or turn == ROUNDS_OF_CALLS:
+        return False
+    for call in message.tool_calls:
+        try:
+            answer = calculator(**json.loads(call.function.arguments))
+        except Exception as err:  # noqa: BLE001 - the model's bad call is answered, as the loop does
+            answer = f"Error: {err}"
+        history.append({"role": "tool", "tool_call_id": call.id, "content": str(answer)})
+    return True
+
+
+def wider_model(out: Path) -> str:
+    """A randomly initialised Qwen2 of hidden 256, 4 layers, MLP 1024 (4.3M parameters, ~4x tiny-tools' cost a
+    token) with tiny-tools' tokenizer and chat template: a turn that costs more to sample against the same
+    per-request costs. It calls no tool (its `<tool_call>` is random), so both sides run with 0 rounds of calls."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = out / "wider-model"
+    if not (path / "config.json").exists():
+        config = AutoConfig.from_pretrained(ASSET)
+        config.hidden_size, config.intermediate_size, config.num_hidden_layers = 256, 1024, 4
+        config.num_attention_heads = config.num_key_value_heads = 4
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(path)
+        AutoTokenizer.from_pretrained(ASSET).save_pretrained(path)
+    return str(path)
+
+
+def run(side: str, steps: int, out: Path, seed: int, window_s: float, model: str = ASSET) -> list[dict]:
+    """One training run of `side` ("loop", "endpoint": the sync agent, "endpoint_async"); its per-step log."""
+    from datasets import Dataset
+
+    from grpo import GRPOConfig, GRPOTrainer
+    from grpo.agents import Episodes
+    from grpo.tasks import calculator as task
+
+    common = dict(output_dir=str(out / side), num_generations=8, prompts_per_step=8, per_device_train_batch_size=64,
+                  max_completion_length=128, learning_rate=2e-4, beta=0.04, max_steps=steps, save_steps=0,
+                  report_to=[], overwrite_output_dir=True, log_completions_steps=0, num_threads=1, temperature=1.0, seed=seed, eval_steps=0,
+                  task_eval_size=0)
+    dataset = Dataset.from_list(task.rows("train", 4000, seed=0))
+    if side == "loop":
+        args = GRPOConfig(task="calculator", tools=["calculator"], max_tool_calling_iterations=ROUNDS_OF_CALLS,
+                          **common)
+        trainer = GRPOTrainer(model=model, args=args, train_dataset=dataset)
+    else:
+        args = GRPOConfig(task=None, **common)
+        trainer = GRPOTrainer(model=model, args=args, train_dataset=dataset, reward_funcs=[],
+                              rollout_func=Episodes(async_episode if side == "endpoint_async" else episode,
+                                                    timeout_s=300, window_s=window_s))
+    trainer.train()
+    return [entry for entry in trainer.state.log_history if "time/step" in entry]
+
+
+def figures(log: list[dict], warmup: int, completions: int) -> dict:
+    counted = log[warmup:]
+    tokens = [e["completion/mean_length"] * completions for e in counted]
+    return {"steps": len(counted),
+            "generation_tokens_per_s": statistics.median(t / e["time/generation"] for t, e in zip(tokens, counted)),
+            "steps_per_s": statistics.median(1 / e["time/step"] for e in counted),
+            "model_tokens_per_step": statistics.median(tokens),
+            "generation_s": statistics.median(e["time/generation"] for e in counted),
+            "step_s": statistics.median(e["time/step"] for e in counted)}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=4, help="steps per run (the warm-up included)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each side, each round in another order")
+    parser.add_argument("--window-s", type=float, default=0.05, help="the endpoint's batching window")
+    parser.add_argument("--out", default="/tmp/grpo-bench-agent-endpoint")
+    parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--model", choices=("tiny-tools", "wider"), default="tiny-tools",
+                        help="wider: a random 4.3M-parameter model, one call an episode (see wider_model)")
+    args = parser.parse_args(argv)
+    if args.steps <= args.warmup:
+        parser.error("--steps must be more than --warmup")
+    logging.basicConfig(level=logging.WARNING)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    global ROUNDS_OF_CALLS
+    model = ASSET
+    if args.model == "wider":
+        ROUNDS_OF_CALLS, model = 0, wider_model(Path(args.out))
+    sides = ("loop", "endpoint", "endpoint_async")
+    logs: dict[str, list[dict]] = {side: [] for side in sides}
+    started = time.time()
+    for r in range(args.rounds):
+        for side in sides[r % 3:] + sides[:r % 3]:  # (each round starts with the next side)
+            logs[side] += run(side, args.steps, Path(args.out) / f"round{r}", seed=r, window_s=args.window_s,
+                              model=model)[args.warmup:]
+    result = {side: figures(log, 0, 64) for side, log in logs.items()}
+    result["ratio"] = {f"{side}/loop": {key: result[side][key] / result["loop"][key]
+                                        for key in ("generation_tokens_per_s", "steps_per_s")}
+                       for side in sides[1:]}
+    result["load"] = {"loadavg_1min_at_end": os.getloadavg()[0], "cpus": os.cpu_count(), "threads": 1,
+                      "wall_s": round(time.time() - started, 1)}
+    print(json.dumps(result))
+    if args.markdown:
+        for side in sides:
+            f = result[side]
+            print(f"| {side} | {f['generation_tokens_per_s']:.0f} | {f['steps_per_s']:.3f} | "
+                  f"{f['model_tokens_per_step']:.0f} | {f['generation_s']:.2f} | {f['step_s']:.2f} |")
+    return result
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main()
