@@ -21,10 +21,12 @@ try:
 except Exception as err:  # noqa: BLE001 - any import failure means: not here
     VLLM_MISSING = f"{type(err).__name__}: {err}"
 
-pytestmark = pytest.mark.skipif(
+# The slow tier (CI time: a `vllm serve` start is ~80 s here; tests/test_judges.py runs the judge against grpo's
+# endpoint in CI): `.venv-vllm/bin/python -m pytest -q -m slow tests/test_vllm_judge.py`.
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     VLLM_MISSING is not None,
     reason=f"vLLM is not importable here ({VLLM_MISSING}); to run these: `bash scripts/vllm_env.sh`, then "
-           "`.venv-vllm/bin/python -m pytest -q tests/test_vllm_judge.py`")
+           "`.venv-vllm/bin/python -m pytest -q -m slow tests/test_vllm_judge.py`")]
 
 
 def test_the_judge_scores_what_vllms_server_says(tmp_path):
