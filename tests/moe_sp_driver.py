@@ -6,13 +6,15 @@ Every process builds the same tiny Qwen3-MoE (test_moe.tiny_moe: 2 layers, 4 exp
 key/value head), samples the same rollout of 4 rows with its routes recorded, packs it in one row (as sequence
 parallelism does), and perturbs the routers (so that the update would route some tokens otherwise). Then:
 
-    one process   the packed pass over the whole row under R3 (grpo.engines.moe.RoutingPass), a loss backpropagated;
+    one process   the packed pass over the whole row under R3 (grpo.engines.moe.RoutingPass), a loss plus COEF x
+                  the router's load-balancing loss (its tokens weighted as TRL's batch holds them) backpropagated;
     SP processes  the Ulysses pass (grpo.engines.ulysses), each over its slice, under `Routing.update_pass` (the
-                  routes sliced as the tokens are), the same loss, the gradients summed over the group;
+                  routes sliced as the tokens are, the router logits gathered for the aux loss), the same loss, the
+                  gradients summed over the group;
 
 and writes OUT_DIR/rank<R>.json: whether every token of its slice ran, in every layer, on its rollout experts (and
 how many tokens the slice checked), the log-probs' and the gradients' largest relative differences to the one-process
-pass, the routers' gradient, and `moe/routing_mismatch` of both (the SP one summed over the group).
+pass, the aux losses', the routers' gradient, and `moe/routing_mismatch` of both (the SP one summed over the group).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from grpo.training.rollout.batch import pack as pad_rows
 from test_moe import tiny_moe
 
 ONE_ROW = Packing(False, None, None, "sequence parallel: whole sequences in one row")
+COEF = 0.5  # (large, so that a wrong aux gradient shows above float rounding)
 PROMPTS = [[5, 6, 7], [5, 6, 7], [9, 10, 11, 12], [9, 10, 11, 12, 13]]  # (59 tokens: the last slice padded)
 
 
@@ -82,12 +85,12 @@ def main(out: Path) -> None:
             router.weight.add_(torch.randn_like(router.weight))
     one = copy.deepcopy(model)
 
-    with moe.RoutingPass(one, micro.routes, True, False) as hooks:
+    with moe.RoutingPass(one, micro.routes, True, True) as hooks:
         logp = completion_logprobs(one, micro.input_ids, micro.attention_mask, micro.width, 1.0, packed=micro.packed)
-        loss_of(logp, loss_mask).backward()
-    whole = hooks.stats(lambda tokens: None)
+        whole = hooks.stats(lambda tokens: moe.token_weights(micro.packed))
+        (loss_of(logp, loss_mask) + COEF * whole.aux).backward()
 
-    routing, seen = moe.Routing(True, 0.0, lambda t: t, sp), {}
+    routing, seen = moe.Routing(True, COEF, lambda t: t, sp), {}
 
     class Backend:
         extra_loss = None
@@ -95,9 +98,8 @@ def main(out: Path) -> None:
     backend, handles = Backend(), experts_hooks(model, seen)
     with installed(model), routing.update_pass(backend, model, micro, 1.0):
         sp_logp = sequence_parallel_logprobs(model, micro.packed, sp, 1.0)
-        sp_loss = loss_of(sp_logp, loss_mask)
-        assert backend.extra_loss() is None  # (no aux loss: coef 0; the counts are taken)
-        sp_loss.backward()
+        extra = backend.extra_loss()  # (COEF x the aux loss x share 1; the counts are taken)
+        (loss_of(sp_logp, loss_mask) + extra).backward()
     for h in handles:
         h.remove()
     mine = local_rows(micro.routes, sp, moe.NOT_ROUTED)  # (this rank's slice of the rollout's routes)
@@ -110,6 +112,7 @@ def main(out: Path) -> None:
         grads[name] = rel(p.grad, q.grad)
     result = {"same_experts": same, "checked": int(known.sum()), "slice": int(mine.shape[0]),
               "tokens": micro.packed.tokens, "logp": rel(sp_logp, logp), "grads": grads,
+              "aux": rel(extra / COEF, whole.aux), "aux_one": float(whole.aux.detach()),
               "router_grad": min(float(r.weight.grad.abs().sum()) for r in moe.routers(model)),
               "mismatch_sp": routing.step_metrics()["moe/routing_mismatch"],
               "mismatch_one": int(whole.mismatched) / int(whole.routed)}

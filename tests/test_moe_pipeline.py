@@ -169,9 +169,11 @@ def mismatch(trainer, weights: dict, batch) -> float:
 def test_r3_under_sequence_parallelism_replays_each_slice(tmp_path):
     """SP=2 (tests/moe_sp_driver.py, 2 gloo processes): a packed row of 59 tokens split 30 + 29 (the second slice
     padded by one position); with the routers perturbed after the rollout, every token of each process's slice
-    runs, in every layer, on its rollout experts; the log-probs and the group's summed gradients are the
-    one-process replayed pass's (float32 summation order only: test_sequence_parallel measured <= 6.1e-7 relative),
-    the routers get gradient, and moe/routing_mismatch summed over the group is the one-process count."""
+    runs, in every layer, on its rollout experts; the log-probs, the load-balancing loss (each process's, from the
+    router logits gathered over the group) and the group's summed gradients of the loss plus 0.5 x the aux loss are
+    the one-process replayed pass's (float32 summation order only: test_sequence_parallel measured <= 6.1e-7
+    relative; with each slice's own aux loss instead, the gradients were off by 2.5x relative), the routers get gradient, and
+    moe/routing_mismatch summed over the group is the one-process count."""
     import json
     import os
     import subprocess
@@ -191,6 +193,37 @@ def test_r3_under_sequence_parallelism_replays_each_slice(tmp_path):
     assert [r["checked"] for r in ranks] == [30, 29]  # (the padding position is no rollout token)
     for r in ranks:
         assert r["same_experts"]
-        assert r["logp"] < 1e-5 and max(r["grads"].values()) < 1e-5, r
+        assert r["logp"] < 1e-5 and r["aux"] < 1e-5 and max(r["grads"].values()) < 1e-5, r
         assert r["router_grad"] > 0
         assert r["mismatch_sp"] == r["mismatch_one"] and 0 < r["mismatch_one"] < 1
+
+
+def test_training_with_r3_under_sequence_parallelism_matches_one_process(moe_dir, tmp_path):
+    """`grpo train` with R3 and two optimizer steps per rollout, on 2 gloo processes with sequence_parallel_size=2
+    (every packed micro-batch split over both) and on one process: the same rewards, gradient norms, loss metrics,
+    load-balancing loss (the model's default weight, 0.001) and weights, as test_distributed.assert_same_run asks
+    of a data-parallel run (float32 summation order only; a rollout's second step logs no rewards). With each
+    process's aux loss of its own slice, the first step's gradient norm was off by 3e-4 relative and the weights by
+    4e-2. The routing mismatch is 0 on each rollout's first step and above 0 on its second in both, not the same
+    share: one process packs each prompt once per group, sequence parallelism once per row, so the prompt tokens
+    weigh differently in it (test_r3_under_sequence_parallelism_replays_each_slice compares the counts on one
+    layout)."""
+    import json
+
+    from test_distributed import free_port, job, run
+
+    env = job(tmp_path, moe_dir)
+    over = ["router_replay=R3", "num_iterations=2", "max_completion_length=24"]
+    run(["-m", "grpo.cli"], tmp_path / "one", env, overrides=over)
+    run(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "grpo.cli"],
+        tmp_path / "sp", env, overrides=[*over, "sequence_parallel_size=2"])
+    one, sp = ([json.loads(r) for r in (tmp_path / d / "metrics.jsonl").read_text().splitlines()] for d in ("one", "sp"))
+    assert [r.get("reward/total") for r in one] == [r.get("reward/total") for r in sp]
+    for rows in (one, sp):  # (the second step of a rollout: its weights moved)
+        assert [r["moe/routing_mismatch"] > 0 for r in rows] == [False, True, False]
+    for a, b in zip(one, sp):
+        assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-5)
+        for key in ("policy/kl_divergence", "train/loss", "moe/aux_loss"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), (key, a[key], b[key])
+    a, b = (load_file(str(tmp_path / d / "final" / "model.safetensors")) for d in ("one", "sp"))
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 5e-4

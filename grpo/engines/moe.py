@@ -179,11 +179,13 @@ class PassStats:
 class RoutingPass:
     """Hooks on `model`'s routers for one forward (and its backward's recomputation): with `routes` (T, layers, k)
     for the T tokens the pass computes, count the tokens whose live selection differs from them (`stats`) and, with
-    `replay`, force them; with `collect_logits`, keep each layer's router logits (for the aux loss)."""
+    `replay`, force them; with `collect_logits`, keep each layer's router logits (for the aux loss). `whole`: maps a
+    layer's logits to the whole micro-batch's (a sequence-parallel slice's gathered over the group), or None."""
 
-    def __init__(self, model, routes: torch.Tensor | None, replay: bool, collect_logits: bool):
+    def __init__(self, model, routes: torch.Tensor | None, replay: bool, collect_logits: bool,
+                 whole: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.model, self.routers = model, routers(model)
-        self.routes, self.replay, self.collect = routes, replay, collect_logits
+        self.routes, self.replay, self.collect, self.whole = routes, replay, collect_logits, whole
         self.logits: list[torch.Tensor | None] = [None] * len(self.routers)
         self.differs = None
         self.handles: list = []
@@ -231,7 +233,8 @@ class RoutingPass:
         mismatched = self.differs.sum() if self.differs is not None else zero
         aux = None
         if self.collect and self.logits and all(x is not None and x.numel() for x in self.logits):
-            aux = aux_loss(self.model, self.logits, weights(self.logits[0].shape[0]))
+            logits = self.logits if self.whole is None else [self.whole(x) for x in self.logits]
+            aux = aux_loss(self.model, logits, weights(logits[0].shape[0]))
         return PassStats(routed, mismatched, aux)
 
 
@@ -244,7 +247,8 @@ class Routing:
     """A run's MoE handling in the update (`grpo.training.update.mechanics.Update.routing`): the routes replayed
     (`replay`), the aux loss added with weight `coef` (0: none), and the step's `moe/*` metrics. `sp`: this process's
     sequence-parallel group (grpo.engines.ulysses), whose passes each compute a slice of a packed micro-batch's
-    tokens: the routes are sliced as the tokens are, and the counts summed over the group."""
+    tokens: the routes are sliced as the tokens are, the counts summed over the group, and the router logits gathered
+    for the aux loss (a product of per-expert means: the slices' losses do not add up to the whole's)."""
 
     def __init__(self, replay: bool, coef: float, gather: Callable[[torch.Tensor], torch.Tensor], sp=None):
         self.replay, self.coef, self.gather, self.sp = replay, coef, gather, sp
@@ -271,8 +275,13 @@ class Routing:
         """Around one micro-batch's forward and backward: the mismatch counted, the routes forced with R3, and
         coef x the aux loss x `share` (1 / (micro-batches x processes): TRL's per-micro-batch weight, under grpo's
         loss scaling) added to the loss in `backend.backward`."""
-        return _UpdatePass(self, backend, RoutingPass(model, self.routes(micro), self.replay, self.coef != 0), micro,
-                           share)
+        whole = None
+        if self.sp is not None and micro.packed is not None:  # the aux loss of the whole micro-batch on each process
+            from grpo.engines.ulysses import gather_rows
+
+            whole = lambda logits: gather_rows(logits, self.sp)[:micro.packed.tokens]  # noqa: E731 (padding cut)
+        hooks = RoutingPass(model, self.routes(micro), self.replay, self.coef != 0, whole)
+        return _UpdatePass(self, backend, hooks, micro, share)
 
     def step_metrics(self) -> dict[str, float]:
         """The optimizer step's `moe/aux_loss` (mean over its micro-batches, as TRL logs it) and
@@ -314,7 +323,7 @@ class _UpdatePass:
         self.hooks.__exit__(*exc)
 
     def _extra(self) -> torch.Tensor | None:
-        stats = self.hooks.stats(lambda tokens: pass_weights(self.micro, tokens, self.routing.sp))
+        stats = self.hooks.stats(lambda tokens: pass_weights(self.micro, tokens))
         if self.hooks.routes is not None:
             self.routing.routed.append(stats.routed.detach())
             self.routing.mismatched.append(stats.mismatched.detach())
@@ -324,14 +333,9 @@ class _UpdatePass:
         return self.routing.coef * stats.aux * self.share
 
 
-def pass_weights(micro, tokens: int, sp=None) -> torch.Tensor | None:
-    """Each of a pass's `tokens` router rows' weight in TRL's batch: `token_weights` of a packed micro-batch (under
-    sequence parallelism, of this process's slice; the slice's padding 0); the attention mask of a padded one (with
-    or without its last column, as the pass ran it)."""
-    if micro.packed is not None and sp is not None:
-        from grpo.engines.ulysses import local_rows
-
-        return local_rows(token_weights(micro.packed), sp, 0.0)
+def pass_weights(micro, tokens: int) -> torch.Tensor | None:
+    """Each of a pass's `tokens` router rows' weight in TRL's batch: `token_weights` of a packed micro-batch; the
+    attention mask of a padded one (with or without its last column, as the pass ran it)."""
     if micro.packed is not None and micro.packed.input_ids.numel() == tokens:
         return token_weights(micro.packed)
     mask = micro.attention_mask

@@ -252,7 +252,7 @@ class _GatherTokens(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, counts: tuple[int, ...], rank: int, group) -> torch.Tensor:
         ctx.lo, ctx.hi = sum(counts[:rank]), sum(counts[:rank + 1])
-        padded = torch.cat([x, x.new_zeros(max(counts) - x.shape[0])]).contiguous()
+        padded = torch.cat([x, x.new_zeros((max(counts) - x.shape[0], *x.shape[1:]))]).contiguous()
         parts = [torch.empty_like(padded) for _ in counts]
         dist.all_gather(parts, padded, group=group)
         return torch.cat([p[:n] for p, n in zip(parts, counts)])
@@ -260,6 +260,12 @@ class _GatherTokens(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad[ctx.lo:ctx.hi], None, None, None
+
+
+def gather_rows(x: torch.Tensor, sp: SequenceGroup) -> torch.Tensor:
+    """(SP x n, ...) every rank's equal slice (n, ...) of a one-row micro-batch's positions (`local_rows`), in
+    order; backward keeps this rank's part, as `gather_tokens` (an MoE's router logits: grpo.engines.moe)."""
+    return x if sp.size == 1 else _GatherTokens.apply(x, (x.shape[0],) * sp.size, sp.rank, sp.group)
 
 
 def gather_tokens(x: torch.Tensor, part: Shard, sp: SequenceGroup) -> torch.Tensor:
