@@ -198,6 +198,7 @@ def test_r3_under_sequence_parallelism_replays_each_slice(tmp_path):
         assert r["mismatch_sp"] == r["mismatch_one"] and 0 < r["mismatch_one"] < 1
 
 
+@pytest.mark.slow  # (two grpo train runs, one on 2 processes: minutes; the SP replay itself is checked above)
 def test_training_with_r3_under_sequence_parallelism_matches_one_process(moe_dir, tmp_path):
     """`grpo train` with R3 and two optimizer steps per rollout, on 2 gloo processes with sequence_parallel_size=2
     (every packed micro-batch split over both) and on one process: the same rewards, gradient norms, loss metrics,
