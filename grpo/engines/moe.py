@@ -179,11 +179,13 @@ class PassStats:
 class RoutingPass:
     """Hooks on `model`'s routers for one forward (and its backward's recomputation): with `routes` (T, layers, k)
     for the T tokens the pass computes, count the tokens whose live selection differs from them (`stats`) and, with
-    `replay`, force them; with `collect_logits`, keep each layer's router logits (for the aux loss)."""
+    `replay`, force them; with `collect_logits`, keep each layer's router logits (for the aux loss). `whole`: maps a
+    layer's logits to the whole micro-batch's (a sequence-parallel slice's gathered over the group), or None."""
 
-    def __init__(self, model, routes: torch.Tensor | None, replay: bool, collect_logits: bool):
+    def __init__(self, model, routes: torch.Tensor | None, replay: bool, collect_logits: bool,
+                 whole: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.model, self.routers = model, routers(model)
-        self.routes, self.replay, self.collect = routes, replay, collect_logits
+        self.routes, self.replay, self.collect, self.whole = routes, replay, collect_logits, whole
         self.logits: list[torch.Tensor | None] = [None] * len(self.routers)
         self.differs = None
         self.handles: list = []
@@ -231,7 +233,8 @@ class RoutingPass:
         mismatched = self.differs.sum() if self.differs is not None else zero
         aux = None
         if self.collect and self.logits and all(x is not None and x.numel() for x in self.logits):
-            aux = aux_loss(self.model, self.logits, weights(self.logits[0].shape[0]))
+            logits = self.logits if self.whole is None else [self.whole(x) for x in self.logits]
+            aux = aux_loss(self.model, logits, weights(logits[0].shape[0]))
         return PassStats(routed, mismatched, aux)
 
 
@@ -241,25 +244,44 @@ REPLAY_MODES = {"off": "off", "disabled": "off", "R3": "R3", "r3": "R3"}
 
 
 class Routing:
-    """A run's MoE handling in the update (`grpo.training.update.mechanics.Update.routing`): the routes replayed (`replay`), the
-    aux loss added with weight `coef` (0: none), and the step's `moe/*` metrics."""
+    """A run's MoE handling in the update (`grpo.training.update.mechanics.Update.routing`): the routes replayed
+    (`replay`), the aux loss added with weight `coef` (0: none), and the step's `moe/*` metrics. `sp`: this process's
+    sequence-parallel group (grpo.engines.ulysses), whose passes each compute a slice of a packed micro-batch's
+    tokens: the routes are sliced as the tokens are, the counts summed over the group, and the router logits gathered
+    for the aux loss (a product of per-expert means: the slices' losses do not add up to the whole's)."""
 
-    def __init__(self, replay: bool, coef: float, gather: Callable[[torch.Tensor], torch.Tensor]):
-        self.replay, self.coef, self.gather = replay, coef, gather
+    def __init__(self, replay: bool, coef: float, gather: Callable[[torch.Tensor], torch.Tensor], sp=None):
+        self.replay, self.coef, self.gather, self.sp = replay, coef, gather, sp
         self._reset()
 
     def _reset(self) -> None:
         self.routed, self.mismatched, self.aux = [], [], []
 
+    def routes(self, micro) -> torch.Tensor | None:
+        """The rollout's routes of the tokens this process's pass over `micro` computes: all of them, or under
+        sequence parallelism its slice of the packed row (NOT_ROUTED on the slice's padding)."""
+        if micro.routes is None or self.sp is None or micro.packed is None:
+            return micro.routes
+        from grpo.engines.ulysses import local_rows
+
+        return local_rows(micro.routes, self.sp, NOT_ROUTED)
+
     def score_pass(self, model, micro):
         """Around a no-gradient pass (old policy, reference): the rollout's routes forced with R3."""
-        return RoutingPass(model, micro.routes, True, False) if self.replay and micro.routes is not None else _NoPass()
+        routes = self.routes(micro) if self.replay else None
+        return RoutingPass(model, routes, True, False) if routes is not None else _NoPass()
 
     def update_pass(self, backend, model, micro, share: float) -> "_UpdatePass":
         """Around one micro-batch's forward and backward: the mismatch counted, the routes forced with R3, and
         coef x the aux loss x `share` (1 / (micro-batches x processes): TRL's per-micro-batch weight, under grpo's
         loss scaling) added to the loss in `backend.backward`."""
-        return _UpdatePass(self, backend, RoutingPass(model, micro.routes, self.replay, self.coef != 0), micro, share)
+        whole = None
+        if self.sp is not None and micro.packed is not None:  # the aux loss of the whole micro-batch on each process
+            from grpo.engines.ulysses import gather_rows
+
+            whole = lambda logits: gather_rows(logits, self.sp)[:micro.packed.tokens]  # noqa: E731 (padding cut)
+        hooks = RoutingPass(model, self.routes(micro), self.replay, self.coef != 0, whole)
+        return _UpdatePass(self, backend, hooks, micro, share)
 
     def step_metrics(self) -> dict[str, float]:
         """The optimizer step's `moe/aux_loss` (mean over its micro-batches, as TRL logs it) and
@@ -268,7 +290,10 @@ class Routing:
         if self.aux:
             out["moe/aux_loss"] = float(self.gather(torch.stack(self.aux).mean().reshape(1).cpu()).mean())
         if self.routed:
-            counts = torch.stack([torch.stack(self.routed).sum(), torch.stack(self.mismatched).sum()]).cpu()
+            counts = torch.stack([torch.stack(self.routed).sum(), torch.stack(self.mismatched).sum()])
+            if self.sp is not None:  # (the group's processes counted the slices of the same tokens)
+                torch.distributed.all_reduce(counts, group=self.sp.group)
+            counts = counts.cpu()
             routed, mismatched = self.gather(counts.reshape(1, 2)).reshape(-1, 2).sum(0).tolist()
             if routed:
                 out["moe/routing_mismatch"] = mismatched / routed
@@ -321,9 +346,10 @@ def pass_weights(micro, tokens: int) -> torch.Tensor | None:
     return None
 
 
-def make_routing(cfg, policy, generator, packing, gather) -> Routing | None:
+def make_routing(cfg, policy, generator, packing, gather, sp=None) -> Routing | None:
     """The run's `Routing` for `policy`, or None for a dense model; the sampler `generator` records routes when it
-    is grpo's own. What cannot combine is refused by name (a ConfigError)."""
+    is grpo's own (in a rollout worker, max_staleness > 0, its forked copy records). `sp`: the process's
+    sequence-parallel group, or None. What cannot combine is refused by name (a ConfigError)."""
     from grpo.config import ConfigError
     from grpo.engines.sampling import TransformersSampler
 
@@ -345,14 +371,10 @@ def make_routing(cfg, policy, generator, packing, gather) -> Routing | None:
         refusals = [(not isinstance(generator, TransformersSampler),
                      "records routes in grpo's own samplers, not vLLM's; set use_vllm: false"),
                     (packing is None, "replays through the padding-free passes; set use_remove_padding: true with "
-                                      "an attention that packs (sdpa, eager, flash)"),
-                    (cfg.sequence_parallel_size > 1, "is not split over sequence-parallel processes; set "
-                                                     "sequence_parallel_size: 1"),
-                    (getattr(cfg, "max_staleness", 0) > 0, "records in the trainer's process, not a rollout "
-                                                           "worker's; set max_staleness: 0")]
+                                      "an attention that packs (sdpa, eager, flash)")]
         for refused, why in refusals:
             if refused:
                 raise ConfigError(f"router_replay: R3 {why}, or router_replay: off.")
     if isinstance(generator, TransformersSampler):
         generator.routes = RouteRecorder(policy)
-    return Routing(mode == "R3", float(coef), gather)
+    return Routing(mode == "R3", float(coef), gather, sp)

@@ -206,7 +206,7 @@ def shard(packed: PackedRows, sp: SequenceGroup) -> Shard:
     host = packed.host or packed
     device = packed.input_ids.device
     ids, pos = host.input_ids[0], host.position_ids[0]
-    length = -(-ids.shape[0] // sp.size) * sp.size
+    length, at = local_span(ids.shape[0], sp)
     pad = length - ids.shape[0]
     if pad:
         ids = torch.cat([ids, ids.new_full((pad,), int(ids[-1]))])
@@ -218,7 +218,6 @@ def shard(packed: PackedRows, sp: SequenceGroup) -> Shard:
     count = tuple(torch.bincount(owner, minlength=sp.size).tolist())
     lo = sum(count[:sp.rank])
     held = order[lo:lo + count[sp.rank]]
-    at = slice(sp.rank * part, (sp.rank + 1) * part)
     ids, pos, local, inverse, targets = (t.to(device, non_blocking=True) for t in (
         ids[None, at], pos[None, at], host.score_index[held] - sp.rank * part, torch.argsort(order),
         host.targets[held]))
@@ -229,6 +228,23 @@ def shard(packed: PackedRows, sp: SequenceGroup) -> Shard:
     return Shard(inputs, local, count, inverse, targets)
 
 
+def local_span(tokens: int, sp: SequenceGroup) -> tuple[int, slice]:
+    """A one-row packed micro-batch of `tokens` positions, padded to a multiple of SP (`shard`): its padded length
+    and the positions rank `sp.rank` holds."""
+    length = -(-tokens // sp.size) * sp.size
+    part = length // sp.size
+    return length, slice(sp.rank * part, (sp.rank + 1) * part)
+
+
+def local_rows(x: torch.Tensor, sp: SequenceGroup, fill) -> torch.Tensor:
+    """This rank's part of a per-position tensor (tokens, ...) of a one-row packed micro-batch, sliced as `shard`
+    slices the tokens (the padding's rows `fill`): an MoE rollout's routes, the aux loss's token weights."""
+    length, at = local_span(x.shape[0], sp)
+    if length > x.shape[0]:
+        x = torch.cat([x, x.new_full((length - x.shape[0], *x.shape[1:]), fill)])
+    return x[at]
+
+
 class _GatherTokens(torch.autograd.Function):
     """Concatenate each rank's (n_r,) values in rank order; backward keeps this rank's part of the gradient (every
     rank computes the same loss from the whole, so the gradient of its own part is already whole on each rank)."""
@@ -236,7 +252,7 @@ class _GatherTokens(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, counts: tuple[int, ...], rank: int, group) -> torch.Tensor:
         ctx.lo, ctx.hi = sum(counts[:rank]), sum(counts[:rank + 1])
-        padded = torch.cat([x, x.new_zeros(max(counts) - x.shape[0])]).contiguous()
+        padded = torch.cat([x, x.new_zeros((max(counts) - x.shape[0], *x.shape[1:]))]).contiguous()
         parts = [torch.empty_like(padded) for _ in counts]
         dist.all_gather(parts, padded, group=group)
         return torch.cat([p[:n] for p, n in zip(parts, counts)])
@@ -244,6 +260,12 @@ class _GatherTokens(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad[ctx.lo:ctx.hi], None, None, None
+
+
+def gather_rows(x: torch.Tensor, sp: SequenceGroup) -> torch.Tensor:
+    """(SP x n, ...) every rank's equal slice (n, ...) of a one-row micro-batch's positions (`local_rows`), in
+    order; backward keeps this rank's part, as `gather_tokens` (an MoE's router logits: grpo.engines.moe)."""
+    return x if sp.size == 1 else _GatherTokens.apply(x, (x.shape[0],) * sp.size, sp.rank, sp.group)
 
 
 def gather_tokens(x: torch.Tensor, part: Shard, sp: SequenceGroup) -> torch.Tensor:

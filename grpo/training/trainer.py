@@ -188,7 +188,8 @@ class GRPOTrainer(TRLSurface):
                                   why, split=cfg.sequence_parallel_size)
         self.updates = Update(cfg, self.accel, self.model, self.backend, self.objective, self.procs, self.layout,
                               self.micro)
-        self.updates.routing = make_routing(cfg, self.policy, self.generator, packing, self.procs.gather)  # (MoE)
+        self.updates.routing = make_routing(cfg, self.policy, self.generator, packing, self.procs.gather,
+                                            self.procs.sp)  # (MoE)
         self.control = RunControl(cfg, callbacks, self.layout, self.accel.is_main_process)
         self.rollouts.trainer_state = self.control.state
         self.health = HealthMonitor(accuracy=self.reward_names[0],

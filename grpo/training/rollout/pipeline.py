@@ -285,7 +285,9 @@ def _serve(conn: Connection, rollouts: Rollouts, policy, reference=None) -> None
             info = {"version": version, "idle": idle, "ref_logp": None}
             if reference is not None:  # the update's first-pass micro-batches, as the trainer's process plans them
                 t1 = time.perf_counter()
-                batch = RolloutBatch(*rollouts.tensors(sampled), torch.zeros(len(sampled.total)), index=index)
+                ids, attention, cmask = rollouts.tensors(sampled)
+                batch = RolloutBatch(ids, attention, cmask, torch.zeros(len(sampled.total)), index=index,
+                                     routes=rollouts.routes(sampled, attention, cmask))  # (MoE: replayed with R3)
                 info["ref_logp"] = reference(batch).cpu()
                 logs["times"]["reference"] = time.perf_counter() - t1
             conn.send_bytes(pickle.dumps(("rollout", index, vars(sampled), logs, info),

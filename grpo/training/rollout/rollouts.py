@@ -215,9 +215,7 @@ class Rollouts:
             check_image_tokens_masked(input_ids, cmask, self.policy.config.image_token_id)
         if s.logprobs is not None:
             batch.sampling_logp = pad_rows(s.logprobs + [e[4] for e in s.extra_rows or []], cmask.shape[1])
-        if s.routes is not None:  # (laid out as input_ids)
-            batch.routes = batch_routes(s.routes, [len(q) for q in s.prompt_ids], attention.shape[1] - cmask.shape[1],
-                                        attention.shape[1])
+        batch.routes = self.routes(s, attention, cmask)
         self.times["scoring"] += time.perf_counter() - t0
         batch.metrics = {**self._metrics(s, rewards, outcome), **step_metrics}
         if s.agent_stats is not None:
@@ -234,6 +232,14 @@ class Rollouts:
         if s.model_mask is not None:  # tool answers take part in the forward pass, not in the loss
             cmask *= pad_rows(s.model_mask + [e[3] for e in extra], cmask.shape[1])
         return input_ids, attention, cmask
+
+    @staticmethod
+    def routes(s: Sampled, attention: torch.Tensor, cmask: torch.Tensor) -> torch.Tensor | None:
+        """An MoE rollout's recorded experts laid out as the rows' ids (grpo.engines.moe.batch_routes), or None."""
+        if s.routes is None:
+            return None
+        return batch_routes(s.routes, [len(q) for q in s.prompt_ids], attention.shape[1] - cmask.shape[1],
+                            attention.shape[1])
 
     def _samples(self, s: Sampled, outcome) -> list[dict]:
         """Sample completions for the samples/ log: the first 16 rows (one per distinct prompt with

@@ -258,6 +258,11 @@ def load_model_files(model, path) -> None:
         set_peft_model_state_dict(model, weights)
         return
     missing, unexpected = model.load_state_dict(weights, strict=False)
+    if unexpected and not is_peft(model):
+        # Files whose names transformers converts on load (an MoE's experts, one tensor each on disk, stacked in the
+        # model): its loader maps them back, exactly (stacking and splitting copy the values).
+        weights = type(model).from_pretrained(path, dtype=next(model.parameters()).dtype).state_dict()
+        missing, unexpected = model.load_state_dict(weights, strict=False)
     loaded = {p.data_ptr() for name, p in model.state_dict().items() if name in weights}
     untied = [name for name in missing if model.state_dict()[name].data_ptr() not in loaded]
     if unexpected or untied:
