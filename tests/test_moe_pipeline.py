@@ -68,7 +68,8 @@ def test_kill_inside_a_rollout_and_resume_replays_the_kept_routes(moe_dir, tmp_p
     assert max(r["moe/routing_mismatch"] for r in read_rows(tmp_path / "straight")) > 0
 
 
-# (CI time: the kill test above checkpoints kept routes; test_r3_through_the_lag_pipeline carries them through the worker)
+# (CI time: the kill test above checkpoints kept routes; test_r3_through_the_lag_pipeline carries them
+# through the worker)
 @pytest.mark.slow
 def test_kill_mid_pipeline_and_resume_with_routes_in_flight(moe_dir, tmp_path):
     """max_staleness 1: the rollout worker records the routes; the checkpoint of step 3 holds rollout 4 generated
