@@ -340,7 +340,7 @@ def check_optimizer(ctx: Context) -> dict:
     (`rounded_away`), which must match what the step did: AdamW's first step moves each element by lr (m/sqrt(v) =
     g/|g|), so an element stays exactly where w +- lr rounds back to w."""
     from grpo import GRPOConfig
-    from grpo.training.setup.build import make_optimizer, rounded_away, warn_low_precision_training
+    from grpo.training.setup.optimizer import make_optimizer, rounded_away, warn_low_precision_training
 
     n = 2048 if ctx.cuda else 512
     cfg = GRPOConfig(learning_rate=1e-6)

@@ -37,7 +37,7 @@ def ordered_prompts(cfg) -> dict[str, list]:
     (the task's prefill appended) and every other column of the task (the rewards read `answer`)."""
     from grpo.tasks import get_task
     from grpo.training.data.prompts import PromptSampler, render_prompt
-    from grpo.training.setup.build import make_datasets
+    from grpo.training.setup.data import make_datasets
 
     task = get_task(cfg.task)
     train, _ = make_datasets(cfg, task, None, None)

@@ -290,7 +290,7 @@ def _eval(args) -> int:
     from grpo.rewards import RewardRunner, resolve_reward
     from grpo.training.data.prompts import build_prompt_set, load_dataset_any
     from grpo.training.setup.model import load_tokenizer
-    from grpo.training.setup.build import check_vocabulary
+    from grpo.training.setup.inputs import check_vocabulary
     from grpo.training.setup.threads import set_threads
 
     _check_eval_args(args)

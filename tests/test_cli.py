@@ -133,7 +133,7 @@ def test_more_bad_inputs_before_the_model_loads(capsys, tmp_path, tiny_model_dir
 
 def test_all_zero_weights_warn(tmp_path, tiny_model_dir, data_file):
     from grpo.config import GRPOConfig
-    from grpo.training.setup.build import make_reward_runner
+    from grpo.training.setup.rewards import make_reward_runner
 
     cfg = GRPOConfig(task=None, reward_funcs=["math_accuracy", "think_format"], reward_weights=[0, 0])
     with pytest.warns(UserWarning, match="every weight is 0"):

@@ -371,7 +371,7 @@ def test_stock_sampler_at_length_scores_like_the_update_and_is_masked_when_trunc
         update = completion_logprobs(model, ids, mask, budget, 1.0)
     torch.testing.assert_close(update, torch.tensor(out.logprobs), atol=2e-4, rtol=1e-4)
     assert loss_mask.sum() == 0
-    # the run's rule (grpo.training.setup.build): a buffer of ceil(0.2 x 1,500) = 300 tokens before the budget
+    # the run's rule (grpo.training.setup.rewards): a buffer of ceil(0.2 x 1,500) = 300 tokens before the budget
     overlong = SoftOverlong(max_length=budget, cache_length=300)
     assert overlong(out.ids) == [-1.0, -1.0]
 

@@ -208,7 +208,7 @@ OPEN_R1_NAMES = ["accuracy", "format", "reasoning_steps", "cosine", "repetition_
 
 
 def test_open_r1_reward_names_resolve():
-    from grpo.training.setup.build import make_reward_runner
+    from grpo.training.setup.rewards import make_reward_runner
 
     cfg = GRPOConfig(code_language="cpp", code_eval_scoring_mode="partial")
     runner, names = make_reward_runner(cfg, OPEN_R1_NAMES, None)
@@ -247,7 +247,7 @@ def fenced(program: str) -> list:
 @pytest.mark.skipif(not __import__("grpo.rewards.sandbox", fromlist=["x"]).probe_sandbox().isolated,
                     reason="no sandbox layers here")
 def test_open_r1_code_rewards_read_verification_info_in_the_sandbox():
-    from grpo.training.setup.build import make_reward_runner
+    from grpo.training.setup.rewards import make_reward_runner
 
     runner, names = make_reward_runner(GRPOConfig(), ["code", "binary_code"], None)
     right = fenced("a, b = map(int, input().split())\nprint(a + b)")

@@ -50,7 +50,7 @@ def test_adamw_on_bf16_weights_at_lr_1e_6_rounds_the_step_away_and_float32_weigh
 
 
 def test_the_rounded_away_share_is_of_low_precision_weights_only():
-    from grpo.training.setup.build import rounded_away
+    from grpo.training.setup.optimizer import rounded_away
 
     # bf16 keeps 8 significant bits: at 1.0 the ulp is 2^-7, so +1e-3 rounds back and +1e-2 does not (2^-7 / 2 is
     # 3.9e-3); at 2^-10 the ulp is 2^-17 = 7.6e-6, so +1e-3 changes it.

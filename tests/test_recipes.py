@@ -31,7 +31,7 @@ def test_gpu_recipe_loads(recipe):
     """The GPU recipes name a hub model and dataset (not reachable here): they load and validate, and train float32
     weights under bf16 autocast (AdamW on bf16 weights at lr 1e-6 rounds almost every step away:
     tests/test_precision.py)."""
-    from grpo.training.setup.build import make_accelerator
+    from grpo.training.setup.launch import make_accelerator
 
     cfg = GRPOConfig.load(recipe)
     assert cfg.task is None and cfg.dataset_name and (cfg.torch_dtype, cfg.bf16) == ("float32", True)

@@ -72,7 +72,7 @@ def test_run_time_checks():
     from transformers import Qwen2Config
 
     from grpo.engines.ulysses import check_heads
-    from grpo.training.setup.build import check_sequence_parallel
+    from grpo.training.setup.inputs import check_sequence_parallel
 
     with pytest.raises(ConfigError, match="3 processes do not split into groups of 2"):
         check_sequence_parallel(GRPOConfig(sequence_parallel_size=2), 3)

@@ -41,7 +41,7 @@ def test_stream_order_is_the_files_and_resumes_mid_epoch(tmp_path):
     """shuffle off: rows in file order, epoch after epoch; a sampler restored from a state continues identically."""
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"p{i}"} for i in range(5)])
     cfg = GRPOConfig(task=None, dataset_name=path, dataset_streaming=True, max_steps=1, shuffle_dataset=False)
-    from grpo.training.setup.build import make_datasets
+    from grpo.training.setup.data import make_datasets
 
     stream, _ = make_datasets(cfg, None, None, None)
     a = StreamingPrompts(stream, Tok(), cfg, "")
@@ -59,7 +59,7 @@ def test_stream_order_is_the_files_and_resumes_mid_epoch(tmp_path):
 
 def test_shuffle_buffer_is_seeded_and_reshuffles_each_epoch(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"p{i}"} for i in range(20)])
-    from grpo.training.setup.build import make_datasets
+    from grpo.training.setup.data import make_datasets
 
     def epochs(seed):
         cfg = GRPOConfig(task=None, dataset_name=path, dataset_streaming=True, max_steps=1, shuffle_buffer_size=8,

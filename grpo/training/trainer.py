@@ -54,10 +54,11 @@ from grpo.training.run.errors import TrainingStopped
 from grpo.training.run.faults import engine_faults
 from grpo.training.run.signals import StopSignals, stop_if_signalled, stopped_with_checkpoint
 from grpo.training.checkpoint.state import Checkpointing
-from grpo.training.setup.build import (check_inputs, check_reward_columns, check_sequence_parallel, check_sizes, config_of,
-                                 configure_process, fill_deepspeed_auto, load_task, make_accelerator, make_datasets,
-                                 make_optimizer, make_reward_runner, make_schedule, make_step_rewards, seed_everything,
-                                 tokenizer_for, warn_low_precision_training)
+from grpo.training.setup.data import load_task, make_datasets, tokenizer_for
+from grpo.training.setup.inputs import check_inputs, check_sequence_parallel, check_sizes, config_of
+from grpo.training.setup.launch import configure_process, fill_deepspeed_auto, make_accelerator, seed_everything
+from grpo.training.setup.optimizer import make_optimizer, make_schedule, warn_low_precision_training
+from grpo.training.setup.rewards import check_reward_columns, make_reward_runner, make_step_rewards
 from grpo.training.data.stream import epochs_done, make_prompts, prompt_count
 from grpo.training.update.steps import StepPlan, resolve_layout
 from grpo.training.observe.summary import RunFiles, StepLog, TrainResult, end_lines, finish_run, start_lines
