@@ -173,3 +173,17 @@ def test_files_and_functions_stay_readable():
                 if length > 80 and not head:
                     long_functions.append(f"{path.relative_to(PACKAGE)}:{node.name} {length}")
     assert not long_files and not long_functions, long_files + long_functions
+
+
+def test_the_tests_map_names_every_test_file():
+    # tests/README.md tells a reader which files test a package; a new file that it does not name (by its name or
+    # by a `prefix*.py` pattern there) fails here, so the map stays whole.
+    import fnmatch
+    import re
+
+    here = Path(__file__).parent
+    text = (here / "README.md").read_text()
+    patterns = set(re.findall(r"`([\w*]+\.py)`", text))
+    missing = [p.name for p in sorted(here.glob("test_*.py"))
+               if not any(fnmatch.fnmatch(p.name, pattern) for pattern in patterns)]
+    assert not missing, f"tests/README.md does not name {missing}"
