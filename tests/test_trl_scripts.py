@@ -90,6 +90,39 @@ def test_trl_parser_sees_each_option_once():
                              use_chat_template=False, loss_type="dapo")
 
 
+def test_trl_parser_takes_trl_keys_grpo_has_no_setting_for(tmp_path):
+    """TRL's keys that are not settings of grpo are parser options as in TRL: on the command line (--do_eval, the
+    dataloader keys, open-r1's hub_model_revision) and in a recipe under fail_with_unknown_args=True (as open-r1's
+    script parses); a value grpo refuses is a ConfigError naming the key, not an unknown argument."""
+    from trl import ModelConfig, ScriptArguments, TrlParser
+
+    from grpo import GRPOConfig
+    from grpo.config.base import ConfigError
+
+    parser = TrlParser((ScriptArguments, GRPOConfig, ModelConfig))
+    _, cfg, _ = parser.parse_args_and_config([
+        "--output_dir", "o", "--dataset_name", "d", "--do_eval", "--dataloader_num_workers", "2",
+        "--dataloader_drop_last", "--dataloader_prefetch_factor", "4", "--hub_model_revision", "b",
+        "--accelerator_config", '{"dispatch_batches": false}'])
+    assert cfg.do_eval is True and cfg.dataloader_num_workers == 2 and cfg.dataloader_drop_last is True
+    assert cfg.dataloader_prefetch_factor == 4 and cfg.accelerator_config == {"dispatch_batches": False}
+    assert cfg.hub_revision == "b" == cfg.hub_model_revision  # (open-r1's name for hub_revision)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"output_dir": "o", "dataset_name": "d", "do_eval": False, "do_train": True,
+                                      "dataloader_pin_memory": False, "hub_model_revision": "main",
+                                      "optim": "adamw_torch", "benchmarks": [], "callbacks": []}))
+    _, cfg, _ = parser.parse_args_and_config(["--config", str(recipe)], fail_with_unknown_args=True)
+    assert cfg.do_eval is False and cfg.dataloader_pin_memory is False and cfg.hub_revision is None
+    written = cfg.to_dict()  # config.yaml: grpo's settings, then the TRL keys set to other than TRL's default
+    assert {k: written[k] for k in ("dataloader_pin_memory", "optim", "do_train")} == {
+        "dataloader_pin_memory": False, "optim": "adamw_torch", "do_train": True}
+    assert "do_eval" not in written and "debug" not in written and GRPOConfig(**written) == cfg
+    with pytest.raises(ConfigError, match="torch_compile: True is not supported"):
+        parser.parse_args_and_config(["--output_dir", "o", "--dataset_name", "d", "--torch_compile"])
+    with pytest.raises(ConfigError, match="dataloader_prefetch_factor: can only be set"):
+        parser.parse_args_and_config(["--output_dir", "o", "--dataset_name", "d", "--dataloader_prefetch_factor", "2"])
+
+
 def test_trl_parser_preset_fills_keys_left_at_default():
     """--preset dapo through the parser: the preset's values where no flag was given (a parser passes every
     field; those at their default count as not set), a flag's value where one was."""

@@ -189,6 +189,23 @@ def test_dataloaders_as_trls(tiny_model_dir, tmp_path):
     assert trainer.args.dataloader_num_workers == 2  # (scoped to that loader, as TRL)
 
 
+def test_dataloaders_take_transformers_settings(tiny_model_dir, tmp_path):
+    """The dataloader_* keys reach get_train_dataloader's and get_eval_dataloader's DataLoader as transformers'
+    Trainer passes them. drop_last: 3 eval prompts x G=4 = 12 rows in batches of 5 make 2 batches (3 without)."""
+    evals = Dataset.from_dict({"prompt": ["e0\n", "e1\n", "e2\n"]})
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=a_reward, train_dataset=prompts(8), eval_dataset=evals,
+                          args=config(tmp_path, dataloader_num_workers=2, dataloader_pin_memory=False,
+                                      dataloader_persistent_workers=True, dataloader_prefetch_factor=3,
+                                      dataloader_drop_last=True, per_device_eval_batch_size=5))
+    train, evaluation = trainer.get_train_dataloader(), trainer.get_eval_dataloader()
+    for loader in (train, evaluation):
+        assert (loader.num_workers, loader.pin_memory, loader.persistent_workers) == (2, False, True)
+        assert (loader.prefetch_factor, loader.drop_last) == (3, True)
+    assert len(evaluation) == 2
+    trainer.args.dataloader_drop_last = False  # (settable, as on TrainingArguments)
+    assert len(trainer.get_eval_dataloader()) == 3
+
+
 def test_an_iterable_train_set_with_dispatch_batches_gets_trls_error(tiny_model_dir, tmp_path):
     from datasets import IterableDataset
 

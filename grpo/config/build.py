@@ -14,6 +14,8 @@ from typing import Any
 
 from grpo.config.base import ConfigError
 from grpo.config.presets import ALIASES, PRESETS
+from grpo.config.trl_fields import NAMES as TRL_FIELDS
+from grpo.config.trl_fields import check_together, from_text
 from grpo.config.trl_keys import TRL_KEYS, canonical, split_keys
 
 
@@ -23,13 +25,13 @@ def construct(cfg, args: tuple, kwargs: dict[str, Any]) -> None:
             raise TypeError("GRPOConfig takes output_dir as its only positional argument; give the rest by name")
         kwargs = {"output_dir": args[0], **kwargs}
     fields = {f.name: f for f in dataclasses.fields(type(cfg))}
-    values = _own_aliases(dict(kwargs))
+    values = _own_aliases(from_text(_as_given(dict(kwargs), fields)))
     values, extras, rewards = split_keys(values, set(fields))
     unknown = sorted(set(values) - set(fields))
     if unknown:
         raise ConfigError(f"unknown config key {unknown[0]!r}" + _suggest(unknown[0], set(fields) | set(TRL_KEYS)) +
                           "; `grpo train --help-config` lists every key (docs/from_trl.md: TRL's and open-r1's).")
-    explicit = frozenset(_given(values, fields))
+    explicit = frozenset(values)
     preset = values.get("preset")
     if preset is not None:
         if preset not in PRESETS:
@@ -42,20 +44,21 @@ def construct(cfg, args: tuple, kwargs: dict[str, Any]) -> None:
         values["open_r1_rewards"] = {**(values.get("open_r1_rewards") or {}), **rewards}
     cfg.__dict__["_explicit"] = explicit
     cfg.__dict__["_trl_extras"] = extras
+    check_together(cfg)
     for name, f in fields.items():
-        value = values[name] if name in values else _default(f)
-        setattr(cfg, name, canonical(value))
+        if name not in TRL_FIELDS:  # (TRL's keys read through their row: grpo.config.trl_fields)
+            setattr(cfg, name, canonical(values[name] if name in values else _default(f)))
     cfg.__post_init__()
 
 
-def _given(values: dict[str, Any], fields: dict[str, dataclasses.Field]) -> set[str]:
+def _as_given(values: dict[str, Any], fields: dict[str, dataclasses.Field]) -> dict[str, Any]:
     """The keys the user set. An argument parser (`HfArgumentParser`, `TrlParser`) passes every field it shows
-    (those with init=True), defaults included: then a key at its field's default counts as not set, so a `preset`
-    and `loss_type` behave as they do for `GRPOConfig(...)` (a parser cannot tell `--key <default>` from no flag)."""
-    shown = {name for name, f in fields.items() if f.init}
-    if set(values) != shown:
-        return set(values)
-    return {key for key, value in values.items() if not _same_value(value, _default(fields[key]))}
+    (those with init=True), defaults included (and `dataclasses.replace` does too): then a key at its field's default
+    counts as not set, so a `preset` and `loss_type` behave as they do for `GRPOConfig(...)` (a parser cannot tell
+    `--key <default>` from no flag), and a TRL key's alias at its default does not clash with our key."""
+    if set(values) != {name for name, f in fields.items() if f.init}:
+        return values
+    return {key: value for key, value in values.items() if not _same_value(value, _default(fields[key]))}
 
 
 def _default(f: dataclasses.Field) -> Any:

@@ -12,6 +12,7 @@ import yaml
 from grpo.config.presets import ALIASES, LOSS_TYPES, PRESETS
 from grpo.config.schema import GRPOConfig
 from grpo.config.trl_compat import SUITE
+from grpo.config.trl_fields import settings
 from grpo.config.trl_keys import TABLE
 
 DEFAULT_RECIPE = Path(__file__).parent.parent / "recipes" / "default.yaml"
@@ -73,7 +74,7 @@ def config_reference() -> str:
              f"(`grpo/recipes/{DEFAULT_RECIPE.name}`), whose values are in **default recipe**. A `preset` fills "
              "every key not set; `preset: trl` gives TRL 1.16's defaults (docs/from_trl.md).", "",
              "| key | type | default | default recipe | meaning |", "|---|---|---|---|---|"]
-    for f in dataclasses.fields(GRPOConfig):
+    for f in settings(GRPOConfig):
         default = "<package>/assets/tiny-arith" if f.name == "model_name_or_path" else _default(f)
         in_recipe = f"`{recipe[f.name]}`" if f.name in recipe else ""
         text = f.metadata["help"]
@@ -92,7 +93,7 @@ def config_reference() -> str:
 
 def differing_defaults() -> list[tuple[str, Any, Any]]:
     """(key, ours, TRL's) for every key whose default differs from TRL 1.16's."""
-    ours = {f.name: _default(f) for f in dataclasses.fields(GRPOConfig)}
+    ours = {f.name: _default(f) for f in settings(GRPOConfig)}
     trl = PRESETS["trl"]
     out = []
     for row in TABLE:
@@ -138,9 +139,15 @@ def from_trl_reference() -> str:
              "scripts' `reward_funcs` are left to those dataclasses (`init=False` fields, which the parsers skip): "
              "the script hands them to the trainer as TRL's does. A parser passes every field, defaults included; "
              "a value at its field's default then counts as not set, so `--preset` and `--loss_type` act as in "
-             "`GRPOConfig(...)`. TRL keys that grpo accepts only at their default (the tables below) are not "
-             "parser options: a script's `--key` for one is an unknown argument. Torch dtypes and other objects in "
-             "values (`model_init_kwargs: {dtype: torch.bfloat16}`) are written to config.yaml by name.", ""]
+             "`GRPOConfig(...)`. Every key of TRL's `GRPOConfig` (with `TrainingArguments`') and of open-r1's "
+             "`GRPOConfig` is an option too, those grpo has no setting of its own for included (the alias, refused "
+             "unless default and no-effect rows below; grpo.config.trl_fields), so a script's `--do_eval` or a "
+             "recipe's `dataloader_num_workers: 4` under `parse_args_and_config(fail_with_unknown_args=True)` is "
+             "taken as TRL takes it, and a value grpo refuses is a ConfigError naming the key. A subclass of grpo's "
+             "`GRPOConfig` made with `@dataclass` (open-r1's adds its keys so) is built as grpo's is. config.yaml "
+             "holds grpo's settings, then the TRL keys set to other than TRL's default. Torch dtypes and other "
+             "objects in values (`model_init_kwargs: {dtype: torch.bfloat16}`) are written to config.yaml by name.",
+             ""]
     for source, title in titles.items():
         lines += [f"## {title}", "", "| key | TRL's default | grpo | note |", "|---|---|---|---|"]
         for row in TABLE:

@@ -16,11 +16,12 @@ from typing import Any
 import yaml
 
 from grpo.config.base import DEFAULT_MODEL, SCRIPT_KEYS, Kwargs, Names, Paths, Specs, _f
+from grpo.config.trl_fields import TrlKeys
 from grpo.tasks import TASKS
 
 
 @dataclass(init=False)
-class GRPOConfig:
+class GRPOConfig(TrlKeys):  # (TrlKeys: TRL's keys that are not settings of ours, for argument parsers; to_dict)
     # ---- model -------------------------------------------------------------------------------------------------
     model_name_or_path: str = _f(DEFAULT_MODEL, "Model to train: a local Hugging Face directory, a hub name, or a "
                                  "model shipped in the package by name (tiny-arith, tiny-tools, tiny-vision, "
@@ -435,9 +436,6 @@ class GRPOConfig:
             key, value = parse_override(item)
             values[key] = value
         return cls.from_dict(values)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
     def save(self, path: str | Path) -> None:
         from grpo.config.files import plain

@@ -16,6 +16,7 @@ import yaml
 
 from grpo.config.presets import PRESETS
 from grpo.config.schema import GRPOConfig
+from grpo.config.trl_fields import settings
 from grpo.config.trl_keys import TABLE
 
 
@@ -51,7 +52,7 @@ def resolved_yaml(cfg: GRPOConfig, explain: bool, title: str = "", width: int | 
              "TRL 1.16's.")
     lines = [f"# {line}" for line in [*textwrap.wrap(title, width - 2), *textwrap.wrap(
         f"The resolved config: what this run would use. {marks}", width - 2)]]
-    for f in dataclasses.fields(GRPOConfig):
+    for f in settings(GRPOConfig):
         value = getattr(cfg, f.name)
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         notes = []

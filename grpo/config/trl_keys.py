@@ -54,9 +54,9 @@ def _rows(source: str, kind: str, *rows: tuple) -> list[TRLKey]:
     return out
 
 
-_NO_LOADER = "grpo reads prompts from memory: there is no DataLoader to configure"
-_NO_LOADER_NOOP = ("training reads prompts from memory, not through a DataLoader (get_train_dataloader's, for "
-                   "code that inspects the rows, is not read by train()), so this changes nothing")
+_NO_LOADER_NOOP = ("get_train_dataloader and get_eval_dataloader pass it to their DataLoader, as transformers' "
+                   "Trainer does; train() and evaluate() read prompts from memory, not through those loaders, so "
+                   "there it changes nothing")
 _LAUNCH = ("multi-process training is set up by `accelerate launch --config_file recipes/accelerate/...` "
            "(DDP and DeepSpeed ZeRO-2 are tested)")
 _EVAL = "grpo's eval samples completions and scores the rewards (accuracy, pass@k); it computes no loss"
@@ -71,6 +71,11 @@ _LOADER_KEYS = ("split_batches", "dispatch_batches", "even_batches", "use_seedab
 
 def _count(value) -> str | None:
     return None if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else "must be a count >= 0"
+
+
+def _positive(value) -> str | None:
+    ok = value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0)
+    return None if ok else "must be a positive integer or null"
 
 
 def _boolean(value) -> str | None:
@@ -211,7 +216,7 @@ TABLE: list[TRLKey] = [
            ("log_on_each_node", True, "the main process logs"),
            ("logging_nan_inf_filter", True, "a NaN loss is always logged as NaN and its step skipped (README)",
             [False]),
-           ("include_num_input_tokens_seen", "no", "num_tokens is always logged"),
+           ("include_num_input_tokens_seen", "no", "num_tokens is always logged", [False]),
            ("log_level_replica", "warning", "the main process logs"),
            ("trackio_space_id", None, "Trackio on a hub Space is not built: trackio logs locally"),
            ("trackio_bucket_id", None, "Trackio on a hub Space is not built: trackio logs locally"),
@@ -229,7 +234,6 @@ TABLE: list[TRLKey] = [
            ("restore_callback_states_from_checkpoint", False, "callback states are not checkpointed"),
            ("parallelism_config", None, "context (cp_size) and tensor (tp_size) parallelism are not built; "
             "{sp_size: N} alone is sequence_parallel_size"),
-           ("dataloader_drop_last", False, _NO_LOADER),
            ("label_names", None, "GRPO has no labels"),
            ("train_sampling_strategy", "random", "prompts are shuffled each epoch (shuffle_dataset)"),
            ("length_column_name", "length", "length grouping is not built"),
@@ -237,19 +241,22 @@ TABLE: list[TRLKey] = [
            ("ddp_broadcast_buffers", None, _LAUNCH), ("ddp_static_graph", None, _LAUNCH),
            ("ddp_backend", None, _LAUNCH), ("ddp_timeout", 1800, _LAUNCH),
            ("fsdp", None, _LAUNCH, ["", []]), ("fsdp_config", None, _LAUNCH), ("deepspeed", None, _LAUNCH),
-           ("debug", "", "accelerate's debug options are not built", [[]]),
+           ("debug", "", "accelerate's debug options are not built", [[], None]),
            ("skip_memory_metrics", True, "memory is measured by bench/ (README, Benchmark)"),
            ("do_train", False, "`grpo train` and train() always train", [True]),
-           ("do_eval", False, "the eval set is scored as eval_strategy says"),
            ("do_predict", False, "prediction is not built; `grpo eval` scores a model"),
            ("local_rank", -1, "set by the launcher")),
     *_rows("ta", "noop",
            ("dataloader_num_workers", 0, _NO_LOADER_NOOP, _count), ("dataloader_pin_memory", True, _NO_LOADER_NOOP,
                                                                     _boolean),
            ("dataloader_persistent_workers", False, _NO_LOADER_NOOP, _boolean),
-           ("dataloader_prefetch_factor", None, _NO_LOADER_NOOP), ("dataloader_multiprocessing_context", None,
+           ("dataloader_prefetch_factor", None, _NO_LOADER_NOOP, _positive), ("dataloader_multiprocessing_context", None,
                                                                    _NO_LOADER_NOOP),
            ("dataloader_in_order", True, _NO_LOADER_NOOP, _boolean),
+           ("dataloader_drop_last", False, _NO_LOADER_NOOP, _boolean),
+           ("do_eval", False, "for scripts, as in transformers (whose Trainer does not read it either): open-r1's "
+            "grpo.py calls trainer.evaluate() after training when it is true; the trainer scores the eval set as "
+            "eval_strategy says", _boolean),
            ("accelerator_config", None, "its DataLoader settings (split_batches, dispatch_batches, even_batches, "
             "use_seedable_sampler, non_blocking) have nothing to act on: grpo reads prompts from memory; the rest "
             "is refused (" + _LAUNCH + ")", _accelerator_config)),
@@ -329,6 +336,11 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
+def _blank(row: TRLKey, value: Any) -> bool:
+    value = canonical(value)
+    return value is None or value == "" or value == [] or (value is False and not isinstance(row.default, bool))
+
+
 def accepts(row: TRLKey, value: Any) -> bool:
     value = canonical(value)
     return any(_same(value, ok) for ok in (row.default, *row.accept))
@@ -342,7 +354,7 @@ def split_keys(values: dict[str, Any], fields: set[str]) -> tuple[dict[str, Any]
     ours, extras, rewards = {}, {}, {}
     for key, value in values.items():
         row = TRL_KEYS.get(key)
-        if key in fields or row is None:
+        if row is None or row.kind == "field" or (key in fields and row.source not in ("trl", "ta", "open-r1")):
             ours[key] = value
         elif row.kind == "alias":
             if not _same(canonical(value), row.default):
@@ -358,7 +370,8 @@ def split_keys(values: dict[str, Any], fields: set[str]) -> tuple[dict[str, Any]
                 raise ConfigError(f"{key}: {value!r} {problem}.")
             extras[key] = value
         elif accepts(row, value):
-            extras[key] = value
+            if not _blank(row, value):  # (a parser's blank for a key accepted at its default: the default)
+                extras[key] = value
         else:
             also = "".join(f" or {a!r}" for a in row.accept if not isinstance(a, dict))
             raise ConfigError(f"{key}: {value!r} is not supported ({row.note}); leave it at {row.default!r}{also}.")

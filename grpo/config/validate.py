@@ -15,6 +15,7 @@ from typing import Any, get_type_hints
 
 from grpo.config.base import ConfigError, check
 from grpo.config.presets import LOSS_TYPES, PRESETS
+from grpo.config.trl_fields import settings
 
 SAMPLING_KWARGS = {"max_new_tokens": "max_completion_length", "temperature": "temperature", "top_p": "top_p",
                    "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty"}
@@ -69,7 +70,7 @@ def _coerce_types(cfg) -> None:
     """YAML gives `1e-6` as a string and `1` where a float is meant, an argument parser gives a dict key's JSON as
     text: coerce by the field's annotation, or fail naming it."""
     hints = get_type_hints(type(cfg))
-    for f in dataclasses.fields(cfg):
+    for f in settings(cfg):
         value, hint = getattr(cfg, f.name), hints[f.name]
         options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
         if value is None:
@@ -193,7 +194,7 @@ def _resolve(cfg) -> None:
 
 
 def _validate(cfg) -> None:
-    for f in dataclasses.fields(cfg):
+    for f in settings(cfg):
         choices = f.metadata.get("choices")
         value = getattr(cfg, f.name)
         if choices and value not in choices:

@@ -200,14 +200,20 @@ class TRLSurface:
         from grpo.training.data.stream import is_stream
 
         G = self.cfg.num_generations
-        if is_stream(data):
-            rows = _Repeated(data, G)
-            return DataLoader(rows, batch_size=batch_size, num_workers=0, collate_fn=list)
-        generator = torch.Generator().manual_seed(self.cfg.seed if self.cfg.data_seed is None else self.cfg.data_seed)
+        cfg = self.cfg  # transformers' DataLoader settings (Trainer._get_dataloader passes the same)
+        settings = {"num_workers": cfg.dataloader_num_workers,  # (pinning needs a device to copy to)
+                    "pin_memory": cfg.dataloader_pin_memory and torch.cuda.is_available(),
+                    "persistent_workers": cfg.dataloader_persistent_workers, "in_order": cfg.dataloader_in_order,
+                    "prefetch_factor": cfg.dataloader_prefetch_factor, "collate_fn": list,
+                    "multiprocessing_context": cfg.dataloader_multiprocessing_context}
+        if is_stream(data):  # (its repeats are in the stream: one reader, as TRL forces; no workers to keep or feed)
+            one = {"num_workers": 0, "prefetch_factor": None, "persistent_workers": False}
+            return DataLoader(_Repeated(data, G), batch_size=batch_size, **{**settings, **one})
+        generator = torch.Generator().manual_seed(cfg.seed if cfg.data_seed is None else cfg.data_seed)
         order = torch.randperm(len(data), generator=generator).tolist() if shuffle else range(len(data))
         indices = [i for i in order for _ in range(G)]
-        workers = int(getattr(self.cfg, "dataloader_num_workers", 0) or 0)
-        return DataLoader(data, batch_size=batch_size, sampler=indices, num_workers=workers, collate_fn=list)
+        return DataLoader(data, batch_size=batch_size, sampler=indices, drop_last=cfg.dataloader_drop_last,
+                          **settings)
 
     def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
         """(B, T) bool: tokens whose entropy is at least the `threshold` quantile of every process's completion-token
