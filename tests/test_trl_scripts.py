@@ -1,7 +1,8 @@
-"""TRL's script trl/scripts/grpo.py (TRL 1.16, as installed) and an open-r1-style script built on `TrlParser`, run
-with the import lines changed: `from trl import GRPOConfig` / `GRPOTrainer` become grpo's. Local tiny model, local
-dataset directory, two optimizer steps; the scripts' own argument parsing (`TrlParser` over `ScriptArguments`,
-`GRPOConfig`, `ModelConfig`) builds our config.
+"""TRL's script trl/scripts/grpo.py (TRL 1.16, as installed) and open-r1's src/open_r1/grpo.py (vendored in
+tests/vendor, huggingface/open-r1@1416fa0), run with the import lines changed: `from trl import GRPOConfig` /
+`GRPOTrainer` (and open-r1's reward functions) become grpo's. Local tiny model, local dataset directory, two
+optimizer steps; the scripts' own argument parsing (`TrlParser` over `ScriptArguments`, `GRPOConfig`,
+`ModelConfig`) builds our config.
 """
 
 from __future__ import annotations
@@ -158,110 +159,69 @@ def test_config_yaml_writes_objects_by_name(tmp_path):
                                                                                     "device_map": None}
 
 
-# open-r1's src/open_r1/grpo.py could not be fetched here: this is its structure reconstructed from TRL's scripts and
-# open-r1's published layout (GRPOScriptArguments over TRL's ScriptArguments, TrlParser((GRPOScriptArguments,
-# GRPOConfig, ModelConfig)).parse_args_and_config(), get_tokenizer/get_model, make_conversation with the config's
-# system_prompt and dataset_prompt_column, then train, log/save metrics and state, save_model, the model card), with
-# `from open_r1.configs import GRPOConfig` changed to grpo's and its reward registry cut to one local function.
-OPEN_R1_GRPO = '''
-import os
-from dataclasses import dataclass, field
-
-import datasets
-import torch
-import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
-from transformers.trainer_utils import get_last_checkpoint
-from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
-
-from grpo import GRPOConfig, GRPOTrainer  # was: from open_r1.configs import GRPOConfig; from trl import GRPOTrainer
-from rewards_for_tests import count_a
+VENDOR = TESTS / "vendor"  # open-r1's src/open_r1 (grpo.py and what it imports but rewards.py) and a recipe
 
 
-@dataclass
-class GRPOScriptArguments(ScriptArguments):
-    reward_funcs: list[str] = field(default_factory=lambda: ["count_a"])
-    cosine_max_len: int = field(default=1000)
-    dataset_prompt_column: str = field(default="prompt")
+def open_r1_recipe(tmp_path: Path, model: str, data: Path, out: Path) -> Path:
+    """open-r1's recipes/Qwen2.5-1.5B-Instruct/grpo/config_demo.yaml with what this machine cannot do changed:
+    the tiny model, a local dataset, no GPU (float32, sdpa, no vLLM), no hub or wandb, a handful of short steps.
+    Every other key (do_eval, log_level, cosine schedule, warmup_ratio, overwrite_output_dir, reward_funcs and
+    weights, save_strategy epoch, ...) is open-r1's."""
+    recipe = yaml.safe_load((VENDOR / "open_r1_config_demo.yaml").read_text())
+    local = {"model_name_or_path": model, "torch_dtype": None, "dtype": "float32", "attn_implementation": "sdpa",
+             "dataset_name": str(data), "bf16": False, "use_vllm": False, "push_to_hub": False, "report_to": ["none"],
+             "output_dir": str(out), "max_steps": 2, "num_generations": 4, "per_device_train_batch_size": 4,
+             "gradient_accumulation_steps": 1, "max_completion_length": 8, "per_device_eval_batch_size": 4}
+    assert set(local) - {"dtype", "max_steps"} <= set(recipe) | {"dtype"}, "open-r1's recipe changed"
+    recipe.update(local)
+    recipe.pop("torch_dtype")  # (TRL 1.16's ModelConfig: dtype; open-r1 pins trl 0.18)
+    path = tmp_path / "config_demo.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
 
 
-def get_tokenizer(model_args, training_args):
-    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision,
-                                              trust_remote_code=training_args.trust_remote_code)
-    if training_args.chat_template is not None:
-        tokenizer.chat_template = training_args.chat_template
-    return tokenizer
+def test_open_r1_grpo_script_trains_two_steps(tiny_chat_model_dir, tmp_path, monkeypatch):
+    """open-r1's own src/open_r1/grpo.py (vendored, its imports of the trainer and the reward functions changed to
+    grpo's) on its config_demo recipe: TrlParser((GRPOScriptArguments, open-r1's GRPOConfig over grpo's,
+    ModelConfig)).parse_args_and_config() with unknown keys failing, open-r1's accuracy/format/tag_count rewards,
+    train, save_metrics/save_state, save_model, the model card. The data has a test split: the script passes it
+    as eval_dataset when eval_strategy is not "no" (grpo's default: steps; TRL's: no)."""
+    import datasets
 
-
-def get_model(model_args, training_args):
-    dtype = model_args.dtype if model_args.dtype in ["auto", None] else getattr(torch, model_args.dtype)
-    return AutoModelForCausalLM.from_pretrained(
-        model_args.model_name_or_path, revision=model_args.model_revision, dtype=dtype,
-        trust_remote_code=training_args.trust_remote_code, attn_implementation=model_args.attn_implementation,
-        use_cache=False if training_args.gradient_checkpointing else True)
-
-
-def main(script_args, training_args, model_args):
-    set_seed(training_args.seed)
-    last_checkpoint = None
-    if os.path.isdir(training_args.output_dir):
-        last_checkpoint = get_last_checkpoint(training_args.output_dir)
-    dataset = datasets.load_dataset(script_args.dataset_name, name=script_args.dataset_config)
-    tokenizer = get_tokenizer(model_args, training_args)
-    model = get_model(model_args, training_args)
-    reward_funcs = [{"count_a": count_a}[name] for name in script_args.reward_funcs]
-
-    def make_conversation(example, prompt_column: str = script_args.dataset_prompt_column):
-        prompt = []
-        if training_args.system_prompt is not None:
-            prompt.append({"role": "system", "content": training_args.system_prompt})
-        prompt.append({"role": "user", "content": example[prompt_column]})
-        return {"prompt": prompt}
-
-    dataset = dataset.map(make_conversation)
-    trainer = GRPOTrainer(
-        model=model, reward_funcs=reward_funcs, args=training_args,
-        train_dataset=dataset[script_args.dataset_train_split],
-        eval_dataset=(dataset[script_args.dataset_test_split] if training_args.eval_strategy != "no" else None),
-        peft_config=get_peft_config(model_args), processing_class=tokenizer)
-    checkpoint = training_args.resume_from_checkpoint or last_checkpoint
-    train_result = trainer.train(resume_from_checkpoint=checkpoint)
-    metrics = train_result.metrics
-    metrics["train_samples"] = len(dataset[script_args.dataset_train_split])
-    trainer.log_metrics("train", metrics)
-    trainer.save_metrics("train", metrics)
-    trainer.save_state()
-    trainer.save_model(training_args.output_dir)
-    kwargs = {"dataset_name": script_args.dataset_name, "tags": ["open-r1"]}
-    if trainer.accelerator.is_main_process:
-        trainer.create_model_card(**kwargs)
-        trainer.model.config.use_cache = True
-        trainer.model.config.save_pretrained(training_args.output_dir)
-    if training_args.push_to_hub:
-        trainer.push_to_hub(**kwargs)
-
-
-if __name__ == "__main__":
-    parser = TrlParser((GRPOScriptArguments, GRPOConfig, ModelConfig))
-    script_args, training_args, model_args = parser.parse_args_and_config()
-    main(script_args, training_args, model_args)
-'''
-
-
-def test_open_r1_style_grpo_script_trains_two_steps(tiny_chat_model_dir, tmp_path, monkeypatch):
+    data = tmp_path / "data"
+    rows = [{"problem": f"What is {i} + 1?", "solution": f"${i + 1}$"} for i in range(8)]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows),
+                          "test": datasets.Dataset.from_list(rows[:2])}).save_to_disk(str(data))
+    monkeypatch.setattr(datasets, "load_dataset", lambda path, name=None, **kw: datasets.load_from_disk(path))
     out = tmp_path / "out"
-    script = tmp_path / "open_r1_grpo.py"
-    script.write_text(OPEN_R1_GRPO)
-    argv = ["--model_name_or_path", tiny_chat_model_dir, "--dataset_name", str(data_dir(tmp_path)),
-            "--system_prompt", "Answer.", "--output_dir", str(out), "--max_steps", "2", "--num_generations", "4",
-            "--per_device_train_batch_size", "4", "--max_completion_length", "8", "--eval_strategy", "no",
-            "--report_to", "none", "--save_strategy", "steps", "--save_steps", "1", "--dtype", "float32"]
-    run_script(script, argv, monkeypatch)
+    recipe = open_r1_recipe(tmp_path, tiny_chat_model_dir, data, out)
+    monkeypatch.syspath_prepend(str(VENDOR))
+    for name in [m for m in sys.modules if m == "open_r1" or m.startswith("open_r1.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "argv", ["grpo.py", "--config", str(recipe)])
+    runpy.run_path(str(VENDOR / "open_r1" / "grpo.py"), run_name="__main__")
 
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in steps if "reward" in r] == [1, 2]
+    # open-r1's accuracy, format and tag_count, as grpo names them (math_accuracy, r1_format, tag_count)
+    assert {"rewards/math_accuracy/mean", "rewards/r1_format/mean", "rewards/tag_count/mean"} <= set(steps[0])
     results = json.loads((out / "train_results.json").read_text())  # save_metrics
     assert results["train_samples"] == 8 and "train_runtime" in results
     assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 2  # save_state
     assert "open-r1" in (out / "README.md").read_text()  # create_model_card's tags
-    assert (out / "model.safetensors").exists() and (out / "checkpoint-2").is_dir()  # the last step's checkpoint
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["lr_scheduler_type"] == "cosine" and saved["warmup_ratio"] == 0.1 and saved["system_prompt"]
+    assert (out / "model.safetensors").exists() and (out / "checkpoint-2").is_dir()  # save_strategy epoch's end
+
+
+def test_open_r1_get_reward_funcs_takes_script_args_settings():
+    """grpo.rewards.get_reward_funcs(script_args), open-r1's: its names, configured by the script's settings (open-r1's
+    defaults for those missing), and open-r1's ValueError for an unknown name."""
+    from types import SimpleNamespace
+
+    from grpo.rewards import get_reward_funcs
+
+    cosine, accuracy = get_reward_funcs(SimpleNamespace(reward_funcs=["cosine", "accuracy"], cosine_max_len=50))
+    assert (cosine.max_len, cosine.max_value_wrong) == (50, -0.5) and type(accuracy).__name__ == "MathAccuracy"
+    with pytest.raises(ValueError, match="no_such_reward"):
+        get_reward_funcs(SimpleNamespace(reward_funcs=["no_such_reward"]))

@@ -85,6 +85,31 @@ class _Base:
         if "__init__" not in cls.__dict__:
             cls.__init__ = cls.__init__
 
+    # transformers' TrainingArguments reads that scripts call (open-r1's grpo.py logs them)
+    def get_process_log_level(self) -> int:
+        """The logging level of this process: log_level on the main process, log_level_replica on the others;
+        passive: transformers' current verbosity (TrainingArguments')."""
+        import logging
+        import os
+
+        from transformers.utils import logging as hf_logging
+
+        level = self.log_level if int(os.environ.get("RANK", "0")) == 0 else self.log_level_replica
+        return hf_logging.get_verbosity() if level == "passive" else getattr(logging, level.upper())
+
+    @property
+    def device(self):
+        """The device this process trains on (accelerate's, as TrainingArguments'; the CPU under use_cpu)."""
+        from accelerate import PartialState
+
+        return PartialState(cpu=self.use_cpu).device
+
+    @property
+    def n_gpu(self) -> int:
+        """GPUs this process uses: 1 on a GPU, 0 on the CPU (grpo does not split a batch over GPUs in one
+        process, so never more, as TrainingArguments' under distributed training)."""
+        return int(self.device.type == "cuda")
+
     def to_dict(self) -> dict[str, Any]:
         """grpo's settings, then the TRL keys set to other than TRL's default (config.yaml, dashboards' config)."""
         return {**{f.name: copy.deepcopy(getattr(self, f.name)) for f in settings(self)}, **set_values(self)}

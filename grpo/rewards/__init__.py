@@ -24,7 +24,7 @@ from .countdown import Countdown, countdown
 from .judge import LLMJudge
 from .format import r1_format, reasoning_steps, tag_count, think_format
 from .math_accuracy import MathAccuracy, math_accuracy
-from .registry import ALIASES, BUILTINS, STEP_BUILTINS, resolve_reward, resolve_step_reward
+from .registry import ALIASES, BUILTINS, STEP_BUILTINS, get_reward_funcs, resolve_reward, resolve_step_reward
 from .remote import RemoteRewardModel
 from .reward_model import RewardModel
 from .runner import RewardError, RewardOutput, RewardRunner, RewardUnavailable, column_requirements
@@ -32,6 +32,7 @@ from .shaping import CosineLength, RepetitionPenalty, SoftOverlong, cosine_lengt
 from .steps import ArithmeticSteps, arithmetic_steps
 
 __all__ = [
+    "get_reward_funcs",
     "Code",
     "code",
     "code_syntax",

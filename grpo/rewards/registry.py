@@ -79,6 +79,16 @@ def open_r1_spec(spec: str, settings: dict[str, Any]) -> Any:
     return spec
 
 
+def get_reward_funcs(script_args: Any) -> list[Callable]:
+    """open-r1's `get_reward_funcs(script_args)` (src/open_r1/rewards.py) with grpo's functions: each of open-r1's
+    names in `script_args.reward_funcs`, configured by the open-r1 settings `script_args` has (cosine_max_len,
+    code_language, ...; open-r1's defaults for those it lacks), as reward functions a GRPOTrainer takes."""
+    from grpo.config.trl_keys import REWARD_SETTINGS
+
+    settings = {key: getattr(script_args, key, default) for key, default in REWARD_SETTINGS.items()}
+    return [resolve_reward(open_r1_spec(name, settings))[1] for name in script_args.reward_funcs]
+
+
 def resolve_reward(spec: Any, tokenizer: Any = None) -> tuple[str, Callable]:
     """(name, function) for an outcome reward spec; `ValueError` listing the built-ins for an unknown name. A loaded
     sequence-classification model (TRL's form) becomes a `RewardModel`, scored with `tokenizer` (default: its own)."""
