@@ -258,6 +258,12 @@ def test_settings_that_cannot_work_are_refused_with_the_key(tmp_path, tools_mode
     with pytest.raises(ConfigError, match="^environment_factory: a dict of environments needs an 'environment'"):
         make_trainer(tmp_path, tools_model_dir, ["x"], environment_factory={"a": Counter}, train_dataset=env_data(),
                      overrides={"task": None})
+    # a row naming an environment the factory lacks: TRL's ValueError when a rollout draws it (in train())
+    trainer = make_trainer(tmp_path, tools_model_dir, ["x"], environment_factory={"a": Counter},
+                           train_dataset=env_data(2, ["a", "unknown"]), overrides={"task": None, "prompts_per_step": 2})
+    with pytest.raises(ValueError, match=r"^Example has `environment='unknown'`, which is not among the environments "
+                                         r"passed to `environment_factory`. Expected one of: \['a'\]."):
+        trainer.rollout()
     for key, value in (("max_tool_calling_iterations", -1), ("tool_timeout", 0), ("max_tool_output_chars", 0)):
         with pytest.raises(ConfigError, match=f"^{key}:"):
             GRPOConfig(**{key: value})

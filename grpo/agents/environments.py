@@ -60,18 +60,20 @@ class Environments:
             if has_reward and type(instance) not in self.reward_classes:
                 self.reward_classes.append(type(instance))
 
-    def names(self, columns: dict[str, list], n: int) -> list:
-        """The environment name of each of `n` rows (None for all with a single factory)."""
+    def names(self, columns: dict[str, list], n: int, known: bool = True) -> list:
+        """The environment name of each of `n` rows (None for all with a single factory). `known`: a row naming
+        no environment of the factory is TRL's ValueError, raised as TRL raises it, when a rollout draws the row
+        (rendering the data's prompts when the trainer is made passes known=False: such a row gets no tools)."""
         if not self.multi:
             return [None] * n
         if COLUMN not in columns:
             raise ToolError(f"environment_factory: a dict of environments needs an {COLUMN!r} column in the dataset "
                             f"naming each row's environment (one of {sorted(self.factories)}).")
         names = list(columns[COLUMN])
-        unknown = sorted({str(x) for x in names if x not in self.factories})
-        if unknown:
-            raise ToolError(f"environment_factory: rows name environment(s) {unknown} that are not among the "
-                            f"environments {sorted(self.factories)}.")  # (TRL's words: not among the environments)
+        for name in dict.fromkeys(names) if known else ():
+            if name not in self.factories:  # (TRL's words)
+                raise ToolError(f"Example has `environment={name!r}`, which is not among the environments passed to "
+                                f"`environment_factory`. Expected one of: {list(self.factories)}.")
         return names
 
     def take(self, names: list) -> list:

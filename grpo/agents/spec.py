@@ -67,8 +67,8 @@ class AgentSpec:
             return [None] * n
         if self.environments is None:
             return [[t.schema for t in self.tools] or None] * n
-        names = self.environments.names(columns, n)
-        return [[t.schema for t in self.tools] + self.environments.schemas[name] or None for name in names]
+        names = self.environments.names(columns, n, known=False)
+        return [[t.schema for t in self.tools] + self.environments.schemas.get(name, []) or None for name in names]
 
     def describe(self) -> str:
         """One line for the start of a run: what the rollouts may call, and their limits."""
