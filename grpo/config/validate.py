@@ -174,8 +174,9 @@ def _resolve(cfg) -> None:
     for key, value in (cfg.generation_kwargs or {}).items():
         check(key != "num_beams" or value in (None, 1), "generation_kwargs",
               f"num_beams={value} is beam search: it returns the beams' highest-scoring sequences, not samples of the "
-              "policy, which GRPO's group statistics and its ratio to the sampling policy assume; leave it out (TRL "
-              "hands it to generate).")
+              "policy, which GRPO's group statistics and its ratio to the sampling policy assume (TRL hands it to "
+              "transformers' generate, beam sampling with do_sample, and trains on those as samples; its vLLM path "
+              "has no num_beams); leave it out, or raise num_generations for more completions per prompt.")
         if key == "num_beams":
             continue  # (1: sampling, as without it)
         check(key in SAMPLING_KWARGS or (key == "do_sample" and value is True), "generation_kwargs",
