@@ -225,3 +225,23 @@ def test_open_r1_get_reward_funcs_takes_script_args_settings():
     assert (cosine.max_len, cosine.max_value_wrong) == (50, -0.5) and type(accuracy).__name__ == "MathAccuracy"
     with pytest.raises(ValueError, match="no_such_reward"):
         get_reward_funcs(SimpleNamespace(reward_funcs=["no_such_reward"]))
+
+
+def test_a_dataclass_subclass_is_built_as_grpo_config():
+    """open-r1's pattern, `@dataclass class GRPOConfig(<our GRPOConfig>)` with keys of its own: the subclass keeps our
+    construction (loss_type's pair, aliases, TRL's keys checked) and its own fields."""
+    from dataclasses import dataclass, field
+
+    from grpo import GRPOConfig
+    from grpo.config.base import ConfigError
+
+    @dataclass
+    class Sub(GRPOConfig):
+        benchmarks: list[str] = field(default_factory=list)
+        mine: int = 1
+
+    cfg = Sub(loss_type="dapo", mine=2, num_generations_eval=3, benchmarks=["aime24"])
+    assert (cfg.loss_aggregation, cfg.mine, cfg.eval_num_samples, cfg.benchmarks) == ("rollout_token_mean", 2, 3,
+                                                                                        ["aime24"])
+    with pytest.raises(ConfigError, match="^torch_compile: True is not supported"):
+        Sub(torch_compile=True)
