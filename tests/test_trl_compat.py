@@ -222,7 +222,8 @@ def test_a_reward_tokenizer_whose_pad_token_is_not_in_its_vocabulary(tiny_model_
     ("dapo", -0.70706 * (3 - 2) / 5),  # token mean over the batch: -(3 A - 2 A) / 5 per prompt pair
     ("grpo", 0.0),  # mean of the sequences' means: -(A - A) / 2
 ])
-def test_evaluate_reports_trls_eval_loss(tiny_model_dir, tmp_path, loss_type, want):
+@pytest.mark.parametrize("eval_batch", [256, 2])  # 2: the eval batch in 3 chunks, each its reference pass
+def test_evaluate_reports_trls_eval_loss(tiny_model_dir, tmp_path, loss_type, want, eval_batch):
     from transformers import AutoTokenizer
 
     from grpo.engines.base import ScriptedGenerator
@@ -236,7 +237,7 @@ def test_evaluate_reports_trls_eval_loss(tiny_model_dir, tmp_path, loss_type, wa
 
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=a_reward, train_dataset=prompts(),
                           args=config(tmp_path, num_generations=2, per_device_train_batch_size=2,
-                                      loss_type=loss_type, beta=0.04),
+                                      loss_type=loss_type, beta=0.04, per_device_eval_batch_size=eval_batch),
                           generator=ScriptedGenerator(complete, [tok.eos_token_id]))
     out = trainer.evaluate(eval_dataset=prompts(3))
     # beta 0.04: the reference is the untrained policy, so the KL term is 0

@@ -52,8 +52,8 @@ def eval_loss(train: Rollouts, objective: Objective, reference, accel, prompt_se
         logp, entropy = completion_logprobs(policy, ids, att, width, cfg.temperature, with_entropy=True)
         ref = None
         if needs_reference(cfg):
-            with reference_view(policy, reference) as reference:
-                ref = completion_logprobs(reference, ids, att, width, cfg.temperature)
+            with reference_view(policy, reference) as network:  # (a DiskReference's weights: for this pass only)
+                ref = completion_logprobs(network, ids, att, width, cfg.temperature)
         normalizer = aggregation_normalizer(cfg.loss_aggregation, step_tokens=tokens, step_rows=rows * procs.world,
                                             micro_tokens=float(mask.sum()), micro_batches=len(chunks),
                                             processes=procs.world, rollout_tokens=tokens, steps_per_rollout=1)
