@@ -160,8 +160,8 @@ def test_dashboard_names_follow_transformers_rewrite_logs():
     # TRL's tool metrics: calls per completion, failed calls per call (grpo.agents.metrics computes both)
     from grpo.training.observe.metric_names import named
 
-    assert named({"tools/calls_per_completion": 0.5, "tools/failure_frac": 0.25}, "trl", []) == {
-        "tools/call_frequency": 0.5, "tools/failure_frequency": 0.25}
+    assert named({"tools/calls_per_completion": 0.5, "tools/failure_frac": 0.25, "moe/aux_loss": 0.1}, "trl", []) == {
+        "tools/call_frequency": 0.5, "tools/failure_frequency": 0.25, "aux_loss": 0.1}  # (TRL's MoE aux_loss)
 
 
 def test_dataloaders_as_trls(tiny_model_dir, tmp_path):

@@ -42,6 +42,7 @@ TRL_NAMES = {
     "sampling/importance_ratio_max": "sampling/importance_sampling_ratio/max",
     "tools/calls_per_completion": "tools/call_frequency",
     "tools/failure_frac": "tools/failure_frequency",
+    "moe/aux_loss": "aux_loss",
 }
 
 
