@@ -15,22 +15,23 @@ is made locally from a TRL checkout and kept out of git: `python scripts/adapt_t
 writes the same file against TRL itself). CI runs grpo's own tests of the same behaviour (tests/test_trl_compat.py,
 tests/test_trl_surface.py, tests/test_trl_parity.py).
 
-Measured on the 2-core CPU machine, TRL 1.16.0, both targets run whole (`-m "slow or not slow"`, issue 41): of 175
-tests, 54 skipped on both sides; **106 pass under TRL, 111 under grpo, 105 of TRL's 106** (6 pass under grpo only:
-`test_train_moe_peft_model`, `test_train_with_environment_owned_data`, `test_train_with_malformed_tool_calls`,
-`test_train_with_mask_truncated_completions` and the two environment-owned-reward tests; 9 fail on both). Counted
-over all 175, skipped as not passed: TRL 106, grpo 111. No skip is grpo's alone. TRL's one that grpo does not pass:
+Measured on the 2-core CPU machine, TRL 1.16.0, both targets run whole (`-m "slow or not slow"`, issue 41, again
+after its last changes): of 175 tests, 54 skipped on both sides; **106 pass under TRL, 112 under grpo, 105 of TRL's
+106** (7 pass under grpo only: `test_train_moe_peft_model`, `test_train_with_environment_owned_data`,
+`test_train_with_malformed_tool_calls`, `test_train_with_mask_truncated_completions`,
+`test_train_with_unknown_environment_raises` and the two environment-owned-reward tests; 8 fail on both). Counted
+over all 175, skipped as not passed: TRL 106, grpo 112. No skip is grpo's alone. TRL's one that grpo does not pass:
 
 | test | why |
 |---|---|
-| `test_train_with_generation_kwargs` | `num_beams`: beam search returns the beams' best sequences, not samples of the policy, which GRPO's group statistics and importance ratios assume; refused by name, with that reason |
+| `test_train_with_generation_kwargs` | `num_beams: 2` with `do_sample`: TRL hands it to transformers' `generate`, which then beam-samples (keeps the 2 likeliest of the sampled continuations at each token and returns the best beam), and trains on those as if they were samples of the policy (its vLLM path has no `num_beams`: SamplingParams refuses it). Those sequences are not drawn from the policy, and their probability under the beam procedure cannot be computed, so no importance weight can correct GRPO's on-policy gradient, group statistics or ratio for it; grpo refuses it by name with that reason (raise num_generations for more completions per prompt) |
 
-The 9 that fail on both fail for the stand-ins: the tool-calling and environment tests patch `model.generate` with
+The 8 that fail on both fail for the stand-ins: the tool-calling and environment tests patch `model.generate` with
 Qwen's token ids and need Qwen's chat template for TRL's response parser (grpo's engine does not call
 `model.generate`); NemotronH is not built; `test_train_with_mask_truncated_completions_all_masked` expects
-EOS-free random completions; `test_prepare_input_called_with_correct_data` expects the hub zen dataset's own prompts;
-`test_train_with_unknown_environment_raises` expects the error from `train()`, where grpo raises it when the trainer
-is made (before the model loads).
+EOS-free random completions; `test_prepare_input_called_with_correct_data` expects the hub zen dataset's own prompts.
+`test_train_with_unknown_environment_raises` fails under TRL on the stand-in's chat template (TRL's response parser
+needs Qwen's); grpo raises TRL's error from `train()`, as the test expects.
 
 The skips (tests/trl_suite/conftest.py's SKIPS, and the `require_*` markers of tests/trl_suite/trl_suite_utils.py),
 each on both targets, for one of two reasons only:
@@ -55,8 +56,9 @@ evaluations leave the loss out, as it samples the set again); `get_high_entropy_
 (grpo.core.masks); `args`, `accelerator` and `state` (both settable), `ref_model` (None when beta is 0),
 `train_dataset`, `eval_dataset`, `reward_funcs`, `reward_func_names`, `reward_weights`, `tools`,
 `reward_processing_classes`, `_logs`, `entropy_coef`, `aux_loss_enabled`; `get_train_dataloader` and
-`get_eval_dataloader` (TRL's rows, groups and worker rules, for code that inspects them: train() and evaluate() do
-not read them); `save_model` (with LoRA the adapter, as TRL's), `push_to_hub` and `create_model_card`
+`get_eval_dataloader` (TRL's rows, groups and worker rules, with transformers' `dataloader_*` settings, for code that
+inspects them: train() and evaluate() do not read them); on the config, TrainingArguments' `get_process_log_level()`,
+`device` and `n_gpu`; `save_model` (with LoRA the adapter, as TRL's), `push_to_hub` and `create_model_card`
 (docs/runs.md), `hub_model_id`, transformers' `log_metrics`, `save_metrics`, `save_state` and `end()`;
 `policy_loss` (the loss without the entropy bonus) logged with an entropy bonus; TRL's warnings (sequence-level
 importance sampling with a token-summed loss; a row every reward function returned None for). With no
@@ -72,6 +74,14 @@ reward on open-r1's `verification_info`, in grpo's sandbox), `cf_code` (open-r1'
 a checker, time and memory limits, file input; Python and C++ submissions, compiled and run in grpo's sandbox, judged
 as open-r1's Piston package judges them), `ioi_code` (below), `code_format`, `tag_count`, `soft_overlong_punishment`.
 `benchmarks` and open-r1's `callbacks: [push_to_hub_revision]` are accepted and skipped with one line at the start.
+`grpo.rewards.get_reward_funcs(script_args)` is open-r1's, with these functions. open-r1's own `src/open_r1/grpo.py`
+(huggingface/open-r1@1416fa0, vendored in tests/vendor with what it imports but rewards.py) trains on its
+`Qwen2.5-1.5B-Instruct/grpo/config_demo.yaml` recipe, local model and data in place of the hub's, with two import
+lines changed (`from grpo import GRPOTrainer`, `from grpo.rewards import get_reward_funcs`) and its `GRPOConfig`
+over grpo's (tests/test_trl_scripts.py). Under TRL 1.16 it needs three changes that open-r1 (pinned to trl 0.18)
+has not made, grpo or not: ModelConfig's `torch_dtype` is `dtype`, `trust_remote_code` moved from ModelConfig to the
+training config, and trl no longer has `get_kbit_device_map`. Its `eval_dataset=dataset[test_split] if
+eval_strategy != "no"` reads a test split under grpo's default eval_strategy (steps), which TRL's (no) does not.
 All 5 of open-r1's GRPO recipes train a step with their keys and a local model and data (tests/test_open_r1.py:
 both config_demo recipes, config_demo_code, config_codeforces, config_demo_code_ioi; vLLM, the hub, wandb,
 flash-attention and Liger off, as this machine has none).
