@@ -190,7 +190,7 @@ class GRPOConfig(TrlKeys):  # (TrlKeys: TRL's keys that are not settings of ours
     vllm_mode: str = _f("colocate", "colocate: a vLLM engine in the trainer's process, on its device; server: a "
                         "`grpo vllm-serve` process that every trainer process sends prompts to. Either is given the "
                         "policy's weights after every optimizer step.", ("colocate", "server"))
-    vllm_server_base_url: str | list[str] | None = _f(None, "Server mode: the server's URL (http://10.0.0.2:8000), "
+    vllm_server_base_url: None | str | list[str] = _f(None, "Server mode: the server's URL (http://10.0.0.2:8000), "
                                                       "or several (a list or comma-separated); wins over host/port.")
     vllm_server_host: str = _f("0.0.0.0", "Server mode: the server's host, or several (host or host:port, separated "
                                 "by commas); on several machines the server's address, not 0.0.0.0.")

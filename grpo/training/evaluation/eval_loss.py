@@ -26,6 +26,12 @@ class _InOrder:
     def next(self, k: int) -> list[int]:
         return list(range(k))
 
+    def state_dict(self) -> dict:  # (the rollout saves the draw to put it back if the servers are down: in order,
+        return {}  # there is no position to keep)
+
+    def load_state_dict(self, state: dict) -> None:
+        del state
+
 
 @torch.no_grad()
 def eval_loss(train: Rollouts, objective: Objective, reference, accel, prompt_set) -> float:
