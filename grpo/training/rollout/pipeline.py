@@ -36,8 +36,9 @@ from multiprocessing.connection import Connection
 import torch
 
 from grpo.config import ConfigError
-from grpo.training.rollout.rollouts import Rollouts
+from grpo.training.rollout.assembly import rollout_routes, rollout_tensors
 from grpo.training.rollout.batch import RolloutBatch, SampleRequest, Sampled
+from grpo.training.rollout.rollouts import Rollouts
 
 
 class LaggedRollouts:
@@ -285,9 +286,10 @@ def _serve(conn: Connection, rollouts: Rollouts, policy, reference=None) -> None
             info = {"version": version, "idle": idle, "ref_logp": None}
             if reference is not None:  # the update's first-pass micro-batches, as the trainer's process plans them
                 t1 = time.perf_counter()
-                ids, attention, cmask = rollouts.tensors(sampled)
+                ids, attention, cmask = rollout_tensors(sampled, rollouts.cfg.mask_truncated_completions,
+                                                        rollouts.tokenizer.pad_token_id)
                 batch = RolloutBatch(ids, attention, cmask, torch.zeros(len(sampled.total)), index=index,
-                                     routes=rollouts.routes(sampled, attention, cmask))  # (MoE: replayed with R3)
+                                     routes=rollout_routes(sampled, attention, cmask))  # (MoE: replayed with R3)
                 info["ref_logp"] = reference(batch).cpu()
                 logs["times"]["reference"] = time.perf_counter() - t1
             conn.send_bytes(pickle.dumps(("rollout", index, vars(sampled), logs, info),

@@ -1,5 +1,6 @@
-"""From prompts to a training batch: generate, decode, score, compute advantages, pad into tensors (the records
-and the padding helpers: grpo.training.rollout.batch).
+"""From prompts to a training batch: generate, decode and score here (the sampling, with dynamic sampling's refills
+and a rollout worker's share), then the batch's parts (grpo.training.rollout.assembly: advantages, padded tensors,
+routes, samples) and its metrics (grpo.training.rollout.metrics); the records: grpo.training.rollout.batch.
 
 Shapes: B prompts per step, G completions per prompt, N = B*G / processes rows on this process, P prompt
 width (left-padded), T completion width (right-padded). Batches stay on the CPU; the update moves each micro-batch
@@ -10,19 +11,18 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
 
-from grpo.agents.metrics import agent_metrics, sample_stats
-from grpo.core import decoupled_advantages, group_advantages, mix_advantages, process_advantages
+from grpo.agents.metrics import agent_metrics
 from grpo.engines.base import SamplingParams, row_seed
-from grpo.engines.moe import batch_routes
 from grpo.engines.vllm_server import ServersDown
+from grpo.training.data.vision import check_image_tokens_masked
+from grpo.training.rollout.assembly import (outcome_advantages, rollout_routes, rollout_tensors, sample_rows,
+                                            step_advantages)
+from grpo.training.rollout.batch import RolloutBatch, SampleRequest, Sampled, as_completion, pad_rows, strip_eos
+from grpo.training.rollout.metrics import reward_logs, rollout_metrics
 from grpo.training.run.faults import engine_faults
 from grpo.training.setup.processes import Processes
-from grpo.training.rollout.batch import (RolloutBatch, SampleRequest, Sampled, as_completion, char_to_token_ends,
-                                         group_stats, pack, pad_rows, strip_eos)
-from grpo.training.data.vision import check_image_tokens_masked, sample_images
 
 
 class Rollouts:
@@ -85,7 +85,7 @@ class Rollouts:
         """The training batch of rollout `index` from its scored completions (collective on several processes)."""
         batch = self._assemble(sampled)
         batch.metrics.update(sampling_metrics)
-        batch.metrics.update(self._reward_logs())
+        batch.metrics.update(reward_logs(self.procs, self._logged_metrics))
         if self.cfg.dataset_on_bad_row == "skip":
             batch.metrics["data/skipped_rows"] = float(self.train_set.skipped)
         servers = getattr(self.generator, "servers_up", None)  # (a fleet of vLLM servers: grpo.engines.vllm_fleet)
@@ -113,16 +113,6 @@ class Rollouts:
     def take_logs(self, logs: dict) -> None:
         """What `sample_request` logged in a worker, as if this process had scored the rollout."""
         self._logged_metrics, self._logged_columns, self.times = logs["metrics"], logs["columns"], logs["times"]
-
-    def _reward_logs(self) -> dict[str, float]:
-        """What reward functions logged with log_metric, averaged over every call on every process (TRL's)."""
-        names = sorted(set(self.procs.gather_objects(sorted(self._logged_metrics))) | set(self._logged_metrics))
-        out = {}
-        for name in names:
-            values = self._logged_metrics.get(name, [])
-            stats = self.procs.gather(torch.tensor([[sum(values), len(values)]], dtype=torch.float64)).sum(0)
-            out[name] = float(stats[0] / stats[1]) if stats[1] > 0 else float("nan")
-        return out
 
     def _sample(self, prompts_idx: list[int], index: int, round_: int = 0) -> Sampled:
         """Generate G completions for each prompt (this process's share of the rows) and score them."""
@@ -187,136 +177,27 @@ class Rollouts:
                          "sampling/kept_groups": float(min(groups, self.B))}
 
     def _assemble(self, s: Sampled) -> RolloutBatch:
-        """Advantages and padding: the training batch of the sampled groups."""
-        cfg, G, procs = self.cfg, self.G, self.procs
-        n_local = len(s.total)
+        """Advantages and padding: the training batch of the sampled groups (grpo.training.rollout.assembly)."""
+        cfg = self.cfg
         t0 = time.perf_counter()
-        rewards = procs.gather(torch.tensor(s.total, dtype=torch.float32)).view(-1, G)
-        mine = slice(procs.rank * n_local, (procs.rank + 1) * n_local)
-        if cfg.multi_objective_aggregation == "normalize_then_sum":
-            per_func = torch.tensor([[float("nan") if v is None else v for v in s.per_func[n]] for n in s.per_func],
-                                    dtype=torch.float32).T  # (n_local, K)
-            per_func = procs.gather(per_func).view(-1, G, per_func.shape[1])
-            outcome = decoupled_advantages(per_func, torch.tensor(self.rewards.weights), eps=cfg.advantage_eps,
-                                           unbiased=cfg.unbiased_std).view(-1)[mine]
-        else:
-            outcome = group_advantages(rewards, scale=cfg.scale_rewards, eps=cfg.advantage_eps,
-                                       unbiased=cfg.unbiased_std).view(-1)[mine]
-        input_ids, attention, cmask = self.tensors(s)
+        rewards, outcome = outcome_advantages(cfg, self.procs, s, self.rewards.weights, self.G)
+        input_ids, attention, cmask = rollout_tensors(s, cfg.mask_truncated_completions, self.tokenizer.pad_token_id)
         if s.extra_rows:  # an episode's calls that did not extend its first row: rows of their own, its advantage
             outcome = torch.cat([outcome, outcome[[e[0] for e in s.extra_rows]]])
         advantages, step_metrics = outcome, {}
         if self.step_rewards:
             ids = [strip_eos(c, self.eos_ids) for c in s.completion_ids]
-            advantages, step_metrics = self._process_advantages(s.prompts, s.completions, ids, s.columns, outcome,
-                                                                cmask)
+            advantages, step_metrics = step_advantages(cfg, self.procs, self.tokenizer, self.step_rewards, self.G, s,
+                                                       ids, outcome, cmask)
         batch = RolloutBatch(input_ids, attention, cmask, advantages, images=s.images)
         if s.images is not None:
             check_image_tokens_masked(input_ids, cmask, self.policy.config.image_token_id)
         if s.logprobs is not None:
             batch.sampling_logp = pad_rows(s.logprobs + [e[4] for e in s.extra_rows or []], cmask.shape[1])
-        batch.routes = self.routes(s, attention, cmask)
+        batch.routes = rollout_routes(s, attention, cmask)
         self.times["scoring"] += time.perf_counter() - t0
-        batch.metrics = {**self._metrics(s, rewards, outcome), **step_metrics}
+        batch.metrics = {**rollout_metrics(s, rewards, outcome, self.procs.gather), **step_metrics}
         if s.agent_stats is not None:
-            batch.metrics.update(agent_metrics(s.agent_stats, s.model_mask, procs.gather))
-        batch.samples = self._samples(s, outcome)
+            batch.metrics.update(agent_metrics(s.agent_stats, s.model_mask, self.procs.gather))
+        batch.samples = sample_rows(s, outcome, self._logged_columns, cfg.log_unique_prompts)
         return batch
-
-    def tensors(self, s: Sampled) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The rows as the update takes them: ids (N, P+T), attention (N, P+T), loss mask (N, T)."""
-        extra = s.extra_rows or []
-        keep = [not (self.cfg.mask_truncated_completions and t) for t in s.truncated] + [True] * len(extra)
-        input_ids, attention, cmask = pack(s.prompt_ids + [e[1] for e in extra],
-                                           s.completion_ids + [e[2] for e in extra], self.tokenizer.pad_token_id, keep)
-        if s.model_mask is not None:  # tool answers take part in the forward pass, not in the loss
-            cmask *= pad_rows(s.model_mask + [e[3] for e in extra], cmask.shape[1])
-        return input_ids, attention, cmask
-
-    @staticmethod
-    def routes(s: Sampled, attention: torch.Tensor, cmask: torch.Tensor) -> torch.Tensor | None:
-        """An MoE rollout's recorded experts laid out as the rows' ids (grpo.engines.moe.batch_routes), or None."""
-        if s.routes is None:
-            return None
-        return batch_routes(s.routes, [len(q) for q in s.prompt_ids], attention.shape[1] - cmask.shape[1],
-                            attention.shape[1])
-
-    def _samples(self, s: Sampled, outcome) -> list[dict]:
-        """Sample completions for the samples/ log: the first 16 rows (one per distinct prompt with
-        log_unique_prompts), with each reward, the advantage and the columns reward functions logged."""
-        rows, seen = [], set()
-        for i, (p, t, r, a) in enumerate(zip(s.prompts, s.texts, s.total, outcome)):
-            text = p if isinstance(p, str) else p[-1]["content"]
-            if self.cfg.log_unique_prompts and text in seen:
-                continue
-            seen.add(text)
-            extra = {k: v[i] for k, v in self._logged_columns.items() if i < len(v)}
-            rows.append({"prompt": text, "completion": t, "reward": r, "advantage": float(a),
-                         **(sample_images(s.prompts, s.columns, i) if s.images is not None else {}),
-                         **{f"reward/{k}": v[i] for k, v in s.per_func.items()}, **extra,
-                         **(sample_stats(s.agent_stats[i]) if s.agent_stats is not None else {})})
-        return rows[:16]
-
-    def _process_advantages(self, prompts, completions, ids, columns, outcome, cmask):
-        """Step rewards -> token positions -> DeepSeekMath 4.1.3 process advantages, mixed with the outcome ones."""
-        cfg, procs = self.cfg, self.procs
-        step_scores: list[list[float]] = [[] for _ in ids]
-        step_ends: list[list[int]] = [[] for _ in ids]
-        for func in self.step_rewards:
-            result = func(prompts=prompts, completions=completions, **columns)
-            for i, steps in enumerate(result):
-                if steps:
-                    chars, scores = zip(*steps)
-                    step_scores[i] += list(scores)
-                    step_ends[i] += char_to_token_ends(self.tokenizer, ids[i], list(chars))
-        scores_all, ends_all = procs.gather_objects(step_scores), procs.gather_objects(step_ends)
-        T = cmask.shape[1]
-        n_local = len(ids)
-        mask_all = torch.zeros(len(scores_all), T)
-        lengths = procs.gather(cmask.sum(1))
-        for r in range(len(scores_all)):  # every row's mask, rebuilt from its length (all ranks' rows)
-            mask_all[r, :int(min(lengths[r], T))] = 1.0
-        process = process_advantages(scores_all, ends_all, mask_all, self.G, eps=cfg.advantage_eps,
-                                     unbiased=cfg.unbiased_std)[procs.rank * n_local:(procs.rank + 1) * n_local]
-        mixed = mix_advantages(outcome, process, cmask, outcome_weight=cfg.outcome_weight,
-                               process_weight=cfg.process_weight)
-        flat = [s for row in step_scores for s in row]
-        first_wrong = [any(s <= 0 for s in row) for row in step_scores]
-        return mixed, {"reward/step/mean": float(np.mean(flat)) if flat else 0.0,
-                       "reward/step/count": float(len(flat)) / max(1, len(ids)),
-                       "reward/step/first_wrong_found_frac": float(np.mean(first_wrong)) if first_wrong else 0.0}
-
-    def _metrics(self, scored: Sampled, rewards, outcome) -> dict[str, float]:
-        gather = self.procs.gather
-        # the model's own tokens (tool answers left out), as TRL counts completion lengths
-        lengths = [len(c) for c in scored.completion_ids] if scored.model_mask is None else [
-            sum(m) for m in scored.model_mask]
-        lengths_all = gather(torch.tensor(lengths, dtype=torch.float32))
-        truncated = gather(torch.tensor(scored.truncated, dtype=torch.float32))
-        scored_rows = rewards[~torch.isnan(rewards)]
-        ended = lengths_all[truncated == 0]
-        ended = ended if ended.numel() else torch.zeros(1)
-        m = {"reward/total": float(scored_rows.mean()) if scored_rows.numel() else float("nan"),
-             "reward/total/std": float(scored_rows.std()) if scored_rows.numel() > 1 else 0.0,
-             "advantage/mean": float(outcome.mean()), "advantage/std": float(outcome.std()),
-             "completion/mean_length": float(lengths_all.mean()), "completion/max_length": float(lengths_all.max()),
-             "completion/min_length": float(lengths_all.min()), "completion/truncated_frac": float(truncated.mean()),
-             "completion/mean_terminated_length": float(ended.mean()),
-             "completion/min_terminated_length": float(ended.min()),
-             "completion/max_terminated_length": float(ended.max()),
-             "completion/tokens": float(gather(torch.tensor(  # every token, tool answers included (TRL's num_tokens)
-                 [len(p) + len(c) for p, c in zip(scored.prompt_ids, scored.completion_ids)],
-                 dtype=torch.float32)).sum())}
-        for name, values in scored.per_func.items():
-            vals = gather(torch.tensor([float("nan") if v is None else float(v) for v in values]))
-            applied = vals[~vals.isnan()]
-            m[f"reward/{name}"] = float(vals.nanmean())
-            m[f"reward/{name}/std"] = float(applied.std()) if applied.numel() > 1 else float("nan")
-            m[f"reward/{name}/none_frac"] = float(vals.isnan().float().mean())  # "does not apply" to these rows
-        for name, count in scored.errors.items():
-            m[f"reward/errors/{name}"] = float(count)
-            m[f"reward/error_frac/{name}"] = count / max(1, len(scored.per_func[name]))  # (health: reward_errors)
-        for name, count in scored.timeouts.items():
-            m[f"reward/timeouts/{name}"] = float(count)
-        m.update(group_stats(rewards))
-        return m
