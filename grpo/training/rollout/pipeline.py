@@ -38,6 +38,7 @@ import torch
 from grpo.config import ConfigError
 from grpo.training.rollout.assembly import rollout_routes, rollout_tensors
 from grpo.training.rollout.batch import RolloutBatch, SampleRequest, Sampled
+from grpo.training.rollout.messages import Answer, Failure, Generate, Stop, Weights
 from grpo.training.rollout.rollouts import Rollouts
 
 
@@ -72,7 +73,7 @@ class LaggedRollouts:
             self.pushed = None
             for index, (version, request) in sorted(self.in_flight.items()):
                 self._send_weights(version)
-                self.worker.send(("rollout", index, version, request))
+                self.worker.send(Generate(index, version, request))
 
     def _make_worker(self):
         return _Worker(self.rollouts, self.policy, self.reference)
@@ -104,12 +105,12 @@ class LaggedRollouts:
             request = self.requested if self.dynamic else self.rollouts.request(
                 self.rollouts.prompts.next(self.rollouts.B), self.requested)
             self.in_flight[self.requested] = (self.pushed, request)
-            self.worker.send(("rollout", self.requested, self.pushed, request))
+            self.worker.send(Generate(self.requested, self.pushed, request))
             self.requested += 1
 
     def _send_weights(self, version: int) -> None:
         if self.pushed != version:
-            self.worker.send(("weights", version, _trainable(self.policy)))
+            self.worker.send(Weights(version, _trainable(self.policy)))
             self.pushed = version
 
     def _take(self, index: int) -> tuple:
@@ -214,7 +215,7 @@ class _Worker(Answers):
         self.reader = threading.Thread(target=self._read, daemon=True, name="grpo-rollout-results")
         self.reader.start()
 
-    def send(self, message: tuple) -> None:
+    def send(self, message: Weights | Generate) -> None:
         self.conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
     def _read(self) -> None:
@@ -222,14 +223,14 @@ class _Worker(Answers):
             try:
                 message = pickle.loads(self.conn.recv_bytes())
             except (EOFError, OSError):
-                message = ("error", None, "the rollout worker exited without a reply")
+                message = Failure(None, "the rollout worker exited without a reply")
             with self.lock:
-                if message[0] == "error":
-                    self.failure = self.failure or message[2]
+                if isinstance(message, Failure):
+                    self.failure = self.failure or message.traceback
                 else:
-                    self.results[message[1]] = message[2:]
+                    self.results[message.index] = (message.sampled, message.logs, message.info)
                 self.lock.notify_all()
-            if message[0] == "error":
+            if isinstance(message, Failure):
                 return
 
     def stop(self) -> None:
@@ -258,7 +259,7 @@ def _serve(conn: Connection, rollouts: Rollouts, policy, reference=None) -> None
             try:
                 inbox.put(pickle.loads(conn.recv_bytes()))
             except (EOFError, OSError):
-                inbox.put(("stop",))
+                inbox.put(Stop())
                 return
 
     threading.Thread(target=read, daemon=True).start()
@@ -269,15 +270,15 @@ def _serve(conn: Connection, rollouts: Rollouts, policy, reference=None) -> None
             t0 = time.perf_counter()
             message = inbox.get()
             idle = time.perf_counter() - t0
-            if message[0] == "stop":
+            if isinstance(message, Stop):
                 return
-            if message[0] == "weights":
+            if isinstance(message, Weights):
                 with torch.no_grad():
-                    for name, value in message[2].items():
+                    for name, value in message.tensors.items():
                         params[name].copy_(value)
-                rollouts.engine_stale, version = True, message[1]  # (an engine with its own copy loads them)
+                rollouts.engine_stale, version = True, message.version  # (an engine with its own copy loads them)
                 continue
-            _, index, wanted, request = message
+            index, wanted, request = message.index, message.version, message.request
             if wanted != version:  # (the order of the pipe makes this impossible; checked, not assumed)
                 raise RuntimeError(f"rollout {index} names weights version {wanted}, the worker has {version}")
             if rollouts.trainer_state is not None:
@@ -292,10 +293,9 @@ def _serve(conn: Connection, rollouts: Rollouts, policy, reference=None) -> None
                                      routes=rollout_routes(sampled, attention, cmask))  # (MoE: replayed with R3)
                 info["ref_logp"] = reference(batch).cpu()
                 logs["times"]["reference"] = time.perf_counter() - t1
-            conn.send_bytes(pickle.dumps(("rollout", index, vars(sampled), logs, info),
-                                         protocol=pickle.HIGHEST_PROTOCOL))
+            conn.send_bytes(pickle.dumps(Answer(index, vars(sampled), logs, info), protocol=pickle.HIGHEST_PROTOCOL))
     except BaseException:
-        conn.send_bytes(pickle.dumps(("error", index, traceback.format_exc())))
+        conn.send_bytes(pickle.dumps(Failure(index, traceback.format_exc())))
         raise
 
 
