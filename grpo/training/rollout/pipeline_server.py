@@ -36,6 +36,7 @@ from grpo.engines.base import EngineDefaults
 from grpo.training.rollout.pipeline import Answers, LaggedRollouts
 from grpo.training.rollout.rollouts import Rollouts
 from grpo.training.rollout.batch import RolloutBatch
+from grpo.training.rollout.messages import Generate
 
 
 class ServerRollouts(LaggedRollouts):
@@ -171,11 +172,11 @@ class _ClientThread(Answers):
         self.waiting = 0  # requests sent and not yet answered
         threading.Thread(target=self._run, daemon=True, name="grpo-vllm-requests").start()
 
-    def send(self, message: tuple) -> None:
-        _, index, version, request = message  # (request: a SampleRequest, or with dynamic sampling the index)
+    def send(self, message: Generate) -> None:
         with self.lock:
             self.waiting += 1
-        self.inbox.put((index, version, request))
+        # (the request: a SampleRequest, or with dynamic sampling the rollout's index)
+        self.inbox.put((message.index, message.version, message.request))
 
     def drain(self) -> None:
         """Wait until every request sent has its answer."""
