@@ -2,11 +2,13 @@
 tests/vendor, huggingface/open-r1@1416fa0), run with the import lines changed: `from trl import GRPOConfig` /
 `GRPOTrainer` (and open-r1's reward functions) become grpo's. Local tiny model, local dataset directory, two
 optimizer steps; the scripts' own argument parsing (`TrlParser` over `ScriptArguments`, `GRPOConfig`,
-`ModelConfig`) builds our config.
+`ModelConfig`) builds our config. TRL's examples/scripts/grpo_vlm.py (vendored, huggingface/trl@7f8fbf0) with only
+its GRPOTrainer import changed, on the tiny vision model.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import runpy
 import sys
@@ -245,3 +247,42 @@ def test_a_dataclass_subclass_is_built_as_grpo_config():
                                                                                         ["aime24"])
     with pytest.raises(ConfigError, match="^torch_compile: True is not supported"):
         Sub(torch_compile=True)
+
+
+def test_trl_grpo_vlm_script_trains_two_steps(tmp_path, monkeypatch):
+    """TRL's examples/scripts/grpo_vlm.py (vendored, only GRPOTrainer's import changed to grpo's; TRL's GRPOConfig,
+    ModelConfig and TrlParser) with its documented LoRA options on grpo's tiny vision model. Its hub dataset
+    (lmms-lab/multimodal-open-r1-8k-verified) is swapped for shapes pictures in its columns (`image`, `problem`,
+    `solution` in LaTeX, as math_verify parses it): 108 rows, as its train_test_split holds 100 out for the test
+    split; some grey and one too big, so its RGB conversion and size filter have work. Its own rewards, TRL's
+    think_format_reward and accuracy_reward (math_verify), score the completions; then save_model."""
+    import datasets
+
+    from grpo.tasks import get_task
+
+    rows = [{"image": r["image"], "problem": r["prompt"][-1]["content"], "solution": f"${r['answer']}$"}
+            for r in get_task("shapes").make_rows("train", 108, 0)]
+    for r in rows[::9]:
+        r["image"] = r["image"].convert("L")
+    rows[1]["image"] = rows[1]["image"].resize((600, 600))
+    data = datasets.Dataset.from_list(rows)
+    asked = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda path, split: asked.append((path, split)) or data)
+    out = tmp_path / "out"
+    argv = ["--model_name_or_path", "tiny-vision", "--output_dir", str(out), "--learning_rate", "1e-3",
+            "--dtype", "float32", "--bf16", "false",  # (TRL's GRPOConfig defaults to bf16, refused on a CPU)
+            "--max_completion_length", "8", "--use_peft", "--lora_target_modules", "q_proj", "v_proj",
+            "--log_completions", "--per_device_train_batch_size", "4", "--num_generations", "4",
+            "--max_steps", "2", "--logging_steps", "1", "--report_to", "none"]
+    run_script(VENDOR / "trl_grpo_vlm.py", argv, monkeypatch)
+
+    assert asked == [("lmms-lab/multimodal-open-r1-8k-verified", "train")]
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    scored = [r for r in steps if "reward" in r]
+    assert [r["step"] for r in scored] == [1, 2]
+    for r, name in itertools.product(scored, ["think_format_reward", "accuracy_reward"]):
+        # both of the script's rewards scored every row: no error, and math_verify parsed each `$n$` (else None)
+        assert r[f"reward/error_frac/{name}"] == 0 and r[f"reward/{name}/none_frac"] == 0
+        assert 0.0 <= r[f"rewards/{name}/mean"] <= 1.0
+    assert list((out / "samples").glob("step_*.jsonl"))  # --log_completions
+    assert (out / "adapter_model.safetensors").exists() and (out / "preprocessor_config.json").exists()

@@ -146,7 +146,12 @@ def from_trl_reference() -> str:
              "taken as TRL takes it, and a value grpo refuses is a ConfigError naming the key. A subclass of grpo's "
              "`GRPOConfig` made with `@dataclass` (open-r1's adds its keys so) is built as grpo's is. config.yaml "
              "holds grpo's settings, then the TRL keys set to other than TRL's default. Torch dtypes and other "
-             "objects in values (`model_init_kwargs: {dtype: torch.bfloat16}`) are written to config.yaml by name.",
+             "objects in values (`model_init_kwargs: {dtype: torch.bfloat16}`) are written to config.yaml by name. "
+             "TRL's examples/scripts/grpo_vlm.py (huggingface/trl@7f8fbf0, vendored in tests/vendor) runs with one "
+             "change, `from grpo import GRPOTrainer`, its options parsed into TRL's own `GRPOConfig`: on the tiny "
+             "vision model with its documented LoRA options, its think_format_reward and accuracy_reward "
+             "(math_verify), and local data in its hub dataset's columns, `image`, `problem`, `solution` "
+             "(tests/test_trl_scripts.py).",
              ""]
     for source, title in titles.items():
         lines += [f"## {title}", "", "| key | TRL's default | grpo | note |", "|---|---|---|---|"]
