@@ -162,3 +162,25 @@ def test_a_failed_request_thread_stops_every_process_together(here, there):
     else:
         source._send_weights(1)
         assert pushed == [("policy", 1, True)]
+
+
+def test_the_generate_records_round_trip_merge_split_and_name_a_missing_field():
+    from grpo.engines.vllm_protocol import GenerateReply, GenerateRequest, Part
+
+    params = SamplingParams(max_new_tokens=3, temperature=0.7)
+    a = GenerateRequest([[1, 2], [3]], params, [10, 11], [0], step=4, together=Part("r4", 2, 0, 30.0))
+    b = GenerateRequest([[5]], params, [12], [0], step=4, together=Part("r4", 2, 1, 30.0))
+    assert GenerateRequest.from_json(a.to_dict()) == a  # (through JSON's types: lists, dicts, numbers)
+    whole = GenerateRequest.merged([a, b])
+    assert whole.prompt_ids == [[1, 2], [3], [5]] and whole.seeds == [10, 11, 12] and whole.together is None
+    assert whole.step == 4 and whole.params == params
+    # The merged reply cut back into the parts' rows: 2 rows, then 1; the step goes with each part.
+    reply = GenerateReply(Completions([[7], [8], [9]], [False, True, False], [[-1.0], [-2.0], [-3.0]]), 4)
+    first, second = reply.split([2, 1])
+    assert first.completions.ids == [[7], [8]] and first.completions.truncated == [False, True]
+    assert second.completions.logprobs == [[-3.0]] and second.policy_step == 4
+    assert GenerateReply.from_json(reply.to_dict()) == reply
+    body = a.to_dict()
+    del body["eos_ids"]
+    with pytest.raises(ValueError, match="/generate: the body lacks eos_ids"):
+        GenerateRequest.from_json(body)

@@ -2,13 +2,13 @@
 on this machine or another, send prompts to; the main trainer process pushes the policy's weights into it after each
 optimizer step.
 
-The protocol is HTTP endpoints with JSON bodies, served by the standard library, so a trainer needs neither vLLM nor
-a web framework to talk to it:
+The protocol is HTTP endpoints with JSON bodies (typed records on both sides: grpo.engines.vllm_protocol), served by
+the standard library, so a trainer needs neither vLLM nor a web framework to talk to it:
 
     GET  /health              {"model", "weights_version", "policy_step", "staged_step", "device", "device_uuid",
                               "dtype"}
     POST /generate            {"prompt_ids", "params" (SamplingParams' fields), "seeds" (or null), "eos_ids",
-                              "step" (optional)} -> {"ids", "truncated", "logprobs", "policy_step"}
+                              "step", "together" (optional)} -> {"ids", "truncated", "logprobs", "policy_step"}
     POST /init_communicator   {"host", "port", "backend"}: join the trainer in a two-rank process group
                               (grpo.engines.vllm_weights)
     POST /update_weights      ?transport=collective: receive the weights over that group, bucket by bucket;
@@ -47,6 +47,7 @@ import torch
 
 from grpo.engines import vllm_weights
 from grpo.engines.base import Completions, EngineDefaults, SamplingParams
+from grpo.engines.vllm_protocol import CommunicatorRequest, GenerateReply, GenerateRequest, Part
 from grpo.engines.vllm_pushes import PushQueue
 
 
@@ -77,73 +78,60 @@ class ServersDown(RuntimeError):
     checkpoint of its last step and stops with exit status 75, to be resumed once a server is back."""
 
 
-def generate(served: Served, body: dict) -> dict:
-    """Run one /generate body on the engine (one request at a time); its reply."""
+def generate(served: Served, request: GenerateRequest) -> GenerateReply:
+    """Run one /generate request on the engine (one request at a time); its reply."""
     with served.lock:
-        served.pushes.apply_for(served.engine, served.state, body.get("step"))  # (a staged push it names)
+        served.pushes.apply_for(served.engine, served.state, request.step)  # (a staged push it names)
         held = served.state["policy_step"]
-        if body.get("step") is not None and body["step"] != held:
-            raise Refused(f"the request names the weights of step {body['step']}, the server holds those of step "
+        if request.step is not None and request.step != held:
+            raise Refused(f"the request names the weights of step {request.step}, the server holds those of step "
                           f"{held}")
-        if not body["prompt_ids"]:  # (a fleet's part with no rows: every process sends one to every server)
-            return {"ids": [], "truncated": [], "logprobs": [], "policy_step": held}
-        served.engine.eos_ids = list(body["eos_ids"])
-        served.engine.per_row_seeds = body["seeds"] is not None
-        out = served.engine.generate(body["prompt_ids"], SamplingParams(**body["params"]),
-                                     body["seeds"] or [0] * len(body["prompt_ids"]))
-    return {**dataclasses.asdict(out), "policy_step": held}
+        if not request.prompt_ids:  # (a fleet's part with no rows: every process sends one to every server)
+            return GenerateReply(Completions([], [], []), held)
+        served.engine.eos_ids = list(request.eos_ids)
+        served.engine.per_row_seeds = request.seeds is not None
+        out = served.engine.generate(request.prompt_ids, request.params,
+                                     request.seeds or [0] * len(request.prompt_ids))
+    return GenerateReply(out, held)
 
 
 class Together:
     """The parts of one rollout's request that several trainer processes send separately (the lag path's request
     threads, which cannot gather their rows over the process group while the update's collectives run on it), run
-    as one engine call when the last part arrives, as `generate_together` does on the synchronous path. A body's
-    "together" is {"key", "parts", "part", "timeout"}: its rollout, how many processes send, which one this is, and
-    how long to wait for the others."""
+    as one engine call when the last part arrives, as `generate_together` does on the synchronous path (each
+    request's `together` Part: its rollout, how many processes send, which one this is, how long to wait)."""
 
     def __init__(self):
         self.cond = threading.Condition()
-        self.open: dict[str, dict] = {}  # key -> {"bodies": {part: body}, "reply": None, "taken": n}
+        self.open: dict[str, dict] = {}  # key -> {"requests": {part: request}, "reply": None, "taken": n}
 
-    def join(self, body: dict, run) -> dict:
-        spec = body["together"]
-        key, parts, part = str(spec["key"]), int(spec["parts"]), int(spec["part"])
+    def join(self, request: GenerateRequest, run) -> GenerateReply:
+        spec = request.together
+        key, parts, part = spec.key, spec.parts, spec.part
         with self.cond:
-            entry = self.open.setdefault(key, {"bodies": {}, "reply": None, "taken": 0})
-            entry["bodies"][part] = body
-            last = len(entry["bodies"]) == parts
+            entry = self.open.setdefault(key, {"requests": {}, "reply": None, "taken": 0})
+            entry["requests"][part] = request
+            last = len(entry["requests"]) == parts
         if last:
-            bodies = [entry["bodies"][i] for i in range(parts)]
+            requests = [entry["requests"][i] for i in range(parts)]
             try:
-                reply = self._split(run({**bodies[0], "prompt_ids": [r for b in bodies for r in b["prompt_ids"]],
-                                         "seeds": None if bodies[0]["seeds"] is None else
-                                         [seed for b in bodies for seed in b["seeds"]]}), bodies)
+                reply = run(GenerateRequest.merged(requests)).split([len(r.prompt_ids) for r in requests])
             except Exception as err:  # noqa: BLE001 - every part gets the reason
                 reply = err
             with self.cond:
                 entry["reply"] = reply
                 self.cond.notify_all()
         with self.cond:
-            if not self.cond.wait_for(lambda: entry["reply"] is not None, timeout=spec.get("timeout")):
+            if not self.cond.wait_for(lambda: entry["reply"] is not None, timeout=spec.timeout):
                 self.open.pop(key, None)
-                raise TimeoutError(f"request {key}: {len(entry['bodies'])} of {parts} trainer processes sent their "
-                                   f"rows within {spec.get('timeout')} s (vllm_server_timeout)")
+                raise TimeoutError(f"request {key}: {len(entry['requests'])} of {parts} trainer processes sent "
+                                   f"their rows within {spec.timeout} s (vllm_server_timeout)")
             entry["taken"] += 1
             if entry["taken"] == parts:
                 self.open.pop(key, None)
         if isinstance(entry["reply"], Exception):
             raise entry["reply"]
         return entry["reply"][part]
-
-    @staticmethod
-    def _split(reply: dict, bodies: list[dict]) -> list[dict]:
-        """The reply to the merged request, cut into each part's rows."""
-        out, start = [], 0
-        for body in bodies:
-            stop = start + len(body["prompt_ids"])
-            out.append({k: v[start:stop] if isinstance(v, list) else v for k, v in reply.items()})
-            start = stop
-        return out
 
 
 def serve(model: str, host: str = "0.0.0.0", port: int = 8000, **engine_kwargs) -> None:
@@ -200,9 +188,10 @@ class Handler(BaseHTTPRequestHandler):
                                                         options.get("queued", ["0"])[0] == "1"))
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
             if path == "/generate":
-                if body.get("together"):  # (one part of a request several trainer processes send)
-                    return self._reply(served.together.join(body, lambda merged: generate(served, merged)))
-                return self._reply(generate(served, body))
+                request = GenerateRequest.from_json(body)
+                if request.together is not None:  # (one part of a request several trainer processes send)
+                    return self._reply(served.together.join(request, lambda whole: generate(served, whole)).to_dict())
+                return self._reply(generate(served, request).to_dict())
             if path == "/wait_unstaged":  # (before a queued collective push: grpo.engines.vllm_pushes)
                 served.pushes.wait_free()
                 return self._reply({"ok": True})
@@ -212,8 +201,9 @@ class Handler(BaseHTTPRequestHandler):
                 if served.group is not None:
                     vllm_weights.close_group(served.group[0])
                     served.group = None
-                group = vllm_weights.open_group(body["host"], body["port"], 1, body["backend"], body["timeout"])
-                served.group = group, served.device if body["backend"] == "nccl" else torch.device("cpu")
+                join = CommunicatorRequest.from_json(body)
+                group = vllm_weights.open_group(join.host, join.port, 1, join.backend, join.timeout)
+                served.group = group, served.device if join.backend == "nccl" else torch.device("cpu")
                 return self._reply({"ok": True})
             self._reply({"error": f"no endpoint {self.path}"}, 404)
         except Refused as err:
@@ -307,8 +297,8 @@ class VLLMServerClient(EngineDefaults):
         host = vllm_weights.address_towards(server.hostname, server.port or 80)
         try:
             with ThreadPoolExecutor(1) as pool:  # (the server's reply waits for both ranks to join)
-                reply = pool.submit(self._call, "/init_communicator", json.dumps(
-                    {"host": host, "port": port, "backend": backend, "timeout": self.timeout}).encode())
+                reply = pool.submit(self._call, "/init_communicator", json.dumps(dataclasses.asdict(
+                    CommunicatorRequest(host, port, backend, self.timeout))).encode())
                 group = vllm_weights.open_group(host, port, 0, backend, self.timeout)
                 reply.result()
         except (RuntimeError, OSError) as err:  # (torch's store and group errors are RuntimeErrors)
@@ -335,14 +325,11 @@ class VLLMServerClient(EngineDefaults):
         with `step`, only from the weights pushed with that step (the server refuses the request otherwise).
         `together`: a key every process sends its part of one rollout's request under, at about the same time;
         the server runs the parts as one request (its `Together`)."""
-        body = {"prompt_ids": prompt_ids, "params": dataclasses.asdict(params),
-                "seeds": list(seeds) if self.per_row_seeds else None, "eos_ids": self.eos_ids,
-                **({"step": step} if step is not None else {})}
-        if together is not None and self.processes > 1:
-            body["together"] = {"key": together, "parts": self.processes, "part": self.rank, "timeout": self.timeout}
-        reply = self._call("/generate", json.dumps(body).encode())
-        served = reply.pop("policy_step", None)
-        return Completions(**reply), served
+        part = Part(together, self.processes, self.rank, self.timeout) if together and self.processes > 1 else None
+        request = GenerateRequest(prompt_ids, params, list(seeds) if self.per_row_seeds else None, self.eos_ids,
+                                  step, part)
+        reply = GenerateReply.from_json(self._call("/generate", json.dumps(request.to_dict()).encode()))
+        return reply.completions, reply.policy_step
 
     def generate_together(self, prompt_ids: list[list[int]], params: SamplingParams, seeds: list[int]
                           ) -> Completions:
