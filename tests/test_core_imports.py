@@ -81,10 +81,10 @@ def test_public_api_names_and_parameters():
         "process_advantages": ["step_rewards", "step_ends", "mask", "group_size", "eps", "unbiased"],
         "mix_advantages": ["outcome", "process", "mask", "outcome_weight", "process_weight"],
         "kl_penalty": ["logp", "ref_logp", "estimator"],
-        "policy_loss": ["logp", "old_logp", "advantages", "mask", "ref_logp", "beta", "kl_estimator", "eps_low",
-                        "eps_high", "ratio_level", "aggregation", "max_length", "normalizer", "entropy",
-                        "sampling_weights", "surrogate", "delta", "sapo_temperatures", "vespo_params",
-                        "kl_ratio_correction", "sequence_mask", "token_mask"],
+        "policy_loss": ["logp", "old_logp", "advantages", "mask", "settings", "ref_logp", "normalizer", "entropy",
+                        "sampling_weights", "sequence_mask", "token_mask"],
+        "LossSettings": ["beta", "kl_estimator", "eps_low", "eps_high", "ratio_level", "aggregation", "max_length",
+                         "surrogate", "delta", "sapo_temperatures", "vespo_params", "kl_ratio_correction"],
         "aggregation_normalizer": ["aggregation", "step_tokens", "step_rows", "micro_tokens", "micro_batches",
                                    "processes", "rollout_tokens", "steps_per_rollout"],
         "decoupled_advantages": ["rewards", "weights", "eps", "unbiased"],
@@ -104,8 +104,9 @@ def test_public_api_names_and_parameters():
         package = grpo.engines.head if name in grpo.engines.head.__all__ else grpo.core
         assert name in package.__all__
         assert list(inspect.signature(getattr(package, name)).parameters) == params, name
-    defaults = inspect.signature(grpo.core.policy_loss).parameters
-    assert defaults["kl_estimator"].default == "k3" and defaults["aggregation"].default == "sequence_mean"
+    defaults = grpo.core.LossSettings()
+    assert defaults.kl_estimator == "k3" and defaults.aggregation == "sequence_mean" and defaults.beta == 0.0
+    assert inspect.signature(grpo.core.policy_loss).parameters["settings"].default == defaults
     assert inspect.signature(grpo.core.group_advantages).parameters["eps"].default == 1e-4
 
 

@@ -193,8 +193,8 @@ def test_server_mode_on_several_machines_needs_the_servers_address(monkeypatch, 
     monkeypatch.setenv("WORLD_SIZE", "16")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     cfg = GRPOConfig(use_vllm=True, vllm_mode="server", vllm_server_timeout=1)
-    with pytest.raises(ConfigError, match="vllm_server_base_url: this run spans 2 machines, and vllm_server_host "
-                                          "'0.0.0.0' would point each one at itself"):
+    with pytest.raises(ConfigError, match="vllm_server_base_url: this run spans 2 machines, and '0.0.0.0' would "
+                                          "point each one at itself"):
         make_vllm(cfg, policy, Tokenizer(), Accelerator())
     # with the server's address given it goes on to connect (and finds nothing on this port)
     cfg = GRPOConfig(use_vllm=True, vllm_mode="server", vllm_server_host="127.0.0.2", vllm_server_port=9,

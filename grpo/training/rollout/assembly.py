@@ -17,10 +17,11 @@ from grpo.training.rollout.batch import Sampled, char_to_token_ends, pack, pad_r
 from grpo.training.setup.processes import Processes
 
 
-def outcome_advantages(cfg, procs: Processes, s: Sampled, weights: list[float], G: int
+def outcome_advantages(cfg, procs: Processes, s: Sampled, rewards_runner, G: int
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """(every process's rewards as (groups, G), this process's rows' outcome advantages (n_local,)): group
-    advantages of the weighted total, or GDPO's per-reward normalization then the weighted sum."""
+    advantages of the weighted total, or GDPO's per-reward normalization then the weighted sum (the only use of the
+    reward runner's `weights`: a benchmark or a user may score with a plain function)."""
     n_local = len(s.total)
     rewards = procs.gather(torch.tensor(s.total, dtype=torch.float32)).view(-1, G)
     mine = slice(procs.rank * n_local, (procs.rank + 1) * n_local)
@@ -28,7 +29,7 @@ def outcome_advantages(cfg, procs: Processes, s: Sampled, weights: list[float], 
         per_func = torch.tensor([[float("nan") if v is None else v for v in s.per_func[n]] for n in s.per_func],
                                 dtype=torch.float32).T  # (n_local, K)
         per_func = procs.gather(per_func).view(-1, G, per_func.shape[1])
-        outcome = decoupled_advantages(per_func, torch.tensor(weights), eps=cfg.advantage_eps,
+        outcome = decoupled_advantages(per_func, torch.tensor(rewards_runner.weights), eps=cfg.advantage_eps,
                                        unbiased=cfg.unbiased_std).view(-1)[mine]
     else:
         outcome = group_advantages(rewards, scale=cfg.scale_rewards, eps=cfg.advantage_eps,

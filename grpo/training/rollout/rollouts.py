@@ -180,7 +180,7 @@ class Rollouts:
         """Advantages and padding: the training batch of the sampled groups (grpo.training.rollout.assembly)."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        rewards, outcome = outcome_advantages(cfg, self.procs, s, self.rewards.weights, self.G)
+        rewards, outcome = outcome_advantages(cfg, self.procs, s, self.rewards, self.G)
         input_ids, attention, cmask = rollout_tensors(s, cfg.mask_truncated_completions, self.tokenizer.pad_token_id)
         if s.extra_rows:  # an episode's calls that did not extend its first row: rows of their own, its advantage
             outcome = torch.cat([outcome, outcome[[e[0] for e in s.extra_rows]]])
