@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, get_type_hints
 
 from grpo.config.base import ConfigError, check
+from grpo.config.derived import needs_reference
 from grpo.config.presets import LOSS_TYPES, PRESETS
 from grpo.config.trl_fields import settings
 
@@ -313,8 +314,8 @@ def _validate_loss(cfg) -> None:
     check(cfg.entropy_coef_delta >= 0, "entropy_coef_delta", "must be >= 0.")
     check(0 <= cfg.ref_model_mixup_alpha <= 1, "ref_model_mixup_alpha", "must be in [0, 1].")
     check(cfg.ref_model_sync_steps >= 1, "ref_model_sync_steps", "must be >= 1.")
-    check(not cfg.sync_ref_model or cfg.beta > 0, "sync_ref_model", "beta is 0, so there is no reference model to "
-          "sync; set beta > 0 or sync_ref_model false (TRL refuses it too).")
+    check(not cfg.sync_ref_model or needs_reference(cfg), "sync_ref_model", "beta is 0, so there is no reference "
+          "model to sync; set beta > 0 or sync_ref_model false (TRL refuses it too).")
     check(not (cfg.sync_ref_model and cfg.use_peft), "sync_ref_model", "with LoRA the reference is the model with its "
           "adapters off, nothing to sync (TRL refuses it too); train all weights or turn it off.")
     if cfg.surrogate == "vespo" and cfg.use_vllm and cfg.vllm_importance_sampling_correction:
