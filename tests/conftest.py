@@ -2,8 +2,23 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+# The suite runs in parallel (pyproject's addopts: `-n auto`, pytest-xdist). Each worker gets an equal share of the
+# cores for torch's threads (set before any test module imports torch), so two workers on two cores do not run four
+# spinning OpenMP threads; processes a test starts inherit it unless the test sets its own.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0))
+                                                     // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: a worker per core this process may use, at most 4 (each imports torch and transformers, and many
+    tests start processes of their own). `-n 0` runs the suite in one process, as `pytest tests/test_x.py -n 0`."""
+    return max(1, min(len(os.sched_getaffinity(0)), 4))
 
 
 def build_char_tokenizer(path):

@@ -247,11 +247,11 @@ def test_two_processes_with_a_lag_match_one(tmp_path, tiny_model_dir):
     the two share rewards exactly and every step's gradient norm, loss metrics and weights to that rounding
     (test_distributed.assert_reordered_run). (With Adam's epsilon of 1e-8 a rounding difference in a near-zero
     gradient element became a step of up to lr, and the third step's gradient norms 1.3e-5 apart on one CPU.)"""
-    from test_distributed import LINEAR_ADAM, RECIPE, assert_reordered_run, job, run
+    from test_distributed import LINEAR_ADAM, RECIPE, assert_reordered_run, free_port, job, run
 
     env = job(tmp_path, tiny_model_dir)
     lag = ["max_staleness=1", *LINEAR_ADAM]
-    run(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531", "-m", "grpo.cli"],
+    run(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "grpo.cli"],
         tmp_path / "two", env, overrides=lag)
     run(["-m", "grpo.cli"], tmp_path / "one", env, overrides=lag)
     one = load_file(str(tmp_path / "one" / "final" / "model.safetensors"))

@@ -62,7 +62,7 @@ def run(args, out, env, succeed=True, overrides=()) -> subprocess.CompletedProce
 
 def test_two_processes_match_one(tmp_path, tiny_model_dir):
     env = job(tmp_path, tiny_model_dir)
-    run(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517", "-m", "grpo.cli"],
+    run(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "grpo.cli"],
         tmp_path / "two", env)
     run(["-m", "grpo.cli"], tmp_path / "one", env)
     one = load_file(str(tmp_path / "one" / "final" / "model.safetensors"))
@@ -124,7 +124,7 @@ def test_two_padding_free_processes_with_token_budgets_match_one_padded_process(
     them: both run the larger number (an all-reduce in each backward under DeepSpeed or FSDP needs both), and the
     weights are those of one process with padded rows in one batch."""
     env = job(tmp_path, tiny_model_dir)
-    launched = run(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29519", "-m",
+    launched = run(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), "-m",
                     "grpo.cli"], tmp_path / "two", env, overrides=["max_tokens_per_micro_batch=24"])
     assert "padding-free (each prompt once per group" in launched.stdout
     run(["-m", "grpo.cli"], tmp_path / "one", env, overrides=["use_remove_padding=false",
@@ -152,7 +152,7 @@ main_process_port: {port}
 
 def deepspeed(tmp_path, stage: int) -> list[str]:
     """The arguments that launch `grpo train` under DeepSpeed ZeRO-`stage`, one process (tests/accelerate_driver.py)."""
-    (tmp_path / "ds.yaml").write_text(DEEPSPEED.format(stage=stage, port=29531 + stage))
+    (tmp_path / "ds.yaml").write_text(DEEPSPEED.format(stage=stage, port=free_port()))
     return ["-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "ds.yaml"),
             str(Path(__file__).parent / "accelerate_driver.py")]
 
@@ -206,7 +206,7 @@ def test_a_tool_run_on_two_processes_matches_one(tmp_path):
     model = Path(__file__).resolve().parents[1] / "grpo" / "assets" / "tiny-tools"
     env = job(tmp_path, model)
     (tmp_path / "recipe.yaml").write_text(TOOLS_RECIPE.format(model=model))
-    run(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29541", "-m", "grpo.cli"],
+    run(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "grpo.cli"],
         tmp_path / "two", env)
     run(["-m", "grpo.cli"], tmp_path / "one", env)
     one = load_file(str(tmp_path / "one" / "final" / "model.safetensors"))

@@ -36,8 +36,10 @@ def test_two_processes_match_one(tmp_path, kv_heads, modes):
     ZeRO-3's path), in the same two processes.
     Measured: log-probs ~1.5e-7, gradients <= 6.1e-7 relative (float32 summation order only); with each slice's
     position ids starting at 0 instead (the rotary error this guards against): log-probs 3.5e-4, gradients 0.14."""
+    from test_distributed import free_port
+
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)])}
-    port = str(29640 + kv_heads)
+    port = str(free_port())
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                              port, str(HERE / "ulysses_driver.py"), str(tmp_path), str(kv_heads), "4000", *modes],
                             env=env, capture_output=True, text=True, timeout=600)
@@ -163,10 +165,10 @@ def test_resume_under_sequence_parallel(tmp_path, tiny_model_dir):
     the uninterrupted 3-step SP=2 run: the per-group random states and the rollout's data order are restored."""
     import shutil
 
-    from test_distributed import job, run
+    from test_distributed import free_port, job, run
 
     env = job(tmp_path, tiny_model_dir)
-    launch = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29665", "-m", "grpo.cli"]
+    launch = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "grpo.cli"]
     over = ["max_completion_length=32", "sequence_parallel_size=2", "save_steps=1"]
     run(launch, tmp_path / "straight", env, overrides=over)
     shutil.copytree(tmp_path / "straight" / "checkpoint-2", tmp_path / "checkpoint-2")

@@ -110,12 +110,12 @@ def test_two_processes_each_with_a_colocated_engine_train_as_one(model_dir, tmp_
     sampling seeds belong to rows, so both layouts sample the same completions and reach the same weights."""
     from safetensors.torch import load_file
 
-    from test_distributed import job, run
+    from test_distributed import free_port, job, run
 
     env = job(tmp_path, model_dir)  # test_distributed's recipe: 3 steps of 4 x 8 completions, beta 0.04, lr 1e-2
     vllm = ["use_vllm=true", "vllm_gpu_memory_utilization=0.05",
             "vllm_engine_kwargs={enforce_eager: true, kv_cache_memory_bytes: 33554432}"]
-    run(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531", "-m", "grpo.cli"],
+    run(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "grpo.cli"],
         tmp_path / "two", env, overrides=vllm)
     run(["-m", "grpo.cli"], tmp_path / "one", env, overrides=vllm)
     one, two = (load_file(str(tmp_path / d / "final" / "model.safetensors")) for d in ("one", "two"))
