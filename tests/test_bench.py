@@ -293,3 +293,20 @@ def test_server_lag_names_its_sides_and_compares_each_to_lag_0():
                      "lag2": {"accuracy": 0.40, "accuracy_se": 0.02}})
     assert out["lag1_speedup"] == 1.5 and out["lag2_speedup"] == 2.0
     assert out["lag1_same_accuracy"] is True and out["lag2_same_accuracy"] is False
+
+
+def test_server_lag_reads_the_step_phases_and_the_ceiling_they_imply(tmp_path):
+    """bench.server_lag.phases: medians over the steps after the first (steps 2-4: generation 0.3, 0.5, 0.4 ->
+    0.4; update 0.5, 0.7, 0.6 -> 0.6; step 1.0, 1.2, 1.0 -> 1.0; step 1's 9 s of start-up left out). Lag 0's ceiling:
+    1.0 / max(0.4, 1.0 - 0.4) = 1.0 / 0.6 = 5/3."""
+    import json
+
+    from bench.server_lag import phases, summarize
+
+    rows = [(9.0, 9.0, 9.0), (0.3, 0.5, 1.0), (0.5, 0.7, 1.2), (0.4, 0.6, 1.0)]
+    (tmp_path / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": i + 1, "time/generation": g, "time/update": u, "time/step": t}) + "\n"
+        for i, (g, u, t) in enumerate(rows)) + json.dumps({"step": 4, "eval/accuracy": 0.5}) + "\n")
+    assert phases(tmp_path) == {"generation_s": 0.4, "update_s": 0.6, "step_s": 1.0}
+    out = summarize({"lag0": 60.0}, {}, {"lag0": phases(tmp_path)})
+    assert out["lag0_step_ceiling"] == pytest.approx(5 / 3) and out["lag0_update_s"] == 0.6

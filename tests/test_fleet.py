@@ -147,6 +147,29 @@ def test_a_server_that_dies_mid_request_hands_its_rows_to_the_other(capsys):
         assert fleet.servers_up == 0
 
 
+def test_three_servers_share_the_rows_and_two_take_over_from_the_one_that_dies(capsys):
+    """Prompts of 4, 2 and 3 tokens, 2 rows each, budget 2 tokens: weights 12, 8, 10, so A takes the first prompt,
+    B the third, C the second (heaviest first to the least loaded). C dies in its second request: its 2 rows go
+    to A (the retry spreads them over A and B afresh: the lower index), the completions are the undisturbed run's,
+    a line names C, and the next request spreads the 3 prompts over A and B (12 -> A, 10 -> B, 8 -> B)."""
+    model = torch.nn.Linear(3, 2)
+    prompts = [[5] * 4] * 2 + [[6] * 2] * 2 + [[7] * 3] * 2
+    params, seeds = SamplingParams(2), list(range(6))
+    a, b, c, ref = SeededEngine(), SeededEngine(), SeededEngine(die_on=2), SeededEngine()
+    with stub_servers(a, b, c) as urls, stub_servers(ref) as [ref_url]:
+        fleet = VLLMFleet(urls, [0], timeout=10, transport="http")
+        expected = VLLMFleet([ref_url], [0], timeout=10, transport="http").generate(prompts, params, seeds)
+        assert fleet.generate(prompts, params, seeds) == expected and a.calls == b.calls == c.calls == [2]
+        assert fleet.generate(prompts, params, seeds) == expected
+        assert a.calls == [2, 2, 2] and b.calls == [2, 2] and c.calls == [2, 2] and fleet.servers_up == 2
+        assert (f"vLLM server {urls[2]} failed in generation (RemoteDisconnected: Remote end closed connection without"
+                " response); 2 of 3 server(s) left, which take its rows") in capsys.readouterr().err
+        assert fleet.generate(prompts, params, seeds) == expected and a.calls[-1] == 2 and b.calls[-1] == 4
+        fleet.update_weights(model)
+        assert a.loaded == b.loaded == [8] and c.loaded == []
+        fleet.close()
+
+
 RECIPE = """\
 model_name_or_path: {model}
 dataset_name: {data}
@@ -184,29 +207,34 @@ def steps(out) -> list[dict]:
 
 
 def test_a_run_goes_on_when_a_server_dies_and_stops_with_a_checkpoint_when_all_do(tmp_path, tiny_model_dir):
-    """`grpo train` against two stub servers: B dies in step 2's request, the run ends its 4 steps with the line
-    naming B and fleet/servers_up 2, 1, 1, 1; the weights equal one server's run (each row's tokens come from its
-    seed). Then a run whose servers both die in step 3: exit 75 with step 2's checkpoint, which resumes against a
-    live server to the same weights."""
+    """`grpo train` with 3 prompts a step against three stub servers: each takes a prompt's 4 rows; B dies in step
+    2's request, the run ends its 4 steps with the line naming B and fleet/servers_up 3, 2, 2, 2; B's rows go to A
+    (the lower index of the two left), and in steps 3 and 4 A and C share the 3 prompts (one takes two); the weights
+    equal one server's run (each row's tokens come from its seed). Then a run whose servers all die in step 3: exit
+    75 with step 2's checkpoint, which resumes against a live server to the same weights."""
     from safetensors.torch import load_file
 
+    three = ("prompts_per_step=3", "per_device_train_batch_size=12")
     with stub_servers(SeededEngine()) as [url]:
-        assert train(tmp_path, tiny_model_dir, [url], tmp_path / "one").returncode == 0
-    with stub_servers(SeededEngine(), SeededEngine(die_on=2)) as urls:
-        result = train(tmp_path, tiny_model_dir, urls, tmp_path / "two")
+        assert train(tmp_path, tiny_model_dir, [url], tmp_path / "one", *three).returncode == 0
+    a, b, c = SeededEngine(), SeededEngine(die_on=2), SeededEngine()
+    with stub_servers(a, b, c) as urls:
+        result = train(tmp_path, tiny_model_dir, urls, tmp_path / "three", *three)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"vLLM server {urls[1]} failed in generation" in result.stderr
-    assert [r["fleet/servers_up"] for r in steps(tmp_path / "two")] == [2, 1, 1, 1]
-    one, two = (load_file(str(tmp_path / d / "final" / "model.safetensors")) for d in ("one", "two"))
-    assert all(torch.equal(one[k], two[k]) for k in one)
+    assert f"vLLM server {urls[1]} failed in generation" in result.stderr and "2 of 3 server(s) left" in result.stderr
+    assert [r["fleet/servers_up"] for r in steps(tmp_path / "three")] == [3, 2, 2, 2]
+    assert (a.calls[:3], b.calls, c.calls[:2]) == ([4, 4, 4], [4, 4], [4, 4])
+    assert sorted(a.calls[3:] + c.calls[2:]) == [4, 4, 8, 8]  # (steps 3 and 4: 12 rows each over two servers)
+    one, got = (load_file(str(tmp_path / d / "final" / "model.safetensors")) for d in ("one", "three"))
+    assert all(torch.equal(one[k], got[k]) for k in one)
 
-    with stub_servers(SeededEngine(die_on=3), SeededEngine(die_on=3)) as urls:
-        result = train(tmp_path, tiny_model_dir, urls, tmp_path / "down")
+    with stub_servers(*(SeededEngine(die_on=3) for _ in range(3))) as urls:
+        result = train(tmp_path, tiny_model_dir, urls, tmp_path / "down", *three)
     assert result.returncode == 75, result.stderr[-3000:]
     assert "every vLLM server stopped answering" in result.stderr and "after step 2 of 4" in result.stderr
     assert (tmp_path / "down" / "checkpoint-2").is_dir()
     with stub_servers(SeededEngine()) as [url]:
-        result = train(tmp_path, tiny_model_dir, [url], tmp_path / "down", "--resume")
+        result = train(tmp_path, tiny_model_dir, [url], tmp_path / "down", *three, "--resume")
     assert result.returncode == 0, result.stderr[-3000:]
     resumed = load_file(str(tmp_path / "down" / "final" / "model.safetensors"))
     assert all(torch.equal(one[k], resumed[k]) for k in one)
@@ -251,3 +279,28 @@ def test_two_machine_ranks_against_two_servers_match_one_launch_against_one(tmp_
     assert [r["fleet/servers_up"] for r in steps(tmp_path / "two")] == [2, 2, 2, 2]
     one, two = (load_file(str(tmp_path / d / "final" / "model.safetensors")) for d in ("one", "two"))
     assert all(torch.equal(one[k], two[k]) for k in one)
+
+
+@pytest.mark.parametrize("lag, die_on, stop, versions", [(1, 3, 2, [0, 0, 2, 2]), (2, 4, 3, [0, 0, 0, 3])])
+def test_with_a_lag_every_server_gone_stops_with_a_checkpoint_that_resumes(lag, die_on, stop, versions, tmp_path,
+                                                                        tiny_model_dir):
+    """max_staleness 1 and 2, one optimizer step a rollout, each engine one prompt of each rollout. Lag 1: rollout
+    r is asked of step r - 1's weights after step r - 1; both servers die in rollout 2's request (their third
+    call), step 2's push finds none: exit 75 after step 2, rollout 2 (step 1's weights, gone from the trainer)
+    kept as a request of step 2's, rollout 3 asked of step 2's by the resume: versions 0, 0, 2, 2. Lag 2: rollouts
+    0-2 asked of step 0's, rollout 3 of step 1's; the servers die in rollout 3's request (the fourth call), which
+    step 3 waits for: exit 75 after step 3, rollout 3 sampled again with step 3's weights: 0, 0, 0, 3. The resume
+    ends the run's 4 steps. Before: the request thread's failure ended the run with exit 1."""
+    with stub_servers(SeededEngine(die_on=die_on), SeededEngine(die_on=die_on)) as urls:
+        result = train(tmp_path, tiny_model_dir, urls, tmp_path / "down", f"max_staleness={lag}")
+    assert result.returncode == 75, result.stderr[-3000:]
+    assert "every vLLM server stopped answering" in result.stderr and f"after step {stop} of 4" in result.stderr
+    assert (f"in flight with older weights when the servers stopped: {stop} (step {stop - lag}); the checkpoint of "
+            f"step {stop} keeps their prompts and seeds, and a resume samples them with its weights") in result.stderr
+    assert (tmp_path / "down" / f"checkpoint-{stop}").is_dir() and not (tmp_path / "down" / "final").exists()
+    with stub_servers(SeededEngine()) as [url]:
+        result = train(tmp_path, tiny_model_dir, [url], tmp_path / "down", f"max_staleness={lag}", "--resume")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = steps(tmp_path / "down")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["pipeline/weight_version"] for r in rows] == versions

@@ -29,14 +29,17 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serving(model, log):
-    """`grpo vllm-serve` of `model` on a free local port (yielded; its log to `log`), stopped after."""
+def serving(model, log, process: list | None = None):
+    """`grpo vllm-serve` of `model` on a free local port (yielded; its log to `log`), stopped after; `process`, a
+    list, gets its Popen (a test that kills it)."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "grpo.cli", "vllm-serve", "--model", str(model), "--host",
                              "127.0.0.1", "--port", str(port), "--dtype", "float32", "--gpu-memory-utilization", "0.1",
                              "--set", "enforce_eager=true", "--set", "kv_cache_memory_bytes=33554432"],
                             env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    if process is not None:
+        process.append(proc)
     try:
         yield port
     finally:

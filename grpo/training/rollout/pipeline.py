@@ -184,8 +184,13 @@ class Answers:
             while index not in self.results and self.failure is None:
                 self.lock.wait()
             if index not in self.results:
-                raise RuntimeError(f"{self.who}: rollout {index} failed:\n{self.failure}")
+                raise self.error(index)
             return self.results.pop(index)
+
+    def error(self, index: int | None = None) -> RuntimeError:
+        """The worker's failure as the trainer raises it (`index`: the rollout it waited for)."""
+        return RuntimeError(f"{self.who}: {'a rollout' if index is None else f'rollout {index}'} failed:\n"
+                            f"{self.failure}")
 
 
 class _Worker(Answers):

@@ -21,18 +21,29 @@ it stages one push at a time, so a push while one is staged waits until the serv
 
 The reference's log-probs are taken in the trainer's process (its model is there); the behaviour policy of the
 decoupled objective is vLLM's own sampling log-probs.
+
+When every server stops answering (ServersDown, grpo.engines.vllm_fleet) the run stops as on a signal, with a
+checkpoint of its last step and exit status 75. A signal's checkpoint waits for the rollouts in flight of older
+weights and keeps them generated (their weights are gone from the trainer by then), so its resume is exact; with no
+server left they cannot be generated, nor kept: the checkpoint holds only the weights of its own step. It keeps
+them as requests instead (their prompts and seeds), re-labelled with its own weights, and says so in a line: the
+resumed run samples those rollouts (at most max_staleness) with the checkpoint's weights, and from its next rollout
+on keeps the lag as before. The stop is still deterministic: the rollouts re-labelled are those the schedule had in
+flight at that step, whichever had already come back.
 """
 
 from __future__ import annotations
 
 import copy
 import queue
+import sys
 import threading
 import time
 import traceback
 
 from grpo.config import ConfigError
 from grpo.engines.base import EngineDefaults
+from grpo.engines.vllm_server import ServersDown
 from grpo.training.rollout.pipeline import Answers, LaggedRollouts
 from grpo.training.rollout.rollouts import Rollouts
 from grpo.training.rollout.batch import RolloutBatch
@@ -57,6 +68,16 @@ class ServerRollouts(LaggedRollouts):
         # now in order; its rollouts never reach the client directly.
         rollouts.generator = _InOrder(self)
         self.pushing = 0.0  # seconds pushing (a queued push waits while the server holds an older one staged)
+        self.down: ServersDown | None = None  # every server stopped answering: the run stops at its next rollout
+
+    def _ask(self, index: int) -> None:
+        """As LaggedRollouts', but a push that finds every server gone (after an optimizer step, in `stepped`) is
+        left for the next rollout to raise (`down`), so the step is logged and checkpointed as any other."""
+        if self.down is None:
+            try:
+                super()._ask(index)
+            except ServersDown:
+                pass
 
     def _make_worker(self) -> _ClientThread:
         return _ClientThread(self.rollouts, self.client)
@@ -67,44 +88,71 @@ class ServerRollouts(LaggedRollouts):
         t0 = time.perf_counter()
         failure = None
         if self.worker is not None and self.worker.failure is not None:  # (evaluation outside train(): no thread)
-            failure = RuntimeError(f"{self.worker.who}: a rollout failed:\n{self.worker.failure}")
+            failure = self.worker.error()
         # (a failure stops every process together). The push is queued at the server, which loads it when the
         # first request naming `version` comes, after the requests of older weights (grpo.engines.vllm_pushes):
         # no wait for them here. Then the barrier: no process asks for `version` before the server holds it.
         self._agree(failure)
-        self.client.update_weights(self.policy, step=version, queued=True)
+        try:
+            self.client.update_weights(self.policy, step=version, queued=True)
+        except ServersDown as err:  # (every process: update_weights hands the main process's to all)
+            self.down = err
+            raise
         self.pushed = version
         self.pushing += time.perf_counter() - t0
 
     def _take(self, index: int) -> tuple:
-        failure, answer = None, None
+        failure, answer, asked = None, None, self.in_flight.get(index)
         try:
             answer = super()._take(index)
-        except RuntimeError as err:
+        except RuntimeError as err:  # (ServersDown among them: Answers.result raises the thread's `error()`)
             failure = err
+            if asked is not None:  # (still in flight: a checkpoint keeps it)
+                self.in_flight[index] = asked
         self._agree(failure)  # (before finish's collectives, which a failed process would never join)
         return answer
 
     def _agree(self, failure: Exception | None) -> None:
         """Every process learns whether any one's request thread failed, and all stop together (collective: a
         barrier too). Without it the failed process raised alone and the others waited in their next collective
-        until its timeout (gpu_review2 N14)."""
-        if self.client.barrier is None:
-            if failure is not None:
+        until its timeout (gpu_review2 N14). Every server gone (ServersDown, on any process) stops every process
+        with a checkpoint; any other failure, with an error."""
+        kind = None if failure is None else "down" if isinstance(failure, ServersDown) else "failed"
+        kinds = [kind] if self.client.barrier is None else self.rollouts.procs.gather_objects([kind])
+        if "failed" in kinds:
+            if kind == "failed":
                 raise failure
-            return
-        failed = self.rollouts.procs.gather_objects([failure is not None])
-        if failure is not None:
-            raise failure
-        if any(failed):
-            raise RuntimeError(f"vLLM server requests: a rollout failed on process {failed.index(True)} (its error "
-                               "is in that process's output); every process stops with it.")
+            raise RuntimeError(f"vLLM server requests: a rollout failed on process {kinds.index('failed')} (its "
+                               "error is in that process's output); every process stops with it.")
+        if "down" in kinds:
+            self.down = failure if kind == "down" else ServersDown(
+                f"every vLLM server stopped answering process {kinds.index('down')}'s requests; restart them "
+                "(`grpo vllm-serve`), then resume the run")
+            raise self.down
 
     def next(self, index: int) -> RolloutBatch:
+        self._ask(index)
+        if self.down is not None:
+            raise self.down
         batch = super().next(index)
         batch.metrics["pipeline/weight_push"] = self.pushing
         self.pushing = 0.0
         return batch
+
+    def state_dict(self) -> dict:
+        """LaggedRollouts' (a signal's stop: exact), or, once every server is gone, the rollouts in flight kept as
+        requests of the checkpoint's weights (module docstring), with a line that says which."""
+        if self.down is None:
+            return super().state_dict()
+        older = {i: v for i, (v, _) in sorted(self.in_flight.items()) if v != self.step}
+        if older and self.rollouts.procs.rank == 0:
+            print(f"grpo: rollouts in flight with older weights when the servers stopped: "
+                  f"{', '.join(f'{i} (step {v})' for i, v in older.items())}; the checkpoint of step {self.step} "
+                  f"keeps their prompts and seeds, and a resume samples them with its weights (step {self.step}'s: "
+                  f"from there the run differs from one the servers never left; later rollouts keep the lag)",
+                  file=sys.stderr, flush=True)
+        recipes = {i: (self.step, r if isinstance(r, int) else vars(r)) for i, (_, r) in self.in_flight.items()}
+        return {"lag": self.lag, "requested": self.requested, "ready": dict(self.ready), "recipes": recipes}
 
 
 class _InOrder(EngineDefaults):
@@ -120,8 +168,14 @@ class _InOrder(EngineDefaults):
         self.source._send_weights(self.source.step)
 
     def wake(self) -> None:
+        if self.source.down is not None:
+            raise self.source.down
         if self.source.worker is not None:
-            self.source.worker.drain()
+            try:
+                self.source.worker.drain()
+            except ServersDown as err:
+                self.source.down = err
+                raise
 
     @property
     def servers_up(self) -> int | None:
@@ -170,6 +224,7 @@ class _ClientThread(Answers):
         super().__init__()
         self.inbox: queue.Queue = queue.Queue()
         self.waiting = 0  # requests sent and not yet answered
+        self.down: ServersDown | None = None  # the failure, when it was every server gone
         threading.Thread(target=self._run, daemon=True, name="grpo-vllm-requests").start()
 
     def send(self, message: Generate) -> None:
@@ -184,7 +239,11 @@ class _ClientThread(Answers):
             while self.waiting and self.failure is None:
                 self.lock.wait()
             if self.failure is not None:
-                raise RuntimeError(f"{self.who}: a rollout failed:\n{self.failure}")
+                raise self.error()
+
+    def error(self, index: int | None = None) -> RuntimeError:
+        """The thread's failure as the trainer raises it: ServersDown when every server had gone."""
+        return ServersDown(str(self.down)) if self.down is not None else super().error(index)
 
     def stop(self) -> None:
         """The thread ends after the request it is in (the server finishes it; nobody takes the answer)."""
@@ -210,7 +269,8 @@ class _ClientThread(Answers):
                     self.results[index] = (vars(sampled), logs, info)
                     self.waiting -= 1
                     self.lock.notify_all()
-        except BaseException:  # noqa: BLE001 - the trainer raises it where it waits
+        except BaseException as err:  # noqa: BLE001 - the trainer raises it where it waits
             with self.lock:
+                self.down = err if isinstance(err, ServersDown) else None
                 self.failure = f"(in rollout {index})\n{traceback.format_exc()}"
                 self.lock.notify_all()
