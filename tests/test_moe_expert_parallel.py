@@ -102,19 +102,22 @@ def config(**values) -> GRPOConfig:
 
 
 @pytest.mark.parametrize("values, distributed, words", [
-    ({"expert_parallel_size": 2}, "MULTI_CPU", "3 process(es) do not split into groups of 2"),
+    ({"expert_parallel_size": 2}, "MULTI_CPU", "3 processes do not split into groups of 2"),
     ({"expert_parallel_size": 3}, "FSDP", "FSDP shards the weights itself"),
     ({"expert_parallel_size": 3}, "DEEPSPEED", "DEEPSPEED shards the weights itself"),
     ({"expert_parallel_size": 3, "sequence_parallel_size": 3}, "MULTI_CPU", "sequence_parallel_size > 1"),
     ({"expert_parallel_size": 3, "use_vllm": True}, "MULTI_CPU", "use_vllm"),
     ({"expert_parallel_size": 3, "max_staleness": 1}, "MULTI_CPU", "max_staleness: 0"),
     ({"expert_parallel_size": 3, "use_peft": True}, "MULTI_CPU", "use_peft"),
+    ({"expert_parallel_size": 3, "multi_turn": True}, "MULTI_CPU", "multi-turn rollouts"),
 ])
 def test_what_expert_parallelism_cannot_combine_with_is_refused_by_name(values, distributed, words):
     from grpo.training.setup.experts import check_expert_parallel
 
+    values = dict(values)
+    multi_turn = values.pop("multi_turn", False)
     with pytest.raises(ConfigError, match="expert_parallel_size") as err:
-        check_expert_parallel(config(**values), 3, distributed)
+        check_expert_parallel(config(**values), 3, distributed, multi_turn)
     assert words in str(err.value)
 
 
@@ -138,3 +141,68 @@ def test_the_key_its_aliases_and_what_the_model_must_have(monkeypatch):
     group = expert_parallel.ExpertGroup(None, None, 0, 3, 3)
     with pytest.raises(ConfigError, match="3 does not divide the model's 4 experts"):
         expert_parallel.split_experts(moe, group)
+
+
+def _families_worker(rank: int, port: int, families: tuple, out: str) -> None:
+    """One of 2 gloo processes: for each family, the model split over both, run on this rank's own rows."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from grpo.engines import expert_parallel
+    from test_moe import tiny_moe
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    ep = expert_parallel.expert_group(rank, 2, 2)
+    found = {}
+    for family in families:
+        whole, split = tiny_moe(family), tiny_moe(family)
+        shards = expert_parallel.split_experts(split, ep)
+        ids = torch.randint(2, 40, (2, 2, 7), generator=torch.Generator().manual_seed(family.__len__()))
+        whole_grads = []
+        for r in range(2):  # the whole model's gradient of each rank's rows
+            whole.zero_grad()
+            whole(input_ids=ids[r]).logits.pow(2).mean().backward()
+            whole_grads.append({n: p.grad.clone() for n, p in whole.named_parameters()})
+        logits = split(input_ids=ids[rank]).logits
+        logits.pow(2).mean().backward()
+        expected = whole(input_ids=ids[rank]).logits
+        errors = [(logits - expected).abs().max().item()]
+        for name, p in split.named_parameters():
+            if any(p is s for s in shards):  # the shard's gradient: every rank's tokens through its experts
+                local = p.shape[0]
+                want = sum(g[name] for g in whole_grads)[rank * local:(rank + 1) * local]
+            else:  # a replicated weight's: this rank's rows only (DDP would average them)
+                want = whole_grads[rank][name]
+            errors.append((p.grad - want).abs().max().item())
+        found[family] = max(errors)
+    torch.save(found, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_each_family_splits_and_its_gradients_are_the_whole_models(tmp_path):
+    """qwen3_moe, qwen2_moe (with its shared expert), olmoe and mixtral, split over 2 gloo processes, each with rows
+    of its own: the logits are the whole model's on those rows, each expert shard's gradient is the sum of the whole
+    model's over both processes' rows, and every other weight's (the routers' included: the routing weights'
+    gradient comes back through the exchange) is the whole model's on this process's rows. float32, sums of a few
+    dozen terms in another order: 1e-6 bounds their rounding (measured at most 3e-11)."""
+    import torch.multiprocessing as mp
+
+    families = expert_parallel_families()
+    mp.spawn(_families_worker, args=(free_port(), families, str(tmp_path)), nprocs=2)
+    import torch
+
+    for rank in (0, 1):
+        found = torch.load(tmp_path / f"rank{rank}.pt")
+        assert set(found) == set(families)
+        assert all(error < 1e-6 for error in found.values()), found
+
+
+def expert_parallel_families() -> tuple:
+    from grpo.engines.expert_parallel import SPLITTABLE
+
+    names = {"Qwen3MoeExperts": "qwen3_moe", "Qwen2MoeExperts": "qwen2_moe", "OlmoeExperts": "olmoe",
+             "MixtralExperts": "mixtral"}
+    return tuple(names[n] for n in SPLITTABLE)

@@ -58,8 +58,8 @@ class GRPOConfig(TrlKeys):  # (TrlKeys: TRL's keys that are not settings of ours
     lora_alpha: int = _f(32, "LoRA alpha (scaling = alpha / r).")
     lora_dropout: float = _f(0.05, "LoRA dropout.")
     lora_target_modules: Names = _f("all-linear", "Modules that get adapters: a list of names or 'all-linear'.")
-    lora_target_parameters: list[str] | None = _f(None, "Parameters that get adapters (peft's target_parameters): an "
-                                                  "MoE's stacked experts, e.g. [mlp.experts.gate_up_proj] (docs/moe.md).")
+    lora_target_parameters: list[str] | None = _f(None, "Parameters that get adapters (peft's target_parameters): "
+                                                  "an MoE's stacked experts, e.g. [mlp.experts.gate_up_proj].")
     lora_modules_to_save: list[str] | None = _f(None, "Modules trained in full beside the adapters (e.g. [lm_head]).")
     freeze_vision_tower: bool = _f(False, "A vision-language model's vision side (its tower and the projector into "
                                    "the language model) is not trained (verl's key): its weights get no gradient, "

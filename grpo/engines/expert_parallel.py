@@ -21,9 +21,9 @@ until every process's rows have stopped (`grpo.engines.sharding.all_processes_st
 Beyond the forward (`ExpertParallel`): DDP leaves the expert shards out of its all-reduce (each process's shard is
 its own); their gradient is summed over the processes that hold the same shard (one per group) and divided by the
 processes (the loss is scaled by them for DDP's mean, grpo.engines.policy); the gradient norm for clipping adds
-every shard's; `whole_experts` gathers every expert for saving and loading model files (a checkpoint and final/
-are ordinary model directories); each process's optimizer state of its shard travels in the checkpoint's
-per-process part (`optimizer_part`).
+every shard's; `whole_experts` gathers every expert for saving (on the main process) and for loading model files
+(a checkpoint and final/ are ordinary model directories); each process's optimizer state of its shard travels in
+the checkpoint's per-process part (`optimizer_part`).
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def ep_forward(module, hidden: torch.Tensor, index: torch.Tensor, weights: torch
     else:  # (kept in the graph: the backward's exchange must run on every process)
         out = rows * 0
     back = _Exchange.apply(out, receive, send, ep.group)
-    pair_weights = weights.reshape(-1).index_select(0, order).to(back.dtype)
+    pair_weights = weights.reshape(-1).index_select(0, order)  # (in their own dtype, as the experts' forward)
     return torch.zeros_like(hidden).index_add_(0, token, (back * pair_weights[:, None]).to(hidden.dtype))
 
 
@@ -146,25 +146,36 @@ def split_experts(model, ep: ExpertGroup) -> list[torch.nn.Parameter]:
 
 
 @contextlib.contextmanager
-def whole_experts(model):
-    """Every expert of every split layer of `model` gathered on every process for the block, in host memory (for
-    saving or loading model files; on a GPU one tensor's experts at a time are whole there), then this process's
-    shard taken back from them (what the block loaded, if it loaded) onto its device. Parameters keep their identity
-    (the optimizer's). Collective; nothing for a model whose experts are not split."""
+def whole_experts(model, main_only: bool = False):
+    """Every expert of every split layer of `model` gathered for the block, in host memory (for saving or loading
+    model files; on a GPU one tensor's experts at a time are whole there): on every process, or with `main_only`
+    (a save) on the main process alone (its group's processes send their shards; the other groups, replicas of
+    them, send nothing). After it, this process's shard is taken back from them (what the block loaded, if it
+    loaded) onto its device. Parameters keep their identity (the optimizer's). Collective; nothing for a model whose
+    experts are not split."""
     split = [m for m in model.modules() if getattr(m, "_grpo_ep", None) is not None]
-    devices = {}
+    rank = dist.get_rank() if split else 0
+    gathered, devices = [], {}
     for module in split:
         ep, total = module._grpo_ep
+        if main_only and rank >= ep.size:  # (not the main process's group)
+            continue
         for p in module._parameters.values():
-            parts = [torch.empty_like(p.data) for _ in range(ep.size)]
-            dist.all_gather(parts, p.data.contiguous(), group=ep.group)
-            devices[id(p)] = p.device
-            p.data = torch.cat([part.cpu() for part in parts])
-        module.num_experts = total
+            parts = [torch.empty_like(p.data) for _ in range(ep.size)] if not main_only or rank == 0 else None
+            if main_only:
+                dist.gather(p.data.contiguous(), parts, dst=0, group=ep.group)
+            else:
+                dist.all_gather(parts, p.data.contiguous(), group=ep.group)
+            if parts is not None:
+                devices[id(p)] = p.device
+                p.data = torch.cat([part.cpu() for part in parts])
+        if parts is not None:
+            module.num_experts = total
+            gathered.append(module)
     try:
         yield
     finally:
-        for module in split:
+        for module in gathered:
             ep, total = module._grpo_ep
             local = total // ep.size
             for p in module._parameters.values():

@@ -101,7 +101,6 @@ class GRPOTrainer(TRLSurface):
         reduce_in_float32(self.accel)  # (FSDP2 with bf16: gradients reduce in float32, as verl's)
         self.sharded = self.accel.distributed_type in ("FSDP", "DEEPSPEED")  # its state saved in shards
         check_sequence_parallel(cfg, self.accel.num_processes)
-        check_expert_parallel(cfg, self.accel.num_processes, self.accel.distributed_type)
         self.procs = Processes(self.accel, cfg.sequence_parallel_size)  # (a sequence-parallel group: one rank)
         self.world, self.rank = self.procs.world, self.procs.rank
         configure_process(cfg)
@@ -112,6 +111,7 @@ class GRPOTrainer(TRLSurface):
         self.task = load_task(cfg) if cfg.task is not None and task_ok else None
         self.prefill = cfg.prefill if cfg.prefill is not None else (self.task.prefill if self.task else "")
         self.agents = make_agent_spec(cfg, tools, environment_factory, rollout_func, self.task, self.accel)
+        check_expert_parallel(cfg, self.accel.num_processes, self.accel.distributed_type, self.agents is not None)
         self.rewards, self.reward_names = make_reward_runner(cfg, reward_funcs, self.task, reward_processing_classes,
                                                              self.agents)
         self.step_rewards = make_step_rewards(cfg, step_reward_funcs)
@@ -207,7 +207,8 @@ class GRPOTrainer(TRLSurface):
             self.loop, parts={"scheduler": self.scheduler, "sampler": self.sampler, "objective": self.objective,
                               **({"reference": self.reference} if cfg.sync_ref_model else {})},
             own_parts={"pipeline": self.source,
-                       **({"experts": self.experts.optimizer_part(self.optimizer)} if self.experts else {})}, rollout_steps=self.layout.rollout_steps, replan=self.updates.plan,
+                       **({"experts": self.experts.optimizer_part(self.optimizer)} if self.experts else {})},
+            rollout_steps=self.layout.rollout_steps, replan=self.updates.plan,
             control=self.control, write_run_files=self.run_files.write)
         self._summary = TrainingSummary()
 
@@ -438,6 +439,6 @@ class GRPOTrainer(TRLSurface):
         if self.sharded:  # gathered on the main process
             sharded_ckpt.save_final(self.accel, self.policy, self.images or self.tokenizer, path, merge, adapter_dir)
             return
-        with whole_experts(self.policy):  # (expert parallelism: every expert, on every process)
+        with whole_experts(self.policy, main_only=True):  # (expert parallelism: every expert, on the main process)
             if self.accel.is_main_process:
                 save_final(self.policy, self.images or self.tokenizer, path, merge=merge, adapter_dir=adapter_dir)

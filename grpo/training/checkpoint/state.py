@@ -96,7 +96,7 @@ class Checkpointing:
         if self.sharded:
             return sharded_ckpt.save(accel, self.model, self.policy, self.optimizer, self.tokenizer, cfg.output_dir,
                                      step, state, cfg.save_total_limit, write_json=write_json)
-        with whole_experts(self.policy):  # (expert parallelism: every expert, on every process)
+        with whole_experts(self.policy, main_only=True):  # (expert parallelism: every expert, to the main process)
             if not accel.is_main_process:
                 return None
             return ckpt.save_checkpoint(cfg.output_dir, step, lambda path: save_model_files(self.policy,

@@ -8,16 +8,16 @@ import torch
 
 from grpo.config import ConfigError
 from grpo.engines.expert_parallel import ExpertParallel, expert_group, experts_modules, split_experts
+from grpo.training.setup.inputs import check_groups
 
 
-def check_expert_parallel(cfg, processes: int, distributed: str) -> None:
-    """Refuse an expert_parallel_size the launch cannot take, or one combined with what it is not built for."""
+def check_expert_parallel(cfg, processes: int, distributed: str, multi_turn: bool = False) -> None:
+    """Refuse an expert_parallel_size the launch cannot take, or one combined with what it is not built for
+    (`multi_turn`: the rollouts are an agent's: tools, environments or a rollout_func)."""
     size = cfg.expert_parallel_size
     if size == 1:
         return
-    if processes % size:
-        raise ConfigError(f"expert_parallel_size={size}: {processes} process(es) do not split into groups of {size}; "
-                          "launch a multiple of it.")
+    check_groups("expert_parallel_size", size, processes)
     refusals = [
         (distributed in ("FSDP", "DEEPSPEED"), f"{distributed} shards the weights itself; EP runs under DDP "
                                                "(accelerate's multi-GPU/multi-CPU launch)"),
@@ -26,6 +26,8 @@ def check_expert_parallel(cfg, processes: int, distributed: str) -> None:
         (cfg.use_vllm, "with use_vllm: vLLM would need every expert pushed to it; rollouts run in grpo's sampler"),
         (cfg.max_staleness > 0, "with max_staleness > 0: the rollout worker's forwards would not enter the "
                                 "groups' exchanges; set max_staleness: 0"),
+        (multi_turn, "with multi-turn rollouts (tools, environments, rollout_func): processes take different "
+                     "numbers of turns, and every generation step is collective under EP"),
         (cfg.use_peft, "with use_peft: LoRA's adapters, merges and saves over split experts are not built"),
         (cfg.reference_weights == "disk", "with reference_weights: disk: the reference on disk holds every "
                                           "expert; set it to auto"),
