@@ -15,6 +15,8 @@ ALIASES = {
     "max_trajectory_age_steps": "max_staleness",  # NeMo-RL's async_grpo
     "max_head_offpolicyness": "max_staleness",  # AReaL
     "ulysses_sequence_parallel_size": "sequence_parallel_size",  # verl (actor_rollout_ref.actor's)
+    "expert_model_parallel_size": "expert_parallel_size",  # Megatron-LM (verl's, NeMo-RL's megatron_cfg)
+    "ep_size": "expert_parallel_size",  # transformers' DistributedConfig
     "enable_activation_offload": "activation_offloading",  # verl (actor_rollout_ref.model's)
     "enable_activation_offloading": "activation_offloading",  # torchtune's recipes
 }

@@ -58,6 +58,8 @@ class GRPOConfig(TrlKeys):  # (TrlKeys: TRL's keys that are not settings of ours
     lora_alpha: int = _f(32, "LoRA alpha (scaling = alpha / r).")
     lora_dropout: float = _f(0.05, "LoRA dropout.")
     lora_target_modules: Names = _f("all-linear", "Modules that get adapters: a list of names or 'all-linear'.")
+    lora_target_parameters: list[str] | None = _f(None, "Parameters that get adapters (peft's target_parameters): "
+                                                  "an MoE's stacked experts, e.g. [mlp.experts.gate_up_proj].")
     lora_modules_to_save: list[str] | None = _f(None, "Modules trained in full beside the adapters (e.g. [lm_head]).")
     freeze_vision_tower: bool = _f(False, "A vision-language model's vision side (its tower and the projector into "
                                    "the language model) is not trained (verl's key): its weights get no gradient, "
@@ -154,16 +156,15 @@ class GRPOConfig(TrlKeys):  # (TrlKeys: TRL's keys that are not settings of ours
                                      "ulysses_sequence_parallel_size, accelerate's parallelism_config.sp_size): "
                                      "launch a multiple of it; each group of that many processes is one "
                                      "data-parallel rank (docs/long.md).")
-    router_replay: str = _f("off", "Mixture-of-Experts routing replay (docs/moe.md): R3 forces, in every training "
-                            "pass, the experts each token was routed to in the rollout, the routing weights "
-                            "recomputed from the live router (verl's router_replay.mode R3, NeMo-RL's "
-                            "router_replay.enabled: true and false; disabled and r3 are aliases). off: the "
-                            "update routes itself, and moe/routing_mismatch logs the share of tokens routed otherwise than in the rollout.",
-                            ("off", "R3", "disabled", "r3"))
-    router_aux_loss_coef: float | None = _f(None, "Weight of an MoE model's load-balancing loss added to the "
-                                            "training loss, as TRL adds it (logged as moe/aux_loss); null: the "
-                                            "model config's own router_aux_loss_coef; 0: none. Refused for a dense "
-                                            "model.")
+    router_replay: str = _f("off", "MoE routing replay (docs/moe.md): R3 forces, in every training pass, the experts "
+                            "each token was routed to in the rollout, weights from the live router (verl's R3, "
+                            "NeMo-RL's router_replay.enabled; disabled and r3 are aliases). off: moe/routing_mismatch "
+                            "logs the share of tokens routed otherwise.", ("off", "R3", "disabled", "r3"))
+    router_aux_loss_coef: float | None = _f(None, "Weight of an MoE's load-balancing loss in the loss, as TRL adds it "
+                                            "(moe/aux_loss); null: the model config's router_aux_loss_coef; 0: none.")
+    expert_parallel_size: int = _f(1, "Processes that split each MoE layer's experts, each holding 1/N (docs/moe.md; "
+                                   "Megatron's expert_model_parallel_size, transformers' ep_size): groups of "
+                                   "consecutive ranks, data-parallel otherwise; launch a multiple of it.")
     gradient_accumulation_steps: int | None = _f(None, "Micro-batches per optimizer step on each process. Default: "
                                                  "what prompts_per_step needs, else 1.")
     steps_per_generation: int | None = _f(None, "Micro-batch passes one rollout feeds (TRL's): a multiple of "

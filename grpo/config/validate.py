@@ -222,6 +222,7 @@ def _validate_batch(cfg) -> None:
     check(cfg.sequence_parallel_size >= 1, "sequence_parallel_size", "must be >= 1 (1: no sequence parallelism).")
     check(cfg.sequence_parallel_size == 1 or cfg.use_remove_padding, "sequence_parallel_size",
           "splits the packed (padding-free) micro-batch; it needs use_remove_padding: true.")
+    check(cfg.expert_parallel_size >= 1, "expert_parallel_size", "must be >= 1 (1: every process holds every expert).")
     for key in ("gradient_accumulation_steps", "steps_per_generation", "generation_batch_size"):
         check(getattr(cfg, key) is None or getattr(cfg, key) >= 1, key, "must be >= 1, or null.")
     if cfg.generation_batch_size is not None and cfg.steps_per_generation is not None:  # (asdict of a TRL config)

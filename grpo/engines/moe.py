@@ -163,7 +163,9 @@ def aux_loss(model, logits: list[torch.Tensor], weights: torch.Tensor | None) ->
     base = base.get_base_model() if hasattr(base, "get_base_model") else base
     config = moe_config(base)
     experts = getattr(config, "num_local_experts", None) or config.num_experts
-    func = sys.modules[type(base).__module__].load_balancing_loss_func
+    # (the class's own modeling module: FSDP2 makes a subclass, FSDP<name>, in a module of its own)
+    func = next(f for f in (getattr(sys.modules[c.__module__], "load_balancing_loss_func", None)
+                            for c in type(base).__mro__) if f is not None)
     return func(tuple(logits), experts, config.num_experts_per_tok, weights)
 
 

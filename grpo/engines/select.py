@@ -20,6 +20,7 @@ from grpo.engines.base import as_engine
 from grpo.engines.images import is_vision_config
 from grpo.engines.policy import TransformersBackend
 from grpo.engines.sampling import TransformersSampler
+from grpo.engines.expert_parallel import is_split
 from grpo.engines.sharding import WholeWeightsSampler, all_processes_stopped, sharding
 
 ENGINES = ("auto", "transformers", "cpu")
@@ -208,8 +209,8 @@ def make_sampler(choice: EngineChoice, model, tokenizer, prepared=None, gather_f
         from grpo.engines.cpu import CPUSampler
 
         return CPUSampler(model, pad, eos)
-    if prepared is None or sharding(prepared) is None:
-        return TransformersSampler(model, pad, eos)
+    if prepared is None or sharding(prepared) is None:  # (split experts: every process steps until all stop)
+        return TransformersSampler(model, pad, eos, all_stopped=all_processes_stopped if is_split(model) else None)
     if gather_for_generation:
         return WholeWeightsSampler(TransformersSampler(model, pad, eos), prepared)
     return TransformersSampler(model, pad, eos, all_stopped=all_processes_stopped)

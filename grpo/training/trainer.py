@@ -56,6 +56,8 @@ from grpo.training.run.signals import StopSignals, stop_if_signalled, stopped_wi
 from grpo.training.checkpoint.state import Checkpointing
 from grpo.training.setup.data import load_task, make_datasets, tokenizer_for
 from grpo.training.setup.inputs import check_inputs, check_sequence_parallel, check_sizes, config_of
+from grpo.training.setup.experts import check_expert_parallel, make_expert_parallel
+from grpo.engines.expert_parallel import whole_experts
 from grpo.training.setup.launch import configure_process, fill_deepspeed_auto, make_accelerator, seed_everything
 from grpo.training.setup.optimizer import make_optimizer, make_schedule, warn_low_precision_training
 from grpo.training.setup.rewards import check_reward_columns, make_reward_runner, make_step_rewards
@@ -109,6 +111,7 @@ class GRPOTrainer(TRLSurface):
         self.task = load_task(cfg) if cfg.task is not None and task_ok else None
         self.prefill = cfg.prefill if cfg.prefill is not None else (self.task.prefill if self.task else "")
         self.agents = make_agent_spec(cfg, tools, environment_factory, rollout_func, self.task, self.accel)
+        check_expert_parallel(cfg, self.accel.num_processes, self.accel.distributed_type, self.agents is not None)
         self.rewards, self.reward_names = make_reward_runner(cfg, reward_funcs, self.task, reward_processing_classes,
                                                              self.agents)
         self.step_rewards = make_step_rewards(cfg, step_reward_funcs)
@@ -154,6 +157,7 @@ class GRPOTrainer(TRLSurface):
         on_disk = cfg.reference_weights == "disk" or (cfg.reference_weights == "auto" and self.engine.name == "cpu")
         model, self.reference = prepare_model(model, cfg, peft_config, Path(cfg.output_dir) if on_disk else None,
                                               reference_prefix=f".reference-rank{self.accel.process_index}-")
+        self.experts = make_expert_parallel(cfg, self.accel, model, self.reference)  # (MoE experts split, or None)
         self.total_steps = self.layout.total_steps
         self.optimizer = optimizers[0] or make_optimizer(model, cfg)
         self.scheduler = optimizers[1] or torch.optim.lr_scheduler.LambdaLR(
@@ -202,7 +206,9 @@ class GRPOTrainer(TRLSurface):
             cfg, self.accel, self.procs, self.model, self.policy, self.optimizer, self.tokenizer, self.sharded,
             self.loop, parts={"scheduler": self.scheduler, "sampler": self.sampler, "objective": self.objective,
                               **({"reference": self.reference} if cfg.sync_ref_model else {})},
-            own_parts={"pipeline": self.source}, rollout_steps=self.layout.rollout_steps, replan=self.updates.plan,
+            own_parts={"pipeline": self.source,
+                       **({"experts": self.experts.optimizer_part(self.optimizer)} if self.experts else {})},
+            rollout_steps=self.layout.rollout_steps, replan=self.updates.plan,
             control=self.control, write_run_files=self.run_files.write)
         self._summary = TrainingSummary()
 
@@ -357,7 +363,7 @@ class GRPOTrainer(TRLSurface):
 
     def _optimizer_step(self, batch: RolloutBatch) -> float:
         self.control.event("on_pre_optimizer_step")
-        grad_norm, finite = clip_gradients(self.accel, self.model, self.cfg.max_grad_norm)
+        grad_norm, finite = clip_gradients(self.accel, self.model, self.cfg.max_grad_norm, self.experts)
         if not finite:
             self._skip_nonfinite_step(batch, grad_norm)
             return grad_norm
@@ -432,5 +438,7 @@ class GRPOTrainer(TRLSurface):
         self.accel.wait_for_everyone()
         if self.sharded:  # gathered on the main process
             sharded_ckpt.save_final(self.accel, self.policy, self.images or self.tokenizer, path, merge, adapter_dir)
-        elif self.accel.is_main_process:
-            save_final(self.policy, self.images or self.tokenizer, path, merge=merge, adapter_dir=adapter_dir)
+            return
+        with whole_experts(self.policy, main_only=True):  # (expert parallelism: every expert, on the main process)
+            if self.accel.is_main_process:
+                save_final(self.policy, self.images or self.tokenizer, path, merge=merge, adapter_dir=adapter_dir)

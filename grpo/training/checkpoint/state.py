@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo.config import ConfigError
+from grpo.engines.expert_parallel import whole_experts
 from grpo.training.checkpoint import files as ckpt
 from grpo.training.checkpoint import sharded as sharded_ckpt
 from grpo.training.setup.model import load_model_files, save_model_files
@@ -95,11 +96,12 @@ class Checkpointing:
         if self.sharded:
             return sharded_ckpt.save(accel, self.model, self.policy, self.optimizer, self.tokenizer, cfg.output_dir,
                                      step, state, cfg.save_total_limit, write_json=write_json)
-        if not accel.is_main_process:
-            return None
-        return ckpt.save_checkpoint(cfg.output_dir, step, lambda path: save_model_files(self.policy, self.tokenizer,
-                                                                                        path),
-                                    state, cfg.save_total_limit, write_json=write_json)
+        with whole_experts(self.policy, main_only=True):  # (expert parallelism: every expert, to the main process)
+            if not accel.is_main_process:
+                return None
+            return ckpt.save_checkpoint(cfg.output_dir, step, lambda path: save_model_files(self.policy,
+                                                                                            self.tokenizer, path),
+                                        state, cfg.save_total_limit, write_json=write_json)
 
     def restore(self, path: Path) -> None:
         """The model files, the optimizer, the loop state and every part as `path` holds them."""
@@ -139,7 +141,8 @@ class Checkpointing:
                 raise ConfigError(f"resume_from_checkpoint: {path} was written by a sharded run (its optimizer state "
                                   "is in shards); resume with the launch configuration that wrote it.")
             else:
-                load_model_files(self.policy, path)
+                with whole_experts(self.policy):  # (expert parallelism: each process keeps its shard of them)
+                    load_model_files(self.policy, path)
                 self.optimizer.load_state_dict(state["optimizer"])
         except ValueError as err:
             raise ConfigError(f"resume_from_checkpoint: {err}") from None

@@ -138,9 +138,11 @@ def check_vocabulary(tokenizer, model_config, name: str, prompt_ids: list[list[i
 
 def check_sequence_parallel(cfg: GRPOConfig, world: int) -> None:
     """Refuse a sequence_parallel_size the processes cannot take (the model's heads: the backend's `packing`)."""
-    size = cfg.sequence_parallel_size
-    if size == 1:
-        return
+    check_groups("sequence_parallel_size", cfg.sequence_parallel_size, world)
+
+
+def check_groups(key: str, size: int, world: int) -> None:
+    """Refuse a group size (`key`) that does not divide the `world` processes."""
     if world % size:
-        raise ConfigError(f"sequence_parallel_size={size}: {world} processes do not split into groups of {size}; "
+        raise ConfigError(f"{key}={size}: {world} processes do not split into groups of {size}; "
                           "launch a multiple of it.")

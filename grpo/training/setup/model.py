@@ -94,8 +94,14 @@ def lora_config(cfg: GRPOConfig, model=None):
 
     frozen = vision_modules(model) if cfg.freeze_vision_tower and model is not None else []
     exclude = "|".join(rf"{re.escape(name)}\..*" for name in frozen) or None  # (a regex: each module's insides)
+    names = [n for n, _ in model.named_parameters()] if model is not None else []
+    for wanted in (cfg.lora_target_parameters or []) if model is not None else []:  # (peft skips a name it lacks)
+        if not any(n == wanted or n.endswith("." + wanted) for n in names):
+            raise ConfigError(f"lora_target_parameters: {type(model).__name__} has no parameter {wanted!r} (an MoE's "
+                              "stacked experts are e.g. mlp.experts.gate_up_proj); name parameters it has.")
     return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=cfg.lora_target_modules, modules_to_save=cfg.lora_modules_to_save,
+                      target_parameters=cfg.lora_target_parameters,
                       use_rslora=cfg.use_rslora, use_dora=cfg.use_dora, task_type="CAUSAL_LM",
                       exclude_modules=exclude)
 

@@ -127,12 +127,20 @@ class Update:
         return logp, out, tokens
 
 
-def clip_gradients(accel, model, max_grad_norm: float) -> tuple[float, bool]:
+def clip_gradients(accel, model, max_grad_norm: float, experts=None) -> tuple[float, bool]:
     """Clip the trainable gradients to `max_grad_norm` (<= 0: no clipping); returns (their norm, whether the step
     may be taken). accelerate's: a float16 loss scaler's gradients unscaled first; under DeepSpeed the norm its engine
-    took when it stepped, in the last micro-batch's backward, clipping by its config's gradient_clipping."""
+    took when it stepped, in the last micro-batch's backward, clipping by its config's gradient_clipping. `experts`
+    (grpo.engines.expert_parallel.ExpertParallel): the expert shards' gradients synchronized first, the norm over
+    every process's shards."""
     params = [p for p in model.parameters() if p.requires_grad]
-    norm = accel.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
+    limit = max_grad_norm if max_grad_norm > 0 else float("inf")
+    if experts is not None:
+        experts.sync_gradients()
+        accel.unscale_gradients()
+        norm = experts.clip(params, limit)
+    else:
+        norm = accel.clip_grad_norm_(params, limit)
     grad_norm = float("nan") if norm is None else float(norm)  # (None: a DeepSpeed engine that kept no norm)
     return grad_norm, norm is None or math.isfinite(grad_norm)
 
