@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 LOCAL = ("127.0.0.1", "localhost", "::1")
 MAX_BODY = 16 * 2**20
 MAX_WAIT_WINDOWS = 40  # a batch waits for late requests at most this many windows after its first
+BUSY_CPU = 0.1  # a window in which the process used more CPU time than this share of it is not quiet
 ROUTE = re.compile(r"^(?:/episodes/(?P<key>[A-Za-z0-9_-]+))?/v1/(?P<what>chat/completions|completions|models)/?$")
 
 
@@ -56,9 +57,13 @@ class _Pending:
 
 
 class EngineBatcher:
-    """One thread calls the engine. A batch takes requests until `expected()` wait, or until neither a request
-    arrived nor a response was sent (`touch`) for `window_s` (a response sent: its episode is on its way to its next
-    request), at most MAX_WAIT_WINDOWS windows after its first; one engine call per distinct sampling settings."""
+    """One thread calls the engine. A batch takes requests until `expected()` wait, or until a quiet `window_s`: no
+    request arrived, no response was sent (`touch`: its episode is on its way to its next request) and this process
+    used under BUSY_CPU of the window's CPU time (its episodes are not building requests or reading replies: they wait
+    on a tool, a remote service, or are done); at most MAX_WAIT_WINDOWS windows after its first request. One engine
+    call per distinct sampling settings. (CPU time, not only the clock: on a loaded machine 64 episodes' requests
+    trickle in over longer than a window while their threads wait for a core, and a wall-clock window alone split
+    one turn's requests into two engine calls.)"""
 
     def __init__(self, engine, window_s: float = 0.05, expected=lambda: 0, context=contextlib.nullcontext):
         # `context()`: entered around each engine call, in this thread (autocast is per thread: the trainer's)
@@ -92,10 +97,13 @@ class EngineBatcher:
             if first is None:
                 return
             batch = [first]
-            self.last = time.monotonic()
+            self.last, cpu = time.monotonic(), time.process_time()
             cap = self.last + MAX_WAIT_WINDOWS * self.window_s
             while len(batch) < max(1, self.expected()):  # (until the running episodes all wait, or a quiet window)
                 left = min(self.last + self.window_s, cap) - time.monotonic()
+                if left <= 0 and time.monotonic() < cap and time.process_time() - cpu > BUSY_CPU * self.window_s:
+                    self.last, cpu = time.monotonic(), time.process_time()  # (the process is busy: not quiet)
+                    continue
                 if left <= 0:
                     break
                 try:
