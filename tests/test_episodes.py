@@ -152,6 +152,38 @@ def test_episodes_refuse_what_they_cannot_do(tmp_path):
         Episodes("not a function")
 
 
+def test_an_agent_with_a_lag_is_served_from_the_rollout_workers_weights(tmp_path):
+    """max_staleness 1: the episodes run in the forked rollout worker, against an endpoint served there from the
+    worker's engine. Rollout t's rows (the log-probs the endpoint recorded as it sampled, extra rows included) are
+    those of the trainer's weights at rollout max(0, t - 1), not of the versions next to it; the logged weight
+    versions say so; the run trains. (1e-4: the engine-vs-update tolerance of the test above; a step moves the
+    tiny model's log-probs by more than 1e-3 at this learning rate, as tests/test_async.py holds it to.)"""
+    from test_async import recording, version_gaps
+
+    async def episode(client, row):
+        await client.chat.completions.create(model="policy", messages=messages(row), tools=TOOLS, max_tokens=24)
+        await client.chat.completions.create(model="policy", messages=messages(row) + [
+            {"role": "user", "content": "Again."}], tools=TOOLS, max_tokens=24)
+        # (a group's two episodes are e2k and e2k+1: rewards 1 and 0, so every step moves the weights)
+        return float(int(str(client.base_url).split("/episodes/e")[1].split("/")[0]) % 2 == 0)
+
+    trainer = GRPOTrainer(model=ASSET, args=config(tmp_path, max_staleness=1, max_steps=4, num_threads=1,
+                                                   learning_rate=3e-3), train_dataset=problems(16),
+                          reward_funcs=[], rollout_func=Episodes(episode))
+    snapshots, batches = recording(trainer)
+    trainer.train()
+    trainer.backend.prepare()
+    told_apart = 0
+    for t, batch in batches.items():
+        want = max(0, t - 1)
+        assert batch.metrics["pipeline/weight_version"] == want and batch.metrics["episodes/model_calls"] == 8
+        gaps, moved = version_gaps(trainer, snapshots, batch, want)
+        assert gaps[want] < 1e-4, (t, gaps)
+        assert all(gaps[v] > 1e-3 for v in moved), (t, gaps)
+        told_apart += len(moved)
+    assert sorted(batches) == [0, 1, 2, 3] and told_apart >= 2
+
+
 def test_dynamic_sampling_keeps_a_kept_episodes_extra_rows_with_it(tmp_path):
     """Groups whose rewards are all equal are dropped with their episodes' extra rows (Sampled.select / concat)."""
     async def episode(client, row):

@@ -155,6 +155,7 @@ class Endpoint:
                               "agents' api_key), or bind to 127.0.0.1.")
         self.engine, self.tokenizer, self.params = engine, tokenizer, params
         self.host, self.port, self.token, self.window_s, self.model_name = host, port, token, window_s, model_name
+        self.bind_port = port  # (0: a free port at each start)
         self.context = context  # entered around each engine call (the trainer's autocast)
         self.eos = tokenizer.eos_token_id
         self.episodes: dict[str, Episode] = {}
@@ -180,11 +181,16 @@ class Endpoint:
             return self
         self.batcher = EngineBatcher(self.engine, self.window_s, lambda: self.waiting, self.context)
         handler = type("Handler", (_Handler,), {"endpoint": self})
-        self.server = _Server((self.host, self.port), handler)
+        self.server = _Server((self.host, self.bind_port), handler)
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, name="grpo-endpoint", daemon=True).start()
         return self
+
+    def serving(self, engine) -> "Endpoint":
+        """A new endpoint with these settings over another engine (a rollout pinned to other weights)."""
+        return Endpoint(engine, self.tokenizer, self.params, self.host, self.bind_port, self.token, self.window_s,
+                        self.model_name, self.context)
 
     def close(self) -> None:
         if self.server is not None:

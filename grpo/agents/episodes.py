@@ -91,6 +91,17 @@ class EpisodeRollout:
         self.episodes, self.endpoint, self.budget = episodes, endpoint, budget
         self.endpoint.params = None  # (set each step from the run's sampling settings)
 
+    @property
+    def generator(self):
+        """The engine the endpoint serves from: a rollout worker's copy (max_staleness) serves from the worker's
+        engine; a copy given a server's engine pinned to a step's weights (vllm_mode: server with a lag) serves
+        from that, through an endpoint of its own."""
+        return self.endpoint.engine
+
+    @generator.setter
+    def generator(self, engine) -> None:
+        self.endpoint = self.endpoint.serving(engine)
+
     def generate(self, prompts: list, prompt_ids, columns: dict[str, list], params, seeds: list[int]) -> Trajectories:
         endpoint = self.endpoint
         endpoint.params = params
