@@ -118,8 +118,26 @@ def run(side: str, steps: int, out: Path, seed: int, window_s: float, model: str
         trainer = GRPOTrainer(model=model, args=args, train_dataset=dataset, reward_funcs=[],
                               rollout_func=Episodes(async_episode if side == "endpoint_async" else episode,
                                                     timeout_s=300, window_s=window_s))
+    cpu = rollout_cpu(trainer)
     trainer.train()
-    return [entry for entry in trainer.state.log_history if "time/step" in entry]
+    log = [entry for entry in trainer.state.log_history if "time/step" in entry]
+    return [{**entry, "cpu/generation": c} for entry, c in zip(log, cpu)]
+
+
+def rollout_cpu(trainer) -> list[float]:
+    """The CPU seconds this process spends in each rollout's generation (the loop's turns, or the episodes and the
+    endpoint), filled as the run goes: on a shared machine the wall clock measures the load as much as the work."""
+    cpu, generate = [], trainer.rollouts._generate
+
+    def timed(request):
+        t0 = time.process_time()
+        try:
+            return generate(request)
+        finally:
+            cpu.append(time.process_time() - t0)
+
+    trainer.rollouts._generate = timed
+    return cpu
 
 
 def figures(log: list[dict], warmup: int, completions: int) -> dict:
@@ -130,6 +148,8 @@ def figures(log: list[dict], warmup: int, completions: int) -> dict:
             "steps_per_s": statistics.median(1 / e["time/step"] for e in counted),
             "model_tokens_per_step": statistics.median(tokens),
             "generation_s": statistics.median(e["time/generation"] for e in counted),
+            "generation_cpu_s": statistics.median(e["cpu/generation"] for e in counted),
+            "tokens_per_cpu_s": statistics.median(t / e["cpu/generation"] for t, e in zip(tokens, counted)),
             "step_s": statistics.median(e["time/step"] for e in counted)}
 
 
@@ -210,15 +230,17 @@ def main(argv=None) -> dict:
             loads.append(os.getloadavg()[0])
     result = {name: figures(log, 0, 64) for name, log in logs.items()}
     result["ratio"] = {f"{name}/loop": {key: result[name][key] / result["loop"][key]
-                                        for key in ("generation_tokens_per_s", "steps_per_s")} for name in names[1:]}
+                                        for key in ("generation_tokens_per_s", "tokens_per_cpu_s", "steps_per_s")}
+                       for name in names[1:]}
     result["load"] = {"loadavg_1min": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)},
                       "cpus": os.cpu_count(), "threads": 1, "model": args.model,
                       "wall_s": round(time.time() - started, 1)}
     print(json.dumps(result))
     if args.markdown:
         for name in names:
-            f, ratio = result[name], result["ratio"].get(f"{name}/loop", {}).get("generation_tokens_per_s", 1.0)
-            print(f"| {name} | {f['generation_tokens_per_s']:.0f} | {ratio:.2f} | {f['steps_per_s']:.3f} | "
+            f, ratio = result[name], result["ratio"].get(f"{name}/loop", {})
+            print(f"| {name} | {f['generation_tokens_per_s']:.0f} | {ratio.get('generation_tokens_per_s', 1):.2f} | "
+                  f"{f['tokens_per_cpu_s']:.0f} | {ratio.get('tokens_per_cpu_s', 1):.2f} | {f['steps_per_s']:.3f} | "
                   f"{f['model_tokens_per_step']:.0f} | {f['generation_s']:.2f} | {f['step_s']:.2f} |")
     return result
 

@@ -150,6 +150,15 @@ def test_episodes_refuse_what_they_cannot_do(tmp_path):
         Episodes(lambda client, row: 1.0, timeout_s=0)
     with pytest.raises(ConfigError, match="^Episodes: episode must be a function"):
         Episodes("not a function")
+    # Several processes on one host serve an endpoint each: a fixed port would be taken twice (refused before any
+    # model loads).
+    from types import SimpleNamespace
+
+    from grpo.agents import make_agent_spec
+
+    with pytest.raises(ConfigError, match=r"^rollout_func: Episodes\(port=8123\) on 2 processes: .* leave port 0"):
+        make_agent_spec(config(tmp_path), rollout_func=Episodes(lambda client, row: 1.0, port=8123),
+                        accelerator=SimpleNamespace(num_processes=2))
 
 
 def test_an_agent_with_a_lag_is_served_from_the_rollout_workers_weights(tmp_path):
@@ -274,6 +283,12 @@ def test_a_run_through_the_endpoint_killed_and_resumed_ends_bit_exact(tmp_path):
 calculator_episode = calculator_agent()  # (an episode function by path, as a recipe's `agent` names it)
 
 
+def tool_calling_episode(client, row) -> float:
+    """calculator_episode rewarded for calling the calculator (tiny-tools does in about a third of its turns: groups
+    differ in reward, so the weights move), as tests/test_distributed.py's tool run is."""
+    return float(calculator_episode(client, row)["turns"] > 2)
+
+
 def test_a_config_trains_an_agent_by_its_path_with_the_tasks_data_and_the_episodes_reward(tmp_path):
     args = config(tmp_path, task="calculator", agent="test_episodes:calculator_episode")
     trainer = GRPOTrainer(model=ASSET, args=args)
@@ -286,3 +301,37 @@ def test_a_config_trains_an_agent_by_its_path_with_the_tasks_data_and_the_episod
         GRPOTrainer(model=ASSET, args=config(tmp_path, agent="test_episodes:calculator_episode",
                                              rollout_func="test_episodes:calculator_episode"),
                     train_dataset=problems())
+
+
+AGENT_RECIPE = """\
+model_name_or_path: {model}
+task: calculator
+agent: test_episodes:tool_calling_episode
+task_train_size: 64
+task_eval_size: 0
+num_generations: 4
+prompts_per_step: 4
+per_device_train_batch_size: 8
+max_completion_length: 96
+engine: transformers
+learning_rate: 1.0e-3
+adam_epsilon: 1.0e-4
+beta: 0.04
+max_steps: 2
+save_steps: 0
+report_to: []
+log_completions_steps: 0
+"""
+
+
+@pytest.mark.slow  # (two training runs, one of two processes: about a minute and a half)
+def test_an_agent_on_two_processes_matches_one(tmp_path):
+    """DDP (2 processes, gloo): each process serves its own endpoint and runs the episodes of its rows (seeds belong
+    to rows), rewards are gathered before the groups' statistics: the two processes' run is the one process's,
+    rewards and lengths equal, weights within 1e-4 (adam_epsilon 1e-4: test_distributed's tool run says why). The
+    calculator agent's calls extend one another (one row an episode); extra rows on several processes are an error
+    (grpo.agents.episodes.one_row_each)."""
+    from test_distributed import two_match_one
+
+    logs = two_match_one(tmp_path, AGENT_RECIPE, ["reward/total", "completion/mean_length"], 29547)
+    assert len(logs[0]) == 2 and all(row["train/grad_norm"] > 0 for row in logs[0])

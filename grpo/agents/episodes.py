@@ -189,6 +189,20 @@ class EpisodeRollout:
                             {"episode_reward": rewards, "episode_stats": stats}, extra_rows=extra)
 
 
+def one_row_each(procs, extra_rows) -> None:
+    """On several processes every episode must be one row (its calls each extend the last): extra rows would give
+    the processes different numbers of rows, then of micro-batches, and their collectives would not meet.
+    Collective: every process calls it for the same rollout; all raise together, naming the counts."""
+    import torch
+
+    counts = procs.gather(torch.tensor([len(extra_rows or [])], dtype=torch.long)).tolist()
+    if any(counts):
+        raise RuntimeError(f"Episodes on {procs.world} processes: episodes made calls that do not extend their "
+                           f"episode's last call (extra rows per process: {counts}); on several processes each "
+                           "episode must be one chain of calls (send the whole history each call). Run one "
+                           "process for such an agent.")
+
+
 def _reward(value) -> tuple[float | None, dict, str | None]:
     """(reward, logged values, fault) of an episode's return: a number, or a dict with "reward" and more numbers."""
     logged = {}
