@@ -159,6 +159,16 @@ def test_episodes_refuse_what_they_cannot_do(tmp_path):
     with pytest.raises(ConfigError, match=r"^rollout_func: Episodes\(port=8123\) on 2 processes: .* leave port 0"):
         make_agent_spec(config(tmp_path), rollout_func=Episodes(lambda client, row: 1.0, port=8123),
                         accelerator=SimpleNamespace(num_processes=2))
+    # An episode's extra rows on one of several processes: every process raises (the counts are gathered), naming
+    # them; none is a no-op.
+    from grpo.agents.episodes import one_row_each
+
+    other = {"extra": 3}
+    procs = SimpleNamespace(world=2, gather=lambda t: torch.cat([t, torch.tensor([other["extra"]])]))
+    with pytest.raises(RuntimeError, match=r"^Episodes on 2 processes: .*extra rows per process: \[0, 3\]"):
+        one_row_each(procs, [])
+    other["extra"] = 0
+    one_row_each(procs, None)
 
 
 def test_an_agent_with_a_lag_is_served_from_the_rollout_workers_weights(tmp_path):
