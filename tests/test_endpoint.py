@@ -222,9 +222,14 @@ def test_a_batch_waits_while_the_process_is_busy_building_requests():
     batcher = EngineBatcher(engine, window_s=1.0, expected=lambda: 2)
     first = threading.Thread(target=batcher.submit, args=([1], SamplingParams(4), 0))
     first.start()
-    end = time.monotonic() + 3.0
-    while time.monotonic() < end:  # (CPU work in this process, no request, no touch)
-        sum(range(1000))
+    def spin():  # (CPU work in a thread of this process, not its main one; no request, no touch)
+        end = time.monotonic() + 3.0
+        while time.monotonic() < end:
+            sum(range(1000))
+
+    busy = threading.Thread(target=spin)
+    busy.start()
+    busy.join()
     batcher.submit([2], SamplingParams(4), 1)
     first.join()
     batcher.close()

@@ -59,11 +59,11 @@ class _Pending:
 class EngineBatcher:
     """One thread calls the engine. A batch takes requests until `expected()` wait, or until a quiet `window_s`: no
     request arrived, no response was sent (`touch`: its episode is on its way to its next request) and this process
-    used under BUSY_CPU of the window's CPU time (its episodes are not building requests or reading replies: they wait
-    on a tool, a remote service, or are done); at most MAX_WAIT_WINDOWS windows after its first request. One engine
-    call per distinct sampling settings. (CPU time, not only the clock: on a loaded machine 64 episodes' requests
-    trickle in over longer than a window while their threads wait for a core, and a wall-clock window alone split
-    one turn's requests into two engine calls.)"""
+    used under BUSY_CPU of the window's CPU time outside its main thread (its episodes are not building requests or
+    reading replies: they wait on a tool, a remote service, or are done); at most MAX_WAIT_WINDOWS windows after its
+    first request. One engine call per distinct sampling settings. (CPU time, not only the clock: on a loaded
+    machine 64 episodes' requests trickle in over longer than a window while their threads wait for a core, and a
+    wall-clock window alone split one turn's requests into two engine calls.)"""
 
     def __init__(self, engine, window_s: float = 0.05, expected=lambda: 0, context=contextlib.nullcontext):
         # `context()`: entered around each engine call, in this thread (autocast is per thread: the trainer's)
@@ -97,12 +97,12 @@ class EngineBatcher:
             if first is None:
                 return
             batch = [first]
-            self.last, cpu = time.monotonic(), time.process_time()
+            self.last, cpu = time.monotonic(), _busy_clock()
             cap = self.last + MAX_WAIT_WINDOWS * self.window_s
             while len(batch) < max(1, self.expected()):  # (until the running episodes all wait, or a quiet window)
                 left = min(self.last + self.window_s, cap) - time.monotonic()
-                if left <= 0 and time.monotonic() < cap and time.process_time() - cpu > BUSY_CPU * self.window_s:
-                    self.last, cpu = time.monotonic(), time.process_time()  # (the process is busy: not quiet)
+                if left <= 0 and time.monotonic() < cap and _busy_clock() - cpu > BUSY_CPU * self.window_s:
+                    self.last, cpu = time.monotonic(), _busy_clock()  # (the process is busy: not quiet)
                     continue
                 if left <= 0:
                     break
@@ -141,6 +141,15 @@ class EngineBatcher:
         finally:
             for item in items:
                 item.done.set()
+
+
+def _busy_clock() -> float:
+    """CPU seconds of this process but its main thread's: the episodes' and the endpoint's work, not the trainer's
+    update, which runs there meanwhile on the vLLM server path with a lag (its intra-op threads still count)."""
+    try:
+        return time.process_time() - time.clock_gettime(time.pthread_getcpuclockid(threading.main_thread().ident))
+    except (AttributeError, OSError):  # (no per-thread clocks here)
+        return time.process_time()
 
 
 class Endpoint:
