@@ -313,35 +313,17 @@ def test_a_config_trains_an_agent_by_its_path_with_the_tasks_data_and_the_episod
                     train_dataset=problems())
 
 
-AGENT_RECIPE = """\
-model_name_or_path: {model}
-task: calculator
-agent: test_episodes:tool_calling_episode
-task_train_size: 64
-task_eval_size: 0
-num_generations: 4
-prompts_per_step: 4
-per_device_train_batch_size: 8
-max_completion_length: 96
-engine: transformers
-learning_rate: 1.0e-3
-adam_epsilon: 1.0e-4
-beta: 0.04
-max_steps: 2
-save_steps: 0
-report_to: []
-log_completions_steps: 0
-"""
-
-
-@pytest.mark.slow  # (two training runs, one of two processes: about a minute and a half)
+@pytest.mark.slow  # (two training runs, one of two processes: 35 s on an idle machine, 3 min on a loaded one)
 def test_an_agent_on_two_processes_matches_one(tmp_path):
     """DDP (2 processes, gloo): each process serves its own endpoint and runs the episodes of its rows (seeds belong
     to rows), rewards are gathered before the groups' statistics: the two processes' run is the one process's,
     rewards and lengths equal, weights within 1e-4 (adam_epsilon 1e-4: test_distributed's tool run says why). The
     calculator agent's calls extend one another (one row an episode); extra rows on several processes are an error
     (grpo.agents.episodes.one_row_each)."""
-    from test_distributed import two_match_one
+    from test_distributed import TOOLS_RECIPE, two_match_one
 
-    logs = two_match_one(tmp_path, AGENT_RECIPE, ["reward/total", "completion/mean_length"], 29547)
+    tools = 'reward_funcs: ["math_accuracy", "rewards_for_tests:called_a_tool"]\n'
+    assert tools in TOOLS_RECIPE  # (the tool run's recipe, the agent in place of the loop's tools and rewards)
+    recipe = TOOLS_RECIPE.replace(tools, "agent: test_episodes:tool_calling_episode\n")
+    logs = two_match_one(tmp_path, recipe, ["reward/total", "completion/mean_length"], 29547)
     assert len(logs[0]) == 2 and all(row["train/grad_norm"] > 0 for row in logs[0])
