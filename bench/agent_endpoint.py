@@ -1,8 +1,10 @@
 """The endpoint's cost: the calculator task trained through grpo's OpenAI-compatible endpoint (an agent of the
-`openai` client as `Episodes`) against grpo's built-in tool loop, on the same engine, model, data and seeds, in one
-process, the two sides alternating.
+`openai` client as `Episodes`) against grpo's built-in tool loop, on the same engine, model, data and seeds, each
+run in a process of its own, the sides alternating.
 
     python bench/agent_endpoint.py --steps 4 --rounds 2          # prints one JSON line; --markdown: a table too
+    python bench/agent_endpoint.py --before 6489e61 --rounds 3   # and the endpoint as of a commit, interleaved
+    python bench/agent_endpoint.py --model wider-512-4           # a larger random model (see wider_model)
 
 Both sides train the shipped tiny tools model (`recipes/calculator_tools.yaml`'s settings: 8 prompts x 8 completions,
 128 completion tokens, at most 2 rounds of calculator calls). The agent does what the loop does: it sends the
@@ -10,7 +12,8 @@ conversation with the calculator's schema, runs the calls it gets back (the same
 process rather than in the loop's tool workers) and goes on, at most 2 rounds. A step's model tokens are the
 tokens the model sampled (`completion/mean_length` x completions); generation tokens/s divides them by the step's
 `time/generation` (the rollout: the loop's turns, or the episodes through the endpoint), steps/s by `time/step`.
-The first `--warmup` steps of each run are not counted; figures are medians over the counted steps of both rounds.
+The first `--warmup` steps of each run are not counted; figures are medians over the counted steps of all rounds,
+and the load average is sampled before and after each run (the machine may be shared: report it).
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import argparse
 import json
 import logging
 import os
+import re
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -72,17 +77,18 @@ def went_on(history: list[dict], message, turn: int) -> bool:
     return True
 
 
-def wider_model(out: Path) -> str:
-    """A randomly initialised Qwen2 of hidden 256, 4 layers, MLP 1024 (4.3M parameters, ~4x tiny-tools' cost a
-    token) with tiny-tools' tokenizer and chat template: a turn that costs more to sample against the same
-    per-request costs. It calls no tool (its `<tool_call>` is random), so both sides run with 0 rounds of calls."""
+def wider_model(out: Path, hidden: int = 256, layers: int = 4) -> str:
+    """A randomly initialised Qwen2 of `hidden` (MLP 4 x hidden) and `layers` with tiny-tools' tokenizer and chat
+    template (256 x 4: 4.3M parameters, ~4x tiny-tools' cost a token): a turn that costs more to sample against the
+    same per-request costs. It calls no tool (its `<tool_call>` is random), so both sides run with 0 rounds of
+    calls."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    path = out / "wider-model"
+    path = out / f"wider-{hidden}-{layers}"
     if not (path / "config.json").exists():
         config = AutoConfig.from_pretrained(ASSET)
-        config.hidden_size, config.intermediate_size, config.num_hidden_layers = 256, 1024, 4
+        config.hidden_size, config.intermediate_size, config.num_hidden_layers = hidden, 4 * hidden, layers
         config.num_attention_heads = config.num_key_value_heads = 4
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(config).save_pretrained(path)
@@ -112,8 +118,26 @@ def run(side: str, steps: int, out: Path, seed: int, window_s: float, model: str
         trainer = GRPOTrainer(model=model, args=args, train_dataset=dataset, reward_funcs=[],
                               rollout_func=Episodes(async_episode if side == "endpoint_async" else episode,
                                                     timeout_s=300, window_s=window_s))
+    cpu = rollout_cpu(trainer)
     trainer.train()
-    return [entry for entry in trainer.state.log_history if "time/step" in entry]
+    log = [entry for entry in trainer.state.log_history if "time/step" in entry]
+    return [{**entry, "cpu/generation": c} for entry, c in zip(log, cpu)]
+
+
+def rollout_cpu(trainer) -> list[float]:
+    """The CPU seconds this process spends in each rollout's generation (the loop's turns, or the episodes and the
+    endpoint), filled as the run goes: on a shared machine the wall clock measures the load as much as the work."""
+    cpu, generate = [], trainer.rollouts._generate
+
+    def timed(request):
+        t0 = time.process_time()
+        try:
+            return generate(request)
+        finally:
+            cpu.append(time.process_time() - t0)
+
+    trainer.rollouts._generate = timed
+    return cpu
 
 
 def figures(log: list[dict], warmup: int, completions: int) -> dict:
@@ -124,10 +148,12 @@ def figures(log: list[dict], warmup: int, completions: int) -> dict:
             "steps_per_s": statistics.median(1 / e["time/step"] for e in counted),
             "model_tokens_per_step": statistics.median(tokens),
             "generation_s": statistics.median(e["time/generation"] for e in counted),
+            "generation_cpu_s": statistics.median(e["cpu/generation"] for e in counted),
+            "tokens_per_cpu_s": statistics.median(t / e["cpu/generation"] for t, e in zip(tokens, counted)),
             "step_s": statistics.median(e["time/step"] for e in counted)}
 
 
-def main(argv=None) -> dict:
+def parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4, help="steps per run (the warm-up included)")
     parser.add_argument("--warmup", type=int, default=1)
@@ -135,39 +161,89 @@ def main(argv=None) -> dict:
     parser.add_argument("--window-s", type=float, default=0.05, help="the endpoint's batching window")
     parser.add_argument("--out", default="/tmp/grpo-bench-agent-endpoint")
     parser.add_argument("--markdown", action="store_true")
-    parser.add_argument("--model", choices=("tiny-tools", "wider"), default="tiny-tools",
-                        help="wider: a random 4.3M-parameter model, one call an episode (see wider_model)")
+    parser.add_argument("--model", default="tiny-tools", help="tiny-tools, or wider-H-L: a random model of hidden "
+                        "H and L layers, one call an episode (see wider_model); wider is wider-256-4")
+    parser.add_argument("--before", metavar="REV", help="also run the endpoint's sides with grpo as of git "
+                        "revision REV (extracted with git archive), interleaved with the rest")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # (a child: run this side, print its log)
+    parser.add_argument("--tree", default=str(ROOT), help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.steps <= args.warmup:
         parser.error("--steps must be more than --warmup")
-    logging.basicConfig(level=logging.WARNING)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    global ROUNDS_OF_CALLS
-    model = ASSET
     if args.model == "wider":
-        ROUNDS_OF_CALLS, model = 0, wider_model(Path(args.out))
-    sides = ("loop", "endpoint", "endpoint_async")
-    logs: dict[str, list[dict]] = {side: [] for side in sides}
-    started = time.time()
+        args.model = "wider-256-4"
+    if args.model != "tiny-tools" and not re.fullmatch(r"wider-\d+-\d+", args.model):
+        parser.error(f"--model: tiny-tools or wider-H-L, got {args.model!r}")
+    return args
+
+
+def child(args) -> None:
+    """One run of one side in this process, with grpo imported from `args.tree`; prints its per-step log."""
+    global ROUNDS_OF_CALLS
+    sys.path.insert(0, args.tree)
+    logging.basicConfig(level=logging.WARNING)
+    model = ASSET
+    if args.model != "tiny-tools":
+        hidden, layers = map(int, args.model.split("-")[1:])
+        ROUNDS_OF_CALLS, model = 0, wider_model(Path(args.out), hidden, layers)
+    label = args.one + ("@before" if args.tree != str(ROOT) else "")
+    log = run(args.one, args.steps, Path(args.out) / f"seed{args.seed}" / label, args.seed, args.window_s, model)
+    print(json.dumps(log))
+
+
+def before_tree(rev: str, out: Path) -> str:
+    """grpo's files as of `rev`, extracted under `out` (git archive: the repository is not touched)."""
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", rev], check=True, capture_output=True,
+                            text=True).stdout.strip()
+    tree = out / f"tree-{commit}"
+    if not (tree / "grpo").exists():
+        tree.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit, "grpo"], check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    return str(tree)
+
+
+def main(argv=None) -> dict:
+    args = parse(argv)
+    if args.one:
+        return child(args)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sides = [("loop", str(ROOT)), ("endpoint", str(ROOT)), ("endpoint_async", str(ROOT))]
+    if args.before:
+        tree = before_tree(args.before, Path(args.out))
+        sides += [("endpoint", tree), ("endpoint_async", tree)]
+    names = [side + ("@before" if tree != str(ROOT) else "") for side, tree in sides]
+    logs: dict[str, list[dict]] = {name: [] for name in names}
+    loads, started = [os.getloadavg()[0]], time.time()
     for r in range(args.rounds):
-        for side in sides[r % 3:] + sides[:r % 3]:  # (each round starts with the next side)
-            logs[side] += run(side, args.steps, Path(args.out) / f"round{r}", seed=r, window_s=args.window_s,
-                              model=model)[args.warmup:]
-    result = {side: figures(log, 0, 64) for side, log in logs.items()}
-    result["ratio"] = {f"{side}/loop": {key: result[side][key] / result["loop"][key]
-                                        for key in ("generation_tokens_per_s", "steps_per_s")}
-                       for side in sides[1:]}
-    result["load"] = {"loadavg_1min_at_end": os.getloadavg()[0], "cpus": os.cpu_count(), "threads": 1,
+        for k in [*range(r % len(sides), len(sides)), *range(r % len(sides))]:  # (each round starts further on)
+            side, tree = sides[k]
+            command = [sys.executable, str(Path(__file__).resolve()), "--one", side, "--tree", tree, "--seed", str(r),
+                       "--steps", str(args.steps), "--window-s", str(args.window_s), "--out", args.out,
+                       "--model", args.model]
+            done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": tree})
+            if done.returncode != 0:
+                raise SystemExit(f"{names[k]} (round {r}) failed:\n{done.stderr[-3000:]}")
+            logs[names[k]] += json.loads(done.stdout.strip().splitlines()[-1])[args.warmup:]
+            loads.append(os.getloadavg()[0])
+    result = {name: figures(log, 0, 64) for name, log in logs.items()}
+    result["ratio"] = {f"{name}/loop": {key: result[name][key] / result["loop"][key]
+                                        for key in ("generation_tokens_per_s", "tokens_per_cpu_s", "steps_per_s")}
+                       for name in names[1:]}
+    result["load"] = {"loadavg_1min": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)},
+                      "cpus": os.cpu_count(), "threads": 1, "model": args.model,
                       "wall_s": round(time.time() - started, 1)}
     print(json.dumps(result))
     if args.markdown:
-        for side in sides:
-            f = result[side]
-            print(f"| {side} | {f['generation_tokens_per_s']:.0f} | {f['steps_per_s']:.3f} | "
+        for name in names:
+            f, ratio = result[name], result["ratio"].get(f"{name}/loop", {})
+            print(f"| {name} | {f['generation_tokens_per_s']:.0f} | {ratio.get('generation_tokens_per_s', 1):.2f} | "
+                  f"{f['tokens_per_cpu_s']:.0f} | {ratio.get('tokens_per_cpu_s', 1):.2f} | {f['steps_per_s']:.3f} | "
                   f"{f['model_tokens_per_step']:.0f} | {f['generation_s']:.2f} | {f['step_s']:.2f} |")
     return result
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     main()

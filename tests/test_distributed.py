@@ -203,9 +203,18 @@ def test_a_tool_run_on_two_processes_matches_one(tmp_path):
     reason: with 1e-8, gradient entries near 0 (float noise of the all-reduce's summation order) still become
     steps of about lr (measured: 4e-4 apart on a few entries, grad norms equal to 2e-6 relative, every trajectory
     identical); with 1e-4 equal gradients give equal weights."""
+    keys = ["reward/total", "tools/calls_per_completion", "tools/turns_per_completion", "tools/model_token_frac",
+            "completion/mean_length"]
+    logs = two_match_one(tmp_path, TOOLS_RECIPE, keys)
+    assert all(row["tools/calls_per_completion"] > 0 for row in logs[0])  # the runs did call the tool
+
+
+def two_match_one(tmp_path, recipe: str, keys: list[str]) -> list[list[dict]]:
+    """`recipe` (formatted with the shipped tiny-tools model) run on 2 processes and on 1: the weights within 1e-4,
+    the logged `keys` equal, the gradient norms within 1e-4 relative; the two runs' logs (one, two)."""
     model = Path(__file__).resolve().parents[1] / "grpo" / "assets" / "tiny-tools"
     env = job(tmp_path, model)
-    (tmp_path / "recipe.yaml").write_text(TOOLS_RECIPE.format(model=model))
+    (tmp_path / "recipe.yaml").write_text(recipe.format(model=model))
     run(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "grpo.cli"],
         tmp_path / "two", env)
     run(["-m", "grpo.cli"], tmp_path / "one", env)
@@ -214,12 +223,10 @@ def test_a_tool_run_on_two_processes_matches_one(tmp_path):
     assert max((one[k] - two[k]).abs().max().item() for k in one) < 1e-4
     logs = [[json.loads(line) for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
             for d in ("one", "two")]
-    keys = ["reward/total", "tools/calls_per_completion", "tools/turns_per_completion", "tools/model_token_frac",
-            "completion/mean_length"]
     assert [[row[k] for k in keys] for row in logs[0]] == [[row[k] for k in keys] for row in logs[1]]
     for a, b in zip(*logs):
         assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-4)
-    assert all(row["tools/calls_per_completion"] > 0 for row in logs[0])  # the runs did call the tool
+    return logs
 
 
 def test_the_cpu_ddp_config_launches_two_processes_with_every_gpu_hidden():

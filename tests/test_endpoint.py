@@ -212,6 +212,30 @@ def test_a_batch_waits_while_episodes_make_progress_and_closes_after_a_quiet_win
     assert engine.batches == [2, 1]
 
 
+def test_a_batch_waits_while_the_process_is_busy_building_requests():
+    """No request and no response for 3 windows, but this process's CPU busy (episodes' threads building their
+    requests on a loaded machine): the batch stays open, and the late request joins it. Without the CPU check the
+    window closed after 1 s: [1, 1]. (The spinning thread needs only BUSY_CPU = 10% of a core to count as busy.)"""
+    from grpo.agents.endpoint import EngineBatcher
+
+    engine = Counting(ScriptedGenerator(lambda ids, rng: [5, 0], [0]))
+    batcher = EngineBatcher(engine, window_s=1.0, expected=lambda: 2)
+    first = threading.Thread(target=batcher.submit, args=([1], SamplingParams(4), 0))
+    first.start()
+    def spin():  # (CPU work in a thread of this process, not its main one; no request, no touch)
+        end = time.monotonic() + 3.0
+        while time.monotonic() < end:
+            sum(range(1000))
+
+    busy = threading.Thread(target=spin)
+    busy.start()
+    busy.join()
+    batcher.submit([2], SamplingParams(4), 1)
+    first.join()
+    batcher.close()
+    assert engine.batches == [2]
+
+
 def agent_turns(c, tools=TOOLS) -> list:
     """A two-call agent: ask, answer the tool call with 17834, ask again with the whole history."""
     first = c.chat.completions.create(model="m", messages=QUESTION, tools=tools).choices[0].message

@@ -150,6 +150,57 @@ def test_episodes_refuse_what_they_cannot_do(tmp_path):
         Episodes(lambda client, row: 1.0, timeout_s=0)
     with pytest.raises(ConfigError, match="^Episodes: episode must be a function"):
         Episodes("not a function")
+    # Several processes on one host serve an endpoint each: a fixed port would be taken twice (refused before any
+    # model loads).
+    from types import SimpleNamespace
+
+    from grpo.agents import make_agent_spec
+
+    with pytest.raises(ConfigError, match=r"^rollout_func: Episodes\(port=8123\) on 2 processes: .* leave port 0"):
+        make_agent_spec(config(tmp_path), rollout_func=Episodes(lambda client, row: 1.0, port=8123),
+                        accelerator=SimpleNamespace(num_processes=2))
+    # An episode's extra rows on one of several processes: every process raises (the counts are gathered), naming
+    # them; none is a no-op.
+    from grpo.agents.episodes import one_row_each
+
+    other = {"extra": 3}
+    procs = SimpleNamespace(world=2, gather=lambda t: torch.cat([t, torch.tensor([other["extra"]])]))
+    with pytest.raises(RuntimeError, match=r"^Episodes on 2 processes: .*extra rows per process: \[0, 3\]"):
+        one_row_each(procs, [])
+    other["extra"] = 0
+    one_row_each(procs, None)
+
+
+def test_an_agent_with_a_lag_is_served_from_the_rollout_workers_weights(tmp_path):
+    """max_staleness 1: the episodes run in the forked rollout worker, against an endpoint served there from the
+    worker's engine. Rollout t's rows (the log-probs the endpoint recorded as it sampled, extra rows included) are
+    those of the trainer's weights at rollout max(0, t - 1), not of the versions next to it; the logged weight
+    versions say so; the run trains. (1e-4: the engine-vs-update tolerance of the test above; a step moves the
+    tiny model's log-probs by more than 1e-3 at this learning rate, as tests/test_async.py holds it to.)"""
+    from test_async import recording, version_gaps
+
+    async def episode(client, row):
+        await client.chat.completions.create(model="policy", messages=messages(row), tools=TOOLS, max_tokens=24)
+        await client.chat.completions.create(model="policy", messages=messages(row) + [
+            {"role": "user", "content": "Again."}], tools=TOOLS, max_tokens=24)
+        # (a group's two episodes are e2k and e2k+1: rewards 1 and 0, so every step moves the weights)
+        return float(int(str(client.base_url).split("/episodes/e")[1].split("/")[0]) % 2 == 0)
+
+    trainer = GRPOTrainer(model=ASSET, args=config(tmp_path, max_staleness=1, max_steps=4, num_threads=1,
+                                                   learning_rate=3e-3), train_dataset=problems(16),
+                          reward_funcs=[], rollout_func=Episodes(episode))
+    snapshots, batches = recording(trainer)
+    trainer.train()
+    trainer.backend.prepare()
+    told_apart = 0
+    for t, batch in batches.items():
+        want = max(0, t - 1)
+        assert batch.metrics["pipeline/weight_version"] == want and batch.metrics["episodes/model_calls"] == 8
+        gaps, moved = version_gaps(trainer, snapshots, batch, want)
+        assert gaps[want] < 1e-4, (t, gaps)
+        assert all(gaps[v] > 1e-3 for v in moved), (t, gaps)
+        told_apart += len(moved)
+    assert sorted(batches) == [0, 1, 2, 3] and told_apart >= 2
 
 
 def test_dynamic_sampling_keeps_a_kept_episodes_extra_rows_with_it(tmp_path):
@@ -242,6 +293,12 @@ def test_a_run_through_the_endpoint_killed_and_resumed_ends_bit_exact(tmp_path):
 calculator_episode = calculator_agent()  # (an episode function by path, as a recipe's `agent` names it)
 
 
+def tool_calling_episode(client, row) -> float:
+    """calculator_episode rewarded for calling the calculator (tiny-tools does in about a third of its turns: groups
+    differ in reward, so the weights move), as tests/test_distributed.py's tool run is."""
+    return float(calculator_episode(client, row)["turns"] > 2)
+
+
 def test_a_config_trains_an_agent_by_its_path_with_the_tasks_data_and_the_episodes_reward(tmp_path):
     args = config(tmp_path, task="calculator", agent="test_episodes:calculator_episode")
     trainer = GRPOTrainer(model=ASSET, args=args)
@@ -254,3 +311,19 @@ def test_a_config_trains_an_agent_by_its_path_with_the_tasks_data_and_the_episod
         GRPOTrainer(model=ASSET, args=config(tmp_path, agent="test_episodes:calculator_episode",
                                              rollout_func="test_episodes:calculator_episode"),
                     train_dataset=problems())
+
+
+@pytest.mark.slow  # (two training runs, one of two processes: 35 s on an idle machine, 3 min on a loaded one)
+def test_an_agent_on_two_processes_matches_one(tmp_path):
+    """DDP (2 processes, gloo): each process serves its own endpoint and runs the episodes of its rows (seeds belong
+    to rows), rewards are gathered before the groups' statistics: the two processes' run is the one process's,
+    rewards and lengths equal, weights within 1e-4 (adam_epsilon 1e-4: test_distributed's tool run says why). The
+    calculator agent's calls extend one another (one row an episode); extra rows on several processes are an error
+    (grpo.agents.episodes.one_row_each)."""
+    from test_distributed import TOOLS_RECIPE, two_match_one
+
+    tools = 'reward_funcs: ["math_accuracy", "rewards_for_tests:called_a_tool"]\n'
+    assert tools in TOOLS_RECIPE  # (the tool run's recipe, the agent in place of the loop's tools and rewards)
+    recipe = TOOLS_RECIPE.replace(tools, "agent: test_episodes:tool_calling_episode\n")
+    logs = two_match_one(tmp_path, recipe, ["reward/total", "completion/mean_length"])
+    assert len(logs[0]) == 2 and all(row["train/grad_norm"] > 0 for row in logs[0])

@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 LOCAL = ("127.0.0.1", "localhost", "::1")
 MAX_BODY = 16 * 2**20
 MAX_WAIT_WINDOWS = 40  # a batch waits for late requests at most this many windows after its first
+BUSY_CPU = 0.1  # a window in which the process used more CPU time than this share of it is not quiet
 ROUTE = re.compile(r"^(?:/episodes/(?P<key>[A-Za-z0-9_-]+))?/v1/(?P<what>chat/completions|completions|models)/?$")
 
 
@@ -56,9 +57,13 @@ class _Pending:
 
 
 class EngineBatcher:
-    """One thread calls the engine. A batch takes requests until `expected()` wait, or until neither a request
-    arrived nor a response was sent (`touch`) for `window_s` (a response sent: its episode is on its way to its next
-    request), at most MAX_WAIT_WINDOWS windows after its first; one engine call per distinct sampling settings."""
+    """One thread calls the engine. A batch takes requests until `expected()` wait, or until a quiet `window_s`: no
+    request arrived, no response was sent (`touch`: its episode is on its way to its next request) and this process
+    used under BUSY_CPU of the window's CPU time outside its main thread (its episodes are not building requests or
+    reading replies: they wait on a tool, a remote service, or are done); at most MAX_WAIT_WINDOWS windows after its
+    first request. One engine call per distinct sampling settings. (CPU time, not only the clock: on a loaded
+    machine 64 episodes' requests trickle in over longer than a window while their threads wait for a core, and a
+    wall-clock window alone split one turn's requests into two engine calls.)"""
 
     def __init__(self, engine, window_s: float = 0.05, expected=lambda: 0, context=contextlib.nullcontext):
         # `context()`: entered around each engine call, in this thread (autocast is per thread: the trainer's)
@@ -92,10 +97,13 @@ class EngineBatcher:
             if first is None:
                 return
             batch = [first]
-            self.last = time.monotonic()
+            self.last, cpu = time.monotonic(), _busy_clock()
             cap = self.last + MAX_WAIT_WINDOWS * self.window_s
             while len(batch) < max(1, self.expected()):  # (until the running episodes all wait, or a quiet window)
                 left = min(self.last + self.window_s, cap) - time.monotonic()
+                if left <= 0 and time.monotonic() < cap and _busy_clock() - cpu > BUSY_CPU * self.window_s:
+                    self.last, cpu = time.monotonic(), _busy_clock()  # (the process is busy: not quiet)
+                    continue
                 if left <= 0:
                     break
                 try:
@@ -135,6 +143,15 @@ class EngineBatcher:
                 item.done.set()
 
 
+def _busy_clock() -> float:
+    """CPU seconds of this process but its main thread's: the episodes' and the endpoint's work, not the trainer's
+    update, which runs there meanwhile on the vLLM server path with a lag (its intra-op threads still count)."""
+    try:
+        return time.process_time() - time.clock_gettime(time.pthread_getcpuclockid(threading.main_thread().ident))
+    except (AttributeError, OSError):  # (no per-thread clocks here)
+        return time.process_time()
+
+
 class Endpoint:
     """The server (see the module's docstring). `params`: the default sampling settings; in an episode the run's
     settings are used whatever the request asks (the trainer's log-probs assume them), its max_tokens aside."""
@@ -147,6 +164,7 @@ class Endpoint:
                               "agents' api_key), or bind to 127.0.0.1.")
         self.engine, self.tokenizer, self.params = engine, tokenizer, params
         self.host, self.port, self.token, self.window_s, self.model_name = host, port, token, window_s, model_name
+        self.bind_port = port  # (0: a free port at each start)
         self.context = context  # entered around each engine call (the trainer's autocast)
         self.eos = tokenizer.eos_token_id
         self.episodes: dict[str, Episode] = {}
@@ -172,11 +190,16 @@ class Endpoint:
             return self
         self.batcher = EngineBatcher(self.engine, self.window_s, lambda: self.waiting, self.context)
         handler = type("Handler", (_Handler,), {"endpoint": self})
-        self.server = _Server((self.host, self.port), handler)
+        self.server = _Server((self.host, self.bind_port), handler)
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, name="grpo-endpoint", daemon=True).start()
         return self
+
+    def serving(self, engine) -> "Endpoint":
+        """A new endpoint with these settings over another engine (a rollout pinned to other weights)."""
+        return Endpoint(engine, self.tokenizer, self.params, self.host, self.bind_port, self.token, self.window_s,
+                        self.model_name, self.context)
 
     def close(self) -> None:
         if self.server is not None:

@@ -91,6 +91,17 @@ class EpisodeRollout:
         self.episodes, self.endpoint, self.budget = episodes, endpoint, budget
         self.endpoint.params = None  # (set each step from the run's sampling settings)
 
+    @property
+    def generator(self):
+        """The engine the endpoint serves from: a rollout worker's copy (max_staleness) serves from the worker's
+        engine; a copy given a server's engine pinned to a step's weights (vllm_mode: server with a lag) serves
+        from that, through an endpoint of its own."""
+        return self.endpoint.engine
+
+    @generator.setter
+    def generator(self, engine) -> None:
+        self.endpoint = self.endpoint.serving(engine)
+
     def generate(self, prompts: list, prompt_ids, columns: dict[str, list], params, seeds: list[int]) -> Trajectories:
         endpoint = self.endpoint
         endpoint.params = params
@@ -106,9 +117,11 @@ class EpisodeRollout:
 
         self.endpoint.waiting = len(keys)
         # One HTTP client for the step's episodes (an openai client making its own costs ~0.1 s of CPU: its
-        # connection pool and TLS context), unless the user's client_kwargs give one.
+        # connection pool and TLS context), unless the user's client_kwargs give one. verify=False: the endpoint is
+        # plain HTTP, and the certificate store a verifying client loads costs 0.13-0.17 s of CPU a step.
         shared = None if "http_client" in self.episodes.client_kwargs else (
-            openai.DefaultAsyncHttpxClient() if self.episodes.is_async else openai.DefaultHttpxClient())
+            openai.DefaultAsyncHttpxClient(verify=False) if self.episodes.is_async
+            else openai.DefaultHttpxClient(verify=False))
         try:
             return await asyncio.gather(*(self._one(row, key, shared) for row, key in zip(rows, keys)))
         finally:
@@ -174,6 +187,20 @@ class EpisodeRollout:
         return Trajectories(list(prompts), list(prompt_ids), ids, masks, truncated, logprobs, completions,
                             [{k: v for k, v in s.items() if k != "logged"} for s in stats],
                             {"episode_reward": rewards, "episode_stats": stats}, extra_rows=extra)
+
+
+def one_row_each(procs, extra_rows) -> None:
+    """On several processes every episode must be one row (its calls each extend the last): extra rows would give
+    the processes different numbers of rows, then of micro-batches, and their collectives would not meet.
+    Collective: every process calls it for the same rollout; all raise together, naming the counts."""
+    import torch
+
+    counts = procs.gather(torch.tensor([len(extra_rows or [])], dtype=torch.long)).tolist()
+    if any(counts):
+        raise RuntimeError(f"Episodes on {procs.world} processes: episodes made calls that do not extend their "
+                           f"episode's last call (extra rows per process: {counts}); on several processes each "
+                           "episode must be one chain of calls (send the whole history each call). Run one "
+                           "process for such an agent.")
 
 
 def _reward(value) -> tuple[float | None, dict, str | None]:

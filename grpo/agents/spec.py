@@ -114,11 +114,12 @@ def make_agent_spec(cfg, tools=None, environment_factory=None, rollout_func=None
     if cfg.step_reward_funcs:
         raise ConfigError("step_reward_funcs: process supervision is not built for multi-turn rollouts (tools, "
                           "environments, rollout_func); remove one of them.")
-    if getattr(rollout, "reads_rows", False) and accelerator is not None and accelerator.num_processes > 1:
-        raise ConfigError("rollout_func: Episodes (an agent through the endpoint) runs on one process for now (an "
-                          "episode may make several training rows, and processes would then step differently); "
-                          "launch one process.")
-    if rollout is None and accelerator is not None and accelerator.num_processes > 1 and _sharded(accelerator):
+    episodes, several = getattr(rollout, "reads_rows", False), accelerator is not None and \
+        accelerator.num_processes > 1
+    if episodes and several and rollout.port:
+        raise ConfigError(f"rollout_func: Episodes(port={rollout.port}) on {accelerator.num_processes} processes: "
+                          "each process serves its own endpoint; leave port 0 (a free port each).")
+    if (rollout is None or episodes) and several and _sharded(accelerator):
         raise ConfigError("tools: multi-turn rollouts with sharded weights (FSDP2, ZeRO-3) on several processes are "
                           "not built yet (each turn's generation is collective there, and processes take different "
                           "numbers of turns); use DDP or ZeRO-2, or a rollout_func.")

@@ -262,8 +262,6 @@ def _validate_staleness(cfg) -> None:
     check(not cfg.use_vllm or cfg.vllm_mode == "server", "max_staleness", "a colocated vLLM engine shares the "
           "trainer's process and device, so it cannot generate while the update runs; use vllm_mode: server (a "
           "`grpo vllm-serve` on other devices), or set max_staleness: 0.")
-    check(not cfg.agent, "max_staleness", "an agent's episodes are served from the trainer's own engine (not yet a "
-          "lag pipeline's); set max_staleness: 0.")
     check(not cfg.rollout_func, "max_staleness", "a rollout_func is handed the trainer itself, whose weights a "
           "rollout made ahead would see mid-update; set max_staleness: 0.")
     check(cfg.use_vllm or not (cfg.tools or cfg.environment_factory), "max_staleness", "multi-turn rollouts "

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from grpo.agents.episodes import EpisodeRollout, one_row_each
 from grpo.agents.metrics import agent_metrics
 from grpo.engines.base import SamplingParams, row_seed
 from grpo.engines.vllm_server import ServersDown
@@ -181,6 +182,8 @@ class Rollouts:
         cfg = self.cfg
         t0 = time.perf_counter()
         rewards, outcome = outcome_advantages(cfg, self.procs, s, self.rewards, self.G)
+        if self.procs.world > 1 and isinstance(self.agent, EpisodeRollout):
+            one_row_each(self.procs, s.extra_rows)  # (collective)
         input_ids, attention, cmask = rollout_tensors(s, cfg.mask_truncated_completions, self.tokenizer.pad_token_id)
         if s.extra_rows:  # an episode's calls that did not extend its first row: rows of their own, its advantage
             outcome = torch.cat([outcome, outcome[[e[0] for e in s.extra_rows]]])

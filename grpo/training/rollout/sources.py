@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from grpo.agents import AgentRollout
+from grpo.agents.episodes import EpisodeRollout
 from grpo.config import ConfigError
 from grpo.config.derived import needs_reference
 from grpo.training.rollout.pipeline import LaggedRollouts
@@ -81,10 +82,11 @@ def make_source(cfg, rollouts: Rollouts, policy, device, rollout_steps: int, tot
     changes (no sync_ref_model) and planning the passes needs no other process (no token budget over several)."""
     if cfg.max_staleness == 0:
         return SyncRollouts(rollouts)
-    if rollouts.agent is not None and not isinstance(rollouts.agent, AgentRollout):
+    episodes = isinstance(rollouts.agent, EpisodeRollout)  # (an agent's endpoint is served where the engine is)
+    if rollouts.agent is not None and not isinstance(rollouts.agent, AgentRollout) and not episodes:
         raise ConfigError("max_staleness: a rollout_func is handed the trainer itself, whose weights a rollout made "
                           "ahead would see mid-update; set max_staleness: 0.")
-    if rollouts.agent is not None and not cfg.use_vllm:
+    if rollouts.agent is not None and not cfg.use_vllm and not episodes:
         raise ConfigError("max_staleness: multi-turn rollouts with a lag run on the vLLM server path (use_vllm, "
                           "vllm_mode: server), where tools and environments stay in the trainer's process; a forked "
                           "rollout worker would share the trainer's tool processes and environment instances. Use "
