@@ -18,7 +18,9 @@ from safetensors.torch import load_file
 from test_distributed import F32_EPS, LINEAR_ADAM, RECIPE, job, run
 from test_sharded import KINDS, free_port, launch
 
-OVERRIDES = ["engine=transformers", *LINEAR_ADAM]
+# Routing replay on and each rollout trained twice (test_moe_expert_parallel.REPLAY): the one-process run's replay
+# overrides the live routers for some tokens, so a sharded pass that dropped it would end far from its weights.
+OVERRIDES = ["engine=transformers", *LINEAR_ADAM, "router_replay=R3", "num_iterations=2"]
 
 
 def metrics(out) -> list[dict]:
@@ -46,8 +48,9 @@ def test_moe_under_sharded_weights_matches_one_process(one_process, kind):
     out = base / kind
     run(launch(base, kind, "--main_process_port", str(free_port())), out, env, overrides=OVERRIDES)
     one, sharded = metrics(base / "one"), metrics(out)
+    assert max(r.get("moe/routing_mismatch", 0) for r in one) > 0  # (the replay overrode the live routers)
     assert "num_generations: 8\nprompts_per_step: 4" in RECIPE and "max_completion_length: 8" in RECIPE
-    assert [r["reward/total"] for r in sharded] == [r["reward/total"] for r in one]
+    assert [r.get("reward/total") for r in sharded] == [r.get("reward/total") for r in one]
     rel = 8 * F32_EPS * (32 * (4 + 8)) ** 0.5
     for a, b in zip(one, sharded):
         assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=rel)

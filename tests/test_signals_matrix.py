@@ -26,6 +26,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from test_distributed import free_port
+
 STEPS = 6
 RECIPE = """\
 model_name_or_path: {model}
@@ -108,21 +110,21 @@ def test_signals_at_random_points_resume_to_the_uninterrupted_weights(tmp_path, 
     want = {}
     for procs in (1, 2):
         out = tmp_path / f"straight{procs}"
-        done = subprocess.run(command(tmp_path, out, procs, 29600), env=env, capture_output=True, text=True)
+        done = subprocess.run(command(tmp_path, out, procs, free_port()), env=env, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-3000:]
         want[procs] = final(out)
     rng, rows = random.Random(23), []
     for i in range(20):
         procs, signum = 1 + i % 2, SIGNALS[i % 3]  # (every pairing of process count and signal)
         out = tmp_path / f"run{i}"
-        rc, err, where = interrupt(command(tmp_path, out, procs, 29610 + i), env, out, procs, signum, rng)
+        rc, err, where = interrupt(command(tmp_path, out, procs, free_port()), env, out, procs, signum, rng)
         stopped = [line for line in err.splitlines() if line.startswith("grpo: stopped:")]
         if rc == 0 and not stopped:  # the signal came after the last step: the run finished (handlers stay till then)
             stopped = ["finished before the signal was acted on"]
         else:
             assert len(stopped) == 1 and "Resume: " in stopped[0], err[-3000:]
             assert procs == 2 or rc == 75, (rc, err[-3000:])  # (torchrun reports its workers' 75 as its own 1)
-            done = subprocess.run(command(tmp_path, out, procs, 29640 + i, resume=True), env=env,
+            done = subprocess.run(command(tmp_path, out, procs, free_port(), resume=True), env=env,
                                   capture_output=True, text=True)
             assert done.returncode == 0, done.stderr[-3000:]
         got = final(out)

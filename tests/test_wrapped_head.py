@@ -51,8 +51,10 @@ print("RESULT " + json.dumps(out))
 
 def test_ddp_training_pass_uses_the_tiled_head_and_matches_the_unwrapped_gradients(tiny_model_dir):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", SCRIPT, tiny_model_dir, "29531"], env=env, capture_output=True,
-                          text=True, timeout=600)
+    from test_distributed import free_port
+
+    done = subprocess.run([sys.executable, "-c", SCRIPT, tiny_model_dir, str(free_port())], env=env,
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.split("RESULT ", 1)[1])
     assert out["tiled"] == [True, True]

@@ -354,6 +354,7 @@ def make_routing(cfg, policy, generator, packing, gather, sp=None) -> Routing | 
     sequence-parallel group, or None. What cannot combine is refused by name (a ConfigError)."""
     from grpo.config import ConfigError
     from grpo.engines.sampling import TransformersSampler
+    from grpo.engines.sharding import WholeWeightsSampler
 
     config, mode, coef = moe_config(policy), REPLAY_MODES[cfg.router_replay], cfg.router_aux_loss_coef
     name = type(policy).__name__
@@ -369,6 +370,8 @@ def make_routing(cfg, policy, generator, packing, gather, sp=None) -> Routing | 
             raise ConfigError(f"router_replay / router_aux_loss_coef: {name}'s routers are none grpo hooks "
                               f"({', '.join(ROUTER_RULES)}); set router_replay: off and router_aux_loss_coef: 0.")
         return None
+    if isinstance(generator, WholeWeightsSampler):  # (sharded weights gathered for grpo's sampler: it records)
+        generator = generator.sampler
     if mode == "R3":
         refusals = [(not isinstance(generator, TransformersSampler),
                      "records routes in grpo's own samplers, not vLLM's; set use_vllm: false"),
