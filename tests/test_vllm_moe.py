@@ -76,8 +76,9 @@ def test_tiny_moe_trains_with_vllm_rollouts_and_the_engine_holds_the_pushed_expe
 
 @needs_vllm
 def test_a_vllm_server_takes_the_pushed_experts(tmp_path):
-    """Server mode (`grpo vllm-serve` of tiny-moe): weights pushed over the gloo group reach the server's experts;
-    its greedy completions equal our sampler's on the policy, before and after a change to the experts alone."""
+    """Server mode (`grpo vllm-serve` of tiny-moe): a 2-step run samples from the server as from the policy; weights
+    pushed over the gloo group reach the server's experts: its greedy completions equal our sampler's on the policy,
+    before and after a change to the experts alone."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from grpo.config.base import ASSETS
@@ -91,6 +92,16 @@ def test_a_vllm_server_takes_the_pushed_experts(tmp_path):
     greedy, seeds = SamplingParams(max_new_tokens=24, top_k=1), [0, 1, 2, 3]
     ours = TransformersSampler(policy, tok.pad_token_id, [tok.eos_token_id])
     with serving(model_dir, tmp_path / "server.log") as port:
+        # 2 steps of tiny-moe against the server: the rollout's log-probs are the update's, as colocated
+        cfg = GRPOConfig(output_dir=str(tmp_path / "run"), model_name_or_path="tiny-moe", task="arithmetic",
+                         max_steps=2, num_generations=4, prompts_per_step=2, max_completion_length=16,
+                         learning_rate=1e-2, save_steps=0, report_to=[], log_completions_steps=0, seed=0,
+                         use_vllm=True, vllm_mode="server", vllm_server_host="127.0.0.1", vllm_server_port=port,
+                         vllm_server_timeout=120, vllm_group_port=free_port())
+        GRPOTrainer(args=cfg).train()
+        rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+        rows = [row for row in rows if "reward/total" in row]
+        assert len(rows) == 2 and all(abs(row["sampling/importance_ratio_mean"] - 1) < 1e-3 for row in rows), rows
         client = VLLMServerClient(f"http://127.0.0.1:{port}", [tok.eos_token_id], timeout=180,
                                   transport="collective", group_port=free_port())
         seen = []
