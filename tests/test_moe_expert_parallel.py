@@ -157,6 +157,11 @@ def _families_worker(rank: int, port: int, families: tuple, out: str) -> None:
     import torch
     import torch.distributed as dist
 
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))  # (spawned: this directory's conftest first, not trl_suite's)
+    sys.modules.pop("conftest", None)
     from grpo.engines import expert_parallel
     from test_moe import tiny_moe
 

@@ -134,8 +134,8 @@ class _Procs:
     def __init__(self, others_failed: bool):
         self.others_failed = others_failed
 
-    def gather_objects(self, rows):  # (this process is rank 1 of 2; rank 0's flag as given)
-        return [self.others_failed, *rows]
+    def gather_objects(self, rows):  # (this process is rank 1 of 2; rank 0's outcome as given)
+        return ["failed" if self.others_failed else None, *rows]
 
 
 @pytest.mark.parametrize("here, there", [(False, True), (True, False), (False, False)])
@@ -145,12 +145,14 @@ def test_a_failed_request_thread_stops_every_process_together(here, there):
     waiting in their next collective until the timeout (gpu_review2 N14); without failures the weights go out."""
     import types
 
+    from grpo.training.rollout.pipeline import Answers
     from grpo.training.rollout.pipeline_server import ServerRollouts
 
     pushed = []
     source = object.__new__(ServerRollouts)
     source.pushed, source.step, source.policy, source.pushing = 0, 1, "policy", 0.0
     source.worker = types.SimpleNamespace(who="vLLM server requests", failure="my rewards raised" if here else None)
+    source.worker.error = lambda: Answers.error(source.worker)
     source.client = types.SimpleNamespace(barrier=lambda: None, update_weights=lambda policy, step, queued:
                                           pushed.append((policy, step, queued)))
     source.rollouts = types.SimpleNamespace(procs=_Procs(others_failed=there))

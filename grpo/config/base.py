@@ -46,8 +46,8 @@ Specs = list[str | dict[str, Any] | Callable]
 
 SCRIPT_KEYS = ("dataset_name", "dataset_config", "dataset_streaming", "model_name_or_path", "model_revision",
                "attn_implementation", "use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
-               "lora_modules_to_save", "use_rslora", "use_dora", "load_in_4bit", "bnb_4bit_quant_type",
-               "use_bnb_nested_quant", "reward_funcs")
+               "lora_target_parameters", "lora_modules_to_save", "use_rslora", "use_dora", "load_in_4bit",
+               "bnb_4bit_quant_type", "use_bnb_nested_quant", "reward_funcs")
 """Keys that TRL's scripts take from other dataclasses (`ScriptArguments`, `ModelConfig`, the scripts' own
 `reward_funcs`) and hand to the trainer as its arguments. They are marked `init=False`, which is what
 `HfArgumentParser` / `TrlParser` read to leave a field out, so `TrlParser((ScriptArguments, GRPOConfig,

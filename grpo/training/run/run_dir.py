@@ -42,8 +42,8 @@ IDENTITY = ("model_name_or_path", "model_revision", "torch_dtype", "bf16", "fp16
             "task_train_size", "dataset_name", "dataset_config", "dataset_split", "prompt_column", "system_prompt",
             "chat_template", "use_chat_template", "prefill", "max_prompt_length", "num_generations", "seed",
             "data_seed", "shuffle_dataset", "reward_funcs", "step_reward_funcs", "use_peft", "lora_r", "lora_alpha",
-            "lora_dropout", "lora_target_modules", "lora_modules_to_save", "use_rslora", "use_dora", "load_in_4bit",
-            "cast_lm_head_to_fp32")
+            "lora_dropout", "lora_target_modules", "lora_target_parameters", "lora_modules_to_save", "use_rslora", "use_dora",
+            "load_in_4bit", "cast_lm_head_to_fp32")
 LAYOUT_IDENTITY = ("processes", "prompts_per_rollout", "steps_per_rollout", "num_iterations",
                    "steps_per_epoch")
 QUIET = ("output_dir", "overwrite_output_dir", "resume", "resume_from_checkpoint", "stop_signals", "run_name",
