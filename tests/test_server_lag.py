@@ -103,6 +103,33 @@ def test_a_server_given_no_rows_still_loads_the_push_its_step_names(transport):
         fleet.close()
 
 
+@pytest.mark.parametrize("transport", ["http", "collective"])
+def test_a_push_waiting_for_the_slot_does_not_hold_up_the_request_that_frees_it(transport):
+    """One server, lag 2's order: push 1 staged, then push 2 sent while no request has named step 1 yet (it waits
+    at the server for the slot), then the request naming step 1, which loads push 1 and frees the slot. Pushes and
+    requests have threads of their own in the fleet: with one pool of a thread per server the request waited behind
+    the push and the push for the request, for ever (bench.server_lag's lag 2 against a real server, collective)."""
+    from grpo.engines.vllm_fleet import VLLMFleet
+
+    model, params = torch.nn.Linear(3, 2), SamplingParams(2)
+    engine = SeededEngine()
+    with stub_servers(engine) as urls:
+        fleet = VLLMFleet(urls, [0], timeout=60, transport=transport, group_port=free_ports(1))
+        fleet.update_weights(model, step=0)
+        fleet.update_weights(model, step=1, queued=True)
+        push = threading.Thread(target=fleet.update_weights, args=(model, 2, True), daemon=True)
+        push.start()
+        time.sleep(0.5)  # (the push waits at the server: its slot holds step 1's)
+        asked = threading.Thread(target=fleet.generate_at, args=([[5]], params, [1]), kwargs={"step": 1},
+                                 daemon=True)
+        asked.start()
+        asked.join(timeout=60)
+        push.join(timeout=60)
+        assert not asked.is_alive() and not push.is_alive()
+        assert fleet.generate_at([[5]], params, [2], step=2)[1] == 2
+        fleet.close()
+
+
 class WaitingEngine(SeededEngine):
     """A SeededEngine whose request for the weights of step v in `hold` (rollout v + 2 at lag 2, one step a rollout)
     does not finish until the trainer's next push (of step v + 1) has reached the server. The trainer pushes step

@@ -82,6 +82,9 @@ class VLLMFleet(EngineDefaults):
         self.per_row_seeds = self.members[0].per_row_seeds
         self.lock = threading.Lock()
         self.pool = ThreadPoolExecutor(len(self.members), thread_name_prefix="grpo-fleet")
+        # Pushes have threads of their own: a queued push waits at a server until a request loads the push staged
+        # before it, and that request must not wait behind the push for a thread (with a lag of 2 it did, for ever).
+        self.push_pool = ThreadPoolExecutor(len(self.members), thread_name_prefix="grpo-fleet-push")
 
     @property
     def servers_up(self) -> int:
@@ -163,13 +166,13 @@ class VLLMFleet(EngineDefaults):
         tag = push_tag(step, queued)
         if self.transport == "collective":
             if queued:  # (each server's staged push loaded before the broadcasts: VLLMServerClient.push_weights)
-                for member, ready in [(m, self.pool.submit(m._call, "/wait_unstaged", b"")) for m in up]:
+                for member, ready in [(m, self.push_pool.submit(m._call, "/wait_unstaged", b"")) for m in up]:
                     try:
                         ready.result()
                     except OSError as err:
                         self._down(member, err, "the weight push")
                 up = self._live("the weight push")
-            replies = [self.pool.submit(m._call, f"/update_weights?transport=collective{tag}", b"") for m in up]
+            replies = [self.push_pool.submit(m._call, f"/update_weights?transport=collective{tag}", b"") for m in up]
             _, failed = vllm_weights.fan_out([m.group for m in up], weights, up[0].device, up[0].dtype)
             errors = dict(failed)
             for i, reply in enumerate(replies):
