@@ -94,8 +94,9 @@ def lora_config(cfg: GRPOConfig, model=None):
 
     frozen = vision_modules(model) if cfg.freeze_vision_tower and model is not None else []
     exclude = "|".join(rf"{re.escape(name)}\..*" for name in frozen) or None  # (a regex: each module's insides)
-    names = [n for n, _ in model.named_parameters()] if model is not None else []
-    for wanted in (cfg.lora_target_parameters or []) if model is not None else []:  # (peft skips a name it lacks)
+    wanted_names = cfg.lora_target_parameters if model is not None else None
+    names = [n for n, _ in model.named_parameters()] if wanted_names else []
+    for wanted in wanted_names or []:  # (peft skips a name it lacks)
         if not any(n == wanted or n.endswith("." + wanted) for n in names):
             raise ConfigError(f"lora_target_parameters: {type(model).__name__} has no parameter {wanted!r} (an MoE's "
                               "stacked experts are e.g. mlp.experts.gate_up_proj); name parameters it has.")
