@@ -323,14 +323,14 @@ def test_the_tiny_moe_build_script_is_deterministic_at_miniature_size(tmp_path):
 
 
 def test_r3_refuses_what_it_cannot_combine_with():
-    """make_routing refuses R3, by name, beside a rollout engine that is not grpo's sampler (vLLM) and padded
-    passes; sequence parallelism and a rollout worker (max_staleness) take it (tests/test_moe_pipeline.py)."""
+    """make_routing refuses R3, by name, beside a rollout engine that records no routes (a user's; vLLM's that
+    return none: tests/test_vllm_moe.py) and padded passes; sequence parallelism and a rollout worker (max_staleness) take it (tests/test_moe_pipeline.py)."""
     from types import SimpleNamespace
 
     model = tiny_moe("qwen3_moe")
     sampler, packing = TransformersSampler(model, 1, [0]), choose_packing(model)[0]
     cfg = dict(router_replay="R3", router_aux_loss_coef=None, sequence_parallel_size=1, max_staleness=0)
-    cases = [(dict(), object(), packing, "not vLLM's; set use_vllm: false"),
+    cases = [(dict(), object(), packing, "records routes in grpo's own samplers and vLLM's, not in a user's engine"),
              (dict(), sampler, None, "replays through the padding-free passes")]
     for overrides, generator, packs, message in cases:
         with pytest.raises(ConfigError, match=message):

@@ -87,6 +87,15 @@ class EngineDefaults:
         pass
 
 
+class ReturnsRoutes:
+    """An engine that returns an MoE's routes (`Completions.routes`) from a record of its own, vLLM's
+    (grpo.engines.vllm_routes): `route_layers` is the MoE layers it records, or None when it does not (then
+    `routes_missing` says why, for the refusal of routing replay)."""
+
+    route_layers: int | None = None
+    routes_missing: str = "the engine records no routes"
+
+
 class _Completed(EngineDefaults):
     """A user's engine (`GRPOTrainer(generator=...)`) with the capabilities it lacks taken from EngineDefaults; those
     it has, and its other attributes, are its own."""

@@ -7,7 +7,8 @@ hooks on those modules, so the model's own forward runs unchanged:
 
 * **record** (`RouteRecorder`, in the rollout): each token's selected experts per layer, one uint8 per token x layer
   x k (`NOT_ROUTED` where the rollout never ran a token: padding, and a completion's last token when nothing
-  followed it), `routes` (tokens, layers, k) per row;
+  followed it), `routes` (tokens, layers, k) per row; a vLLM engine returns the same record from vLLM's routers
+  (grpo.engines.vllm_routes);
 * **replay** (R3, arXiv 2510.11370; `RoutingPass` with `replay`): the router's selection is replaced by the rollout's,
   and its routing weights are recomputed from the live router logits with the model's own rule over the forced
   experts (`ROUTER_RULES`), so the loss's gradient still reaches the router's weights;
@@ -350,9 +351,10 @@ def pass_weights(micro, tokens: int) -> torch.Tensor | None:
 
 def make_routing(cfg, policy, generator, packing, gather, sp=None) -> Routing | None:
     """The run's `Routing` for `policy`, or None for a dense model; the sampler `generator` records routes when it
-    is grpo's own (in a rollout worker, max_staleness > 0, its forked copy records). `sp`: the process's
+    is grpo's own (in a rollout worker, max_staleness > 0, its forked copy records), or returns vLLM's. `sp`: the process's
     sequence-parallel group, or None. What cannot combine is refused by name (a ConfigError)."""
     from grpo.config import ConfigError
+    from grpo.engines.base import ReturnsRoutes
     from grpo.engines.sampling import TransformersSampler
     from grpo.engines.sharding import WholeWeightsSampler
 
@@ -372,9 +374,17 @@ def make_routing(cfg, policy, generator, packing, gather, sp=None) -> Routing | 
         return None
     if isinstance(generator, WholeWeightsSampler):  # (sharded weights gathered for grpo's sampler: it records)
         generator = generator.sampler
+    from_vllm = isinstance(generator, ReturnsRoutes)  # (vLLM's engines: routes from vLLM's routers, or none)
+    layers = generator.route_layers if from_vllm else None
+    if layers is not None and layers != len(routers(policy)):
+        raise ConfigError(f"use_vllm: the vLLM engine returns routes of {layers} MoE layers but {name} has "
+                          f"{len(routers(policy))} routers; serve the same model as the policy.")
     if mode == "R3":
-        refusals = [(not isinstance(generator, TransformersSampler),
-                     "records routes in grpo's own samplers, not vLLM's; set use_vllm: false"),
+        missing = generator.routes_missing if from_vllm else ""
+        refusals = [(from_vllm and layers is None, f"needs vLLM's routed experts, which this engine does not return "
+                                                   f"({missing}); set use_vllm: false"),
+                    (not from_vllm and not isinstance(generator, TransformersSampler),
+                     "records routes in grpo's own samplers and vLLM's, not in a user's engine"),
                     (packing is None, "replays through the padding-free passes; set use_remove_padding: true with "
                                       "an attention that packs (sdpa, eager, flash)")]
         for refused, why in refusals:

@@ -15,7 +15,8 @@ import socket
 
 import torch
 
-from grpo.engines.base import Completions, EngineDefaults, SamplingParams
+from grpo.engines import vllm_routes
+from grpo.engines.base import Completions, EngineDefaults, ReturnsRoutes, SamplingParams
 from grpo.engines.sharding import hf_weights
 
 INSTALL_HINT = ('vLLM is not installed: `pip install "grpo[vllm]"` on a GPU machine, or `bash scripts/vllm_env.sh` '
@@ -56,7 +57,7 @@ def launcher_environment():
             os.environ.pop(key, None)
 
 
-class VLLMEngine(EngineDefaults):
+class VLLMEngine(EngineDefaults, ReturnsRoutes):
     """A colocated vLLM engine for rollouts.
 
     `model_name_or_path` is what vLLM loads its architecture and first weights from; `model`, when given, is the
@@ -67,6 +68,10 @@ class VLLMEngine(EngineDefaults):
     own generator seeded by the caller (completions independent of the batch layout; vLLM then samples row by row),
     or else from vLLM's batched sampler, seeded once with `seed`. `llm_kwargs` go to `vllm.LLM` as they are (e.g.
     `enforce_eager=True`, `kv_cache_memory_bytes=...`, `max_num_seqs=...`).
+
+    An MoE model's rows come back with their routes (`Completions.routes`, grpo.engines.vllm_routes) where the build
+    can return them: `route_layers` is then the MoE layers recorded, else None and `routes_missing` says why.
+    `enable_return_routed_experts=False` in `llm_kwargs` turns the record off.
     """
 
     def __init__(self, model_name_or_path: str, model=None, *, eos_ids: list[int], dtype: str | torch.dtype = "auto",
@@ -95,6 +100,12 @@ class VLLMEngine(EngineDefaults):
             # settings asked for in generate().
             generation_config="vllm",
         )
+        wanted = llm_kwargs.pop("enable_return_routed_experts", None)
+        how, self.routes_missing = vllm_routes.route_plan(vllm, model_name_or_path, wanted)
+        if how == "vllm":
+            options["enable_return_routed_experts"] = True
+        elif how == "hook":  # (a prompt block taken from the prefix cache is not run, so not routed; a compiled
+            options.update(enable_prefix_caching=False, enforce_eager=True)  # graph skips the hook's callbacks)
         options.update(llm_kwargs)
         launcher = (launcher_environment() if options.get("distributed_executor_backend") == "external_launcher"
                     else contextlib.nullcontext())
@@ -104,6 +115,13 @@ class VLLMEngine(EngineDefaults):
                                 enable_sleep_mode=enable_sleep_mode, model_impl=model_impl, seed=seed, **options)
         # Token ids the model has no logit for cannot be sampled, and vLLM refuses them as stop ids.
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+        self.routes_via, self.route_layers, self.moe_layers = how, None, None
+        if how is not None:
+            if how == "hook":
+                self.llm.collective_rpc(vllm_routes.install_route_hook)
+            self.moe_layers = self.llm.collective_rpc(vllm_routes.moe_layer_ids)[0]
+            self.route_layers = len(self.moe_layers)
+            self.top_k = self.llm.llm_engine.model_config.get_num_experts_per_tok()
         if model is not None:
             self.update_weights(model)
 
@@ -129,6 +147,7 @@ class VLLMEngine(EngineDefaults):
             stop_token_ids=[i for i in self.eos_ids if i < self.vocab_size], logprobs=0, detokenize=False)
             for seed in seeds]
         outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        hooked = self.llm.collective_rpc(vllm_routes.take_hooked_routes)[0] if self.routes_via == "hook" else None
         ids, truncated, logprobs = [], [], []
         for out in outputs:
             completion = out.outputs[0]
@@ -137,7 +156,27 @@ class VLLMEngine(EngineDefaults):
             # Truncated = did not end on EOS (also covers a row stopped by max_model_len), as ScriptedGenerator.
             truncated.append(not (tokens and tokens[-1] in self.eos_ids))
             logprobs.append([step[token].logprob for step, token in zip(completion.logprobs, tokens)])
-        return Completions(ids, truncated, logprobs)
+        routes = None if self.routes_via is None else self._routes(outputs, hooked)
+        return Completions(ids, truncated, logprobs, routes)
+
+    def _routes(self, outputs, hooked: dict | None) -> list[torch.Tensor]:
+        """Each row's routes (prompt + completion tokens, MoE layers, k) uint8 (grpo.engines.vllm_routes)."""
+        if hooked is not None:  # (keyed by vLLM's internal request id: the request's id, "-", 8 random characters)
+            asked = {out.request_id for out in outputs}
+            hooked = {key if key in asked else key.rpartition("-")[0]: pieces for key, pieces in hooked.items()}
+        routes = []
+        for out in outputs:
+            completion = out.outputs[0]
+            tokens = len(out.prompt_token_ids) + len(completion.token_ids)
+            if hooked is not None:
+                routes.append(vllm_routes.hooked_row(hooked.get(out.request_id, []), tokens, self.route_layers,
+                                                     self.top_k))
+            elif completion.routed_experts is None:
+                raise RuntimeError(f"vLLM returned no routed experts for request {out.request_id} although the "
+                                   f"engine was started with enable_return_routed_experts")
+            else:
+                routes.append(vllm_routes.recorded_row(completion.routed_experts, self.moe_layers, tokens))
+        return routes
 
     @torch.no_grad()
     def update_weights(self, model) -> None:

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from grpo.engines import vllm_weights
-from grpo.engines.base import Completions, EngineDefaults, SamplingParams
+from grpo.engines.base import Completions, EngineDefaults, ReturnsRoutes, SamplingParams
 from grpo.engines.vllm_server import (ServersDown, VLLMServerClient, generate_together, push_tag,
                                       update_weights)
 
@@ -54,7 +54,7 @@ def spread(prompt_ids: list[list[int]], servers: int, max_new_tokens: int) -> li
     return [sorted(part) for part in parts]
 
 
-class VLLMFleet(EngineDefaults):
+class VLLMFleet(EngineDefaults, ReturnsRoutes):
     """The rollout engine of a trainer process in server mode, over the servers at `urls` (one or more): the
     members are `VLLMServerClient`s (their arguments as there; member i's weight group on `group_port` + i)."""
 
@@ -80,6 +80,11 @@ class VLLMFleet(EngineDefaults):
         self.up = list(self.members)
         self.url = ", ".join(m.url for m in self.members)
         self.per_row_seeds = self.members[0].per_row_seeds
+        # (an MoE's routes come back when every server records the same layers)
+        layers = {m.route_layers for m in self.members}
+        self.route_layers = layers.pop() if len(layers) == 1 else None
+        self.routes_missing = next((f"{m.url}: {m.routes_missing}" for m in self.members if m.route_layers is None),
+                                   "the servers record different numbers of MoE layers")
         self.lock = threading.Lock()
         self.pool = ThreadPoolExecutor(len(self.members), thread_name_prefix="grpo-fleet")
         # Pushes have threads of their own: a queued push waits at a server until a request loads the push staged
@@ -126,7 +131,7 @@ class VLLMFleet(EngineDefaults):
         """`VLLMServerClient.generate_at` over the fleet: the rows spread over the servers up, the rows of a server
         that fails sent again to the others (under a new `together` key: every process does the same)."""
         n = len(prompt_ids)
-        ids, truncated, logprobs = [None] * n, [None] * n, [None] * n
+        ids, truncated, logprobs, routes = [None] * n, [None] * n, [None] * n, [None] * n
         todo, served, attempt = list(range(n)), None, 0
         while todo:
             up = self._live("generation")
@@ -151,9 +156,11 @@ class VLLMFleet(EngineDefaults):
                 for k, i in enumerate(rows):
                     ids[i], truncated[i] = out.ids[k], out.truncated[k]
                     logprobs[i] = None if out.logprobs is None else out.logprobs[k]
+                    routes[i] = None if out.routes is None else out.routes[k]
             todo.sort()
         has_logprobs = n > 0 and all(lp is not None for lp in logprobs)
-        return Completions(ids, truncated, logprobs if has_logprobs else None), served
+        has_routes = n > 0 and all(r is not None for r in routes)
+        return Completions(ids, truncated, logprobs if has_logprobs else None, routes if has_routes else None), served
 
     def update_weights(self, model, step: int | None = None, queued: bool = False) -> None:
         """Push the policy's weights to every server (`step`, `queued`: as VLLMServerClient's)."""

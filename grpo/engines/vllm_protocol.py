@@ -1,11 +1,15 @@
 """The bodies of `grpo vllm-serve`'s JSON endpoints as typed records (grpo.engines.vllm_server has the protocol's
 table). The trainer builds them; the server reads a body with `from_json`, which names a missing field and the
-endpoint instead of failing with a KeyError inside a handler. Standard library only: a trainer needs no vLLM."""
+endpoint instead of failing with a KeyError inside a handler. Standard library and torch only: a trainer needs no
+vLLM."""
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 from dataclasses import dataclass
+
+import torch
 
 from grpo.engines.base import Completions, SamplingParams
 
@@ -32,7 +36,8 @@ class Part:
 class GenerateRequest:
     """POST /generate: the rows' prompt ids, the sampling settings, one seed per row (None: the engine's own
     stream), the EOS ids, the optimizer step whose weights must sample them (None: whatever the server holds), and
-    the part this is of a request several processes send (None: the whole request)."""
+    the part this is of a request several processes send (None: the whole request), and whether the reply
+    carries an MoE's routes (the server's engine must record them: /health's `routes`)."""
 
     prompt_ids: list[list[int]]
     params: SamplingParams
@@ -40,6 +45,7 @@ class GenerateRequest:
     eos_ids: list[int]
     step: int | None = None
     together: Part | None = None
+    routes: bool = False
 
     def to_dict(self) -> dict:
         body = {"prompt_ids": self.prompt_ids, "params": dataclasses.asdict(self.params), "seeds": self.seeds,
@@ -48,6 +54,8 @@ class GenerateRequest:
             body["step"] = self.step
         if self.together is not None:
             body["together"] = dataclasses.asdict(self.together)
+        if self.routes:
+            body["routes"] = True
         return body
 
     @classmethod
@@ -59,7 +67,7 @@ class GenerateRequest:
             together = Part(str(together["key"]), int(together["parts"]), int(together["part"]),
                             together.get("timeout"))
         return cls(body["prompt_ids"], SamplingParams(**body["params"]), body["seeds"], body["eos_ids"],
-                   body.get("step"), together or None)
+                   body.get("step"), together or None, bool(body.get("routes", False)))
 
     @staticmethod
     def merged(parts: list[GenerateRequest]) -> GenerateRequest:
@@ -73,19 +81,29 @@ class GenerateRequest:
 @dataclass(frozen=True)
 class GenerateReply:
     """/generate's answer: the completions and the step of the weights that sampled them (None: a push that named
-    no step)."""
+    no step). An MoE's routes (Completions.routes: (tokens, layers, k) uint8 per row) travel as each row's bytes in
+    base64 (`routes`) and their `route_shape` (layers, k): 4/3 of a byte per token, layer and chosen expert."""
 
     completions: Completions
     policy_step: int | None
 
     def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self.completions), "policy_step": self.policy_step}
+        out = self.completions
+        body = {"ids": out.ids, "truncated": out.truncated, "logprobs": out.logprobs, "policy_step": self.policy_step}
+        if out.routes is not None:
+            body["routes"] = [base64.b64encode(r.contiguous().numpy().tobytes()).decode() for r in out.routes]
+            body["route_shape"] = list(out.routes[0].shape[1:]) if out.routes else []
+        return body
 
     @classmethod
     def from_json(cls, body: dict) -> GenerateReply:
         _require(body, "/generate's reply", "ids", "truncated")
-        fields = {f.name for f in dataclasses.fields(Completions)}
-        return cls(Completions(**{k: v for k, v in body.items() if k in fields}), body.get("policy_step"))
+        routes = body.get("routes")
+        if routes is not None:
+            shape = body["route_shape"]
+            routes = [torch.frombuffer(bytearray(base64.b64decode(r)), dtype=torch.uint8).reshape(-1, *shape)
+                      for r in routes]
+        return cls(Completions(body["ids"], body["truncated"], body.get("logprobs"), routes), body.get("policy_step"))
 
     def split(self, sizes: list[int]) -> list[GenerateReply]:
         """The reply cut into consecutive parts of `sizes` rows (a merged request's answer, part by part)."""

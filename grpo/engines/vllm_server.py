@@ -6,9 +6,11 @@ The protocol is HTTP endpoints with JSON bodies (typed records on both sides: gr
 the standard library, so a trainer needs neither vLLM nor a web framework to talk to it:
 
     GET  /health              {"model", "weights_version", "policy_step", "staged_step", "device", "device_uuid",
-                              "dtype"}
+                              "dtype", "routes" (an MoE's layers the engine records routes of, or null),
+                              "routes_missing" (why not)}
     POST /generate            {"prompt_ids", "params" (SamplingParams' fields), "seeds" (or null), "eos_ids",
-                              "step", "together" (optional)} -> {"ids", "truncated", "logprobs", "policy_step"}
+                              "step", "together", "routes" (optional)} -> {"ids", "truncated", "logprobs",
+                              "policy_step", "routes" and "route_shape" when asked (grpo.engines.vllm_protocol)}
     POST /init_communicator   {"host", "port", "backend"}: join the trainer in a two-rank process group
                               (grpo.engines.vllm_weights)
     POST /update_weights      ?transport=collective: receive the weights over that group, bucket by bucket;
@@ -46,7 +48,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import torch
 
 from grpo.engines import vllm_weights
-from grpo.engines.base import Completions, EngineDefaults, SamplingParams
+from grpo.engines.base import Completions, EngineDefaults, ReturnsRoutes, SamplingParams
 from grpo.engines.vllm_protocol import CommunicatorRequest, GenerateReply, GenerateRequest, Part
 from grpo.engines.vllm_pushes import PushQueue
 
@@ -86,13 +88,16 @@ def generate(served: Served, request: GenerateRequest) -> GenerateReply:
         if request.step is not None and request.step != held:
             raise Refused(f"the request names the weights of step {request.step}, the server holds those of step "
                           f"{held}")
+        if request.routes and served.engine.route_layers is None:
+            raise ValueError(f"the request asks for routes, which this server does not record "
+                             f"({served.engine.routes_missing})")
         if not request.prompt_ids:  # (a fleet's part with no rows: every process sends one to every server)
-            return GenerateReply(Completions([], [], []), held)
+            return GenerateReply(Completions([], [], [], [] if request.routes else None), held)
         served.engine.eos_ids = list(request.eos_ids)
         served.engine.per_row_seeds = request.seeds is not None
         out = served.engine.generate(request.prompt_ids, request.params,
                                      request.seeds or [0] * len(request.prompt_ids))
-    return GenerateReply(out, held)
+    return GenerateReply(out if request.routes else dataclasses.replace(out, routes=None), held)
 
 
 class Together:
@@ -144,7 +149,8 @@ def serve(model: str, host: str = "0.0.0.0", port: int = 8000, **engine_kwargs) 
     server = ThreadingHTTPServer((host, port), Handler)
     server.served = Served(model, engine, device, state={
         "weights_version": 0, "policy_step": None, "device": device.type,
-        "device_uuid": vllm_weights.device_uuid(device), "dtype": dtype})
+        "device_uuid": vllm_weights.device_uuid(device), "dtype": dtype, "routes": engine.route_layers,
+        "routes_missing": engine.routes_missing})
     print(f"grpo vllm-serve: {model} on http://{host}:{port}", flush=True)
     try:
         server.serve_forever()
@@ -240,7 +246,7 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
 
-class VLLMServerClient(EngineDefaults):
+class VLLMServerClient(EngineDefaults, ReturnsRoutes):
     """The rollout engine of a trainer process in server mode.
 
     `generate` asks the server for this process's rows; `generate_together`, called by every process at once
@@ -270,6 +276,9 @@ class VLLMServerClient(EngineDefaults):
                 time.sleep(1.0)
         self.per_row_seeds = self.info["device"] == "cpu" if per_row_seeds is None else per_row_seeds
         self.dtype = vllm_weights.DTYPES.get(self.info.get("dtype"))  # weights travel in the engine's dtype
+        # (an MoE's routes: the layers the server records, asked for with every request; None: it records none)
+        self.route_layers = self.info.get("routes")
+        self.routes_missing = self.info.get("routes_missing") or "the server's grpo version returns no routes"
         self.transport, self.group = transport, None
         if push and transport == "collective":
             self.group, self.device = self._open_group(group_port, torch.device(device or "cpu"))
@@ -327,7 +336,7 @@ class VLLMServerClient(EngineDefaults):
         the server runs the parts as one request (its `Together`)."""
         part = Part(together, self.processes, self.rank, self.timeout) if together and self.processes > 1 else None
         request = GenerateRequest(prompt_ids, params, list(seeds) if self.per_row_seeds else None, self.eos_ids,
-                                  step, part)
+                                  step, part, self.route_layers is not None)
         reply = GenerateReply.from_json(self._call("/generate", json.dumps(request.to_dict()).encode()))
         return reply.completions, reply.policy_step
 
@@ -384,7 +393,8 @@ def generate_together(client, prompt_ids: list[list[int]], params: SamplingParam
             for ids, _ in shares:
                 stop = start + len(ids)
                 parts.append(Completions(out.ids[start:stop], out.truncated[start:stop],
-                                         None if out.logprobs is None else out.logprobs[start:stop]))
+                                         None if out.logprobs is None else out.logprobs[start:stop],
+                                         None if out.routes is None else out.routes[start:stop]))
                 start = stop
     part = client.share(parts)[client.rank]
     if isinstance(part, ServersDown):
