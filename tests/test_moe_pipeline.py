@@ -84,6 +84,25 @@ def test_kill_mid_pipeline_and_resume_with_routes_in_flight(moe_dir, tmp_path):
 
 
 @contextlib.contextmanager
+def first_outputs(modules, pick):
+    """While open: {i: pick(args, output) of modules[i]'s first forward} (the pass's, not backward's recomputation;
+    a hook returning None keeps the output)."""
+    seen = {}
+
+    def keep(i):
+        def hook(module, args, out):
+            seen.setdefault(i, pick(args, out).clone())
+        return hook
+
+    handles = [m.register_forward_hook(keep(i)) for i, m in enumerate(modules)]
+    try:
+        yield seen
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
 def watched_passes(trainer):
     """Every update and scoring pass in the trainer's process checked: the experts each layer ran for each token
     the rollout routed are the rollout's. Yields the list of (pass kind, tokens checked)."""
@@ -92,20 +111,9 @@ def watched_passes(trainer):
 
     @contextlib.contextmanager
     def watch(kind, inner, model, micro):
-        seen = {}
-
-        def keep(layer):  # (the first pass's: not backward's recomputation; a hook returning None keeps the output)
-            def hook(module, args, out):
-                seen.setdefault(layer, args[1].clone())
-            return hook
-
-        handles = [layer.mlp.experts.register_forward_hook(keep(i)) for i, layer in enumerate(model.model.layers)]
-        try:
+        with first_outputs([layer.mlp.experts for layer in model.model.layers], lambda args, out: args[1]) as seen:
             with inner:
                 yield inner
-        finally:
-            for h in handles:
-                h.remove()
         known = (micro.routes != moe.NOT_ROUTED).all(-1).all(-1)
         assert known.any() and sorted(seen) == list(range(len(model.model.layers)))
         for layer, experts in seen.items():

@@ -45,25 +45,16 @@ def hand_counted_passes(trainer):
     """Every update pass counted by hand: the tokens the rollout's record (`micro.routes`, vLLM's) routed, and those
     whose experts the update's routers chose differ from it in some layer (from the routers' own outputs), summed
     per optimizer step. Yields {step: [routed, mismatched]}."""
+    from test_moe_pipeline import first_outputs
+
     routing, policy, counts = trainer.updates.routing, trainer.policy, {}
     real = routing.update_pass
 
     @contextlib.contextmanager
     def watch(inner, micro):
-        live = {}
-
-        def keep(layer):  # (the first pass's: not backward's recomputation)
-            def hook(module, args, out):
-                live.setdefault(layer, out[2].clone())
-            return hook
-
-        handles = [r.register_forward_hook(keep(i)) for i, r in enumerate(moe.routers(policy))]
-        try:
+        with first_outputs(moe.routers(policy), lambda args, out: out[2]) as live:  # (the routers' own choice)
             with inner:
                 yield inner
-        finally:
-            for h in handles:
-                h.remove()
         known = (micro.routes != moe.NOT_ROUTED).all(-1).all(-1)
         differs = torch.zeros_like(known)
         for layer, chosen in live.items():
@@ -196,16 +187,23 @@ def test_a_vllm_server_returns_the_routes_and_takes_the_pushed_experts(tmp_path)
     greedy, seeds = SamplingParams(max_new_tokens=24, top_k=1), [0, 1, 2, 3]
     ours = TransformersSampler(policy, tok.pad_token_id, [tok.eos_token_id])
     with serving(model_dir, tmp_path / "server.log") as port:
-        def job(name, replay):
+        def job(name, replay, **extra):
             return GRPOConfig(output_dir=str(tmp_path / name), router_replay=replay, router_aux_loss_coef=0.0,
                               use_vllm=True, vllm_mode="server", vllm_server_host="127.0.0.1", vllm_server_port=port,
-                              vllm_server_timeout=120, vllm_group_port=free_port(), **JOB)
+                              vllm_server_timeout=120, vllm_group_port=free_port(), **{**JOB, **extra})
 
         # (each run pushes its policy's weights to the server before its first rollout)
         t, checked, grads = train_watched(job("r3", "R3"), replay=True)
         assert_replayed(t, checked, grads, metric_rows(tmp_path / "r3"))
         _, counts, _ = train_watched(job("off", "off"), replay=False)
         assert_hand_count(counts, metric_rows(tmp_path / "off"))
+        # Through the lag pipeline (max_staleness 1: each rollout sampled with the weights of the step before, in the
+        # client thread): the routes ride with the rows and every pass replays them
+        t, checked, grads = train_watched(job("lag", "R3", max_staleness=1, num_iterations=1, max_steps=3),
+                                          replay=True)
+        kinds = [kind for kind, _ in checked]
+        assert kinds.count("update") >= 3 and "score" in kinds and all(n > 0 for _, n in checked), checked
+        assert all(g > 0 for g in grads) and len(metric_rows(tmp_path / "lag")) == 3
         client = VLLMServerClient(f"http://127.0.0.1:{port}", [tok.eos_token_id], timeout=180,
                                   transport="collective", group_port=free_port())
         seen = []
