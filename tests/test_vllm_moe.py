@@ -253,8 +253,8 @@ def test_vllms_own_record_keeps_the_moe_layers_and_marks_the_last_token():
     with pytest.raises(ValueError, match="expert id 255"):
         vllm_routes.recorded_row(np.full((1, 1, 2), 255, dtype=np.uint16), [0], 2)
     first, again = np.zeros((3, 1, 2), np.uint8), np.ones((2, 1, 2), np.uint8)
-    row = vllm_routes.hooked_row([(0, first), (3, first[:1]), (0, again)], 5, 1, 2)
-    assert row[:, 0, 0].tolist() == [1, 1, 0, 0, moe.NOT_ROUTED]
+    row = vllm_routes.hooked_row([(0, first), (3, first[:1]), (0, again), (4, again)], 5, 1, 2)
+    assert row[:, 0, 0].tolist() == [1, 1, 0, 0, moe.NOT_ROUTED]  # (the last token: never run)
 
 
 def test_r3_with_a_vllm_engine_that_returns_no_routes_is_refused_by_name():

@@ -148,10 +148,12 @@ def take_hooked_routes(worker) -> dict[str, list]:
 
 def hooked_row(pieces: list, tokens: int, layers: int, k: int) -> torch.Tensor:
     """One row's (tokens, layers, k) uint8 routes from the hook's pieces (position, rows); a later piece over the
-    same positions (a request preempted and run again) replaces an earlier one; NOT_ROUTED where none ran."""
+    same positions (a request preempted and run again) replaces an earlier one; NOT_ROUTED where none ran, and on
+    the last token, which no forward ran (a speculative step's rejected draft may have left rows there)."""
     out = np.full((tokens, layers, k), NOT_ROUTED, dtype=np.uint8)
     for start, rows in pieces:
-        out[start:start + len(rows)] = rows[:max(tokens - start, 0)]
+        rows = rows[:max(tokens - 1 - start, 0)]
+        out[start:start + len(rows)] = rows
     return torch.from_numpy(out)
 
 
