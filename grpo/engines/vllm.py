@@ -115,12 +115,13 @@ class VLLMEngine(EngineDefaults, ReturnsRoutes):
                                 enable_sleep_mode=enable_sleep_mode, model_impl=model_impl, seed=seed, **options)
         # Token ids the model has no logit for cannot be sampled, and vLLM refuses them as stop ids.
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
-        self.routes_via, self.route_layers, self.moe_layers = how, None, None
+        self.routes_via, self.route_layers, self.moe_layers = None, None, None
+        if how == "hook" and not self.llm.collective_rpc(vllm_routes.install_route_hook)[0]:
+            how, self.routes_missing = None, ("vLLM's CPU build routes this model's experts inside a kernel, or "
+                                              "through no MoE layer grpo's hook reads (grpo.engines.vllm_routes)")
         if how is not None:
-            if how == "hook":
-                self.llm.collective_rpc(vllm_routes.install_route_hook)
             self.moe_layers = self.llm.collective_rpc(vllm_routes.moe_layer_ids)[0]
-            self.route_layers = len(self.moe_layers)
+            self.routes_via, self.route_layers = how, len(self.moe_layers)
             self.top_k = self.llm.llm_engine.model_config.get_num_experts_per_tok()
         if model is not None:
             self.update_weights(model)

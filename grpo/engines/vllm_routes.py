@@ -132,9 +132,14 @@ class RouteHook:
 
 
 def install_route_hook(worker) -> int:
-    """(In each vLLM worker) grpo's hook on the model runner; the MoE layers it records."""
+    """(In each vLLM worker) grpo's hook on the model runner; the MoE layers it records, 0 (and no hook) where a
+    layer's routing does not go through a router with vLLM's capture callback (a kernel that routes inside itself,
+    vLLM's `is_monolithic`), or there is no MoE layer (a model run through another implementation)."""
     runner = worker.model_runner
     if not hasattr(runner, "grpo_routes"):
+        layers = _moe_runners(runner.model)
+        if not layers or any(m.is_monolithic or not hasattr(m.router, "set_capture_fn") for m in layers):
+            return 0
         runner.grpo_routes = RouteHook(runner)
     return len(runner.grpo_routes.runners)
 
