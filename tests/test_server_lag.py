@@ -185,3 +185,41 @@ def test_with_lag_2_the_server_runs_two_rollouts_ahead_and_resume_is_exact(tmp_p
     got = load_file(str(tmp_path / "run" / "final" / "model.safetensors"))
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert [r["pipeline/weight_version"] for r in read_rows(tmp_path / "run")] == [0, 0, 0, 1, 2, 3]
+
+
+def test_with_one_process_the_push_goes_out_while_the_next_update_runs(tmp_path, tiny_model_dir, monkeypatch):
+    """Lag 1, one optimizer step a rollout: the server takes in the push of step 1 only once the trainer has taken
+    optimizer step 2 (its update on rollout 1, which names step 0's weights). The push thread sends the push meanwhile and
+    the request for rollout 2 waits for it; a trainer that pushed on its own path would wait in that push for its
+    own step 2 (the server gives up after 60 s, and records that it did). Each rollout names the weights of
+    step t - 1, and the push's seconds are the thread's (`pipeline/weight_push_thread`)."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+
+    from grpo import GRPOConfig, GRPOTrainer
+    from grpo.engines import vllm_pushes
+    from rewards_for_tests import count_a
+
+    ended, taken = {step: threading.Event() for step in range(1, 7)}, []
+    came, stage = [], vllm_pushes.PushQueue.stage
+
+    def stage_late(self, weights, step, state):
+        if step == 1:
+            came.append(ended[2].wait(60))
+        return stage(self, weights, step, state)
+
+    class Steps(TrainerCallback):
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            taken.append(1)
+            ended[len(taken)].set()
+
+    monkeypatch.setattr(vllm_pushes.PushQueue, "stage", stage_late)
+    with stub_servers(SeededEngine()) as [url]:
+        cfg = config(tiny_model_dir, url, tmp_path / "run", max_staleness=1, max_steps=4, save_steps=0)
+        trainer = GRPOTrainer(reward_funcs=[count_a], args=GRPOConfig(**cfg), callbacks=[Steps()],
+                              train_dataset=Dataset.from_dict({"prompt": [f"q{i}\n" for i in range(8)]}))
+        trainer.train()
+    assert came == [True]
+    rows = read_rows(tmp_path / "run")
+    assert [r["pipeline/weight_version"] for r in rows] == [0, 0, 1, 2]
+    assert all(r["pipeline/weight_push_thread"] >= 0 for r in rows)

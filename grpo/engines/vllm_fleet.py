@@ -80,6 +80,8 @@ class VLLMFleet(EngineDefaults):
         self.up = list(self.members)
         self.url = ", ".join(m.url for m in self.members)
         self.per_row_seeds = self.members[0].per_row_seeds
+        # (what a push sends: the engines' dtype, from the device of the collective groups; None: http)
+        self.dtype, self.device = self.members[0].dtype, getattr(self.members[0], "device", None)
         self.lock = threading.Lock()
         self.pool = ThreadPoolExecutor(len(self.members), thread_name_prefix="grpo-fleet")
         # Pushes have threads of their own: a queued push waits at a server until a request loads the push staged

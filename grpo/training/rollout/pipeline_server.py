@@ -9,8 +9,12 @@ At each rollout boundary (the last optimizer step of rollout t - 1, on every pro
     1. the main process pushes the weights (bucketed, grpo.engines.vllm_weights), tagged with their step
        t x steps-per-rollout and queued: the server reads them into host memory and loads them between requests,
        when the first request naming that step comes (grpo.engines.vllm_pushes), so the requests of older weights
-       still to run (rollouts t .. t + k - 1) keep theirs and the trainer does not wait for them; under several
-       processes every one waits at a barrier before and after;
+       still to run (rollouts t .. t + k - 1) keep theirs and the trainer does not wait for them. With one trainer
+       process the trainer only copies the weights into host memory (`HostCopy`; one version, pinned on a GPU) and
+       a thread of its own (the push thread) sends the copy while the next update runs; the client thread sends a
+       request naming step t only once that push has reached the server. Under several processes the main process
+       pushes on the trainer's path and every one waits at a barrier before and after (no process may ask for the
+       step before the server holds it);
     2. rollout t + k's request goes to the client thread, which sends it naming that step, and the trainer updates on
        rollout t while the server generates rollouts t + 1 .. t + k in order.
 
@@ -34,6 +38,7 @@ flight at that step, whichever had already come back.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import queue
 import sys
@@ -41,8 +46,12 @@ import threading
 import time
 import traceback
 
+import torch
+
 from grpo.config import ConfigError
 from grpo.engines.base import EngineDefaults
+from grpo.engines.sharding import hf_weights
+from grpo.engines.vllm_weights import HostCopy
 from grpo.engines.vllm_server import ServersDown
 from grpo.training.rollout.pipeline import Answers, LaggedRollouts
 from grpo.training.rollout.rollouts import Rollouts
@@ -68,6 +77,9 @@ class ServerRollouts(LaggedRollouts):
         # now in order; its rollouts never reach the client directly.
         rollouts.generator = _InOrder(self)
         self.pushing = 0.0  # seconds pushing (a queued push waits while the server holds an older one staged)
+        # One process: the push thread sends a host copy of the weights while the update runs (module docstring).
+        # (Several: the barrier around the push keeps any process from asking for a step the server lacks.)
+        self.copy = HostCopy() if rollouts.procs.world == 1 else None
         self.down: ServersDown | None = None  # every server stopped answering: the run stops at its next rollout
 
     def _ask(self, index: int) -> None:
@@ -80,7 +92,7 @@ class ServerRollouts(LaggedRollouts):
                 pass
 
     def _make_worker(self) -> _ClientThread:
-        return _ClientThread(self.rollouts, self.client)
+        return _ClientThread(self.rollouts, self.client, pushes=self.copy is not None)
 
     def _send_weights(self, version: int) -> None:
         if self.pushed == version:
@@ -94,7 +106,10 @@ class ServerRollouts(LaggedRollouts):
         # no wait for them here. Then the barrier: no process asks for `version` before the server holds it.
         self._agree(failure)
         try:
-            self.client.update_weights(self.policy, step=version, queued=True)
+            if self.copy is not None and self.worker is not None:  # (the push thread sends it: the update goes on)
+                self.worker.push(version, self.copy, self.policy)
+            else:
+                self.client.update_weights(self.policy, step=version, queued=True)
         except ServersDown as err:  # (every process: update_weights hands the main process's to all)
             self.down = err
             raise
@@ -137,6 +152,8 @@ class ServerRollouts(LaggedRollouts):
         batch = super().next(index)
         batch.metrics["pipeline/weight_push"] = self.pushing
         self.pushing = 0.0
+        if self.copy is not None:  # (the push thread's seconds, beside the update: not on the trainer's path)
+            batch.metrics["pipeline/weight_push_thread"] = self.worker.take_push_seconds()
         return batch
 
     def state_dict(self) -> dict:
@@ -206,11 +223,12 @@ class _Pinned(EngineDefaults):
 class _ClientThread(Answers):
     """Sends the requests to the server in the order they were asked for, one at a time, and scores the answers:
     the forked worker's calls (`send`, `result`, `stop`) and `drain`. It works on its own shallow copy of the
-    rollouts, so what reward functions log and the times it takes are its own until the trainer takes them."""
+    rollouts, so what reward functions log and the times it takes are its own until the trainer takes them.
+    `pushes`: a push thread sends the weights (`push`), and a request waits until the push of its step is done."""
 
     who = "vLLM server requests"
 
-    def __init__(self, rollouts: Rollouts, client):
+    def __init__(self, rollouts: Rollouts, client, pushes: bool = False):
         self.rollouts = copy.copy(rollouts)
         self.rollouts.engine_stale = False  # (the trainer's pushes are the only ones)
         self.engine = self.rollouts.generator = _Pinned(client)
@@ -225,7 +243,62 @@ class _ClientThread(Answers):
         self.inbox: queue.Queue = queue.Queue()
         self.waiting = 0  # requests sent and not yet answered
         self.down: ServersDown | None = None  # the failure, when it was every server gone
+        self.client, self.pushes = client, queue.Queue()
+        self.unpushed = 0  # pushes handed to the push thread and not yet at the server
+        self.pushed: int | None = None  # the step of the last push at the server
+        self.push_seconds = 0.0
         threading.Thread(target=self._run, daemon=True, name="grpo-vllm-requests").start()
+        if pushes:
+            threading.Thread(target=self._push_all, daemon=True, name="grpo-vllm-push").start()
+
+    def push(self, version: int, host: HostCopy, policy) -> None:
+        """Hand the push thread the weights of step `version`: copied into `host` once the previous push is done
+        (its buffers are reused: one version in host memory), so the trainer waits only for the copy."""
+        with self.lock:
+            while self.unpushed and self.failure is None:
+                self.lock.wait()
+            if self.failure is not None:
+                raise self.error()
+            self.unpushed += 1
+        self.pushes.put((version, host.take(hf_weights(policy), getattr(self.client, "dtype", None))))
+
+    def take_push_seconds(self) -> float:
+        with self.lock:
+            seconds, self.push_seconds = self.push_seconds, 0.0
+        return seconds
+
+    def _push_all(self) -> None:
+        """The push thread: each copy to the server, in order (queued: loaded when a request names its step). On a
+        GPU the collective push packs and sends on a stream of its own, beside the update's kernels."""
+        device = getattr(self.client, "device", None)
+        on_gpu = device is not None and torch.device(device).type == "cuda"
+        while (item := self.pushes.get()) is not None:
+            version, weights = item
+            t0 = time.perf_counter()
+            try:
+                with torch.cuda.stream(torch.cuda.Stream(device)) if on_gpu else contextlib.nullcontext():
+                    self.client.push_weights(weights, step=version, queued=True)
+                    if on_gpu:
+                        torch.cuda.current_stream(device).synchronize()
+            except BaseException as err:  # noqa: BLE001 - the trainer and the requests' thread raise it
+                with self.lock:
+                    self.down = err if isinstance(err, ServersDown) else self.down
+                    self.failure = self.failure or f"(the weight push of step {version})\n{traceback.format_exc()}"
+                    self.lock.notify_all()
+                return
+            with self.lock:
+                self.unpushed -= 1
+                self.pushed, self.push_seconds = version, self.push_seconds + time.perf_counter() - t0
+                self.lock.notify_all()
+
+    def _wait_pushed(self, version: int) -> None:
+        """Before a request naming step `version`: its push has reached the server (a no-op without a push
+        thread: the trainer pushed before it asked)."""
+        with self.lock:
+            while self.unpushed and (self.pushed is None or self.pushed < version) and self.failure is None:
+                self.lock.wait()
+            if self.failure is not None:
+                raise self.error()
 
     def send(self, message: Generate) -> None:
         with self.lock:
@@ -234,9 +307,9 @@ class _ClientThread(Answers):
         self.inbox.put((message.index, message.version, message.request))
 
     def drain(self) -> None:
-        """Wait until every request sent has its answer."""
+        """Wait until every request sent has its answer, and every push is at the server."""
         with self.lock:
-            while self.waiting and self.failure is None:
+            while (self.waiting or self.unpushed) and self.failure is None:
                 self.lock.wait()
             if self.failure is not None:
                 raise self.error()
@@ -246,8 +319,10 @@ class _ClientThread(Answers):
         return ServersDown(str(self.down)) if self.down is not None else super().error(index)
 
     def stop(self) -> None:
-        """The thread ends after the request it is in (the server finishes it; nobody takes the answer)."""
+        """The thread ends after the request it is in (the server finishes it; nobody takes the answer), and the
+        push thread after its push."""
         self.inbox.put(None)
+        self.pushes.put(None)
 
     def _run(self) -> None:
         index = None
@@ -259,6 +334,7 @@ class _ClientThread(Answers):
                 if item is None:
                     return
                 index, version, request = item
+                self._wait_pushed(version)
                 # (with dynamic sampling each process decides its refill rounds alone: its requests go alone)
                 self.engine.step, self.engine.index = version, None if isinstance(request, int) else index
                 if self.rollouts.trainer_state is not None:
