@@ -223,3 +223,25 @@ def test_with_one_process_the_push_goes_out_while_the_next_update_runs(tmp_path,
     rows = read_rows(tmp_path / "run")
     assert [r["pipeline/weight_version"] for r in rows] == [0, 0, 1, 2]
     assert all(r["pipeline/weight_push_thread"] >= 0 for r in rows)
+
+
+def test_a_process_that_does_not_push_waits_until_the_servers_have_the_step():
+    """Several trainer processes: the main one's push thread sends step 1 while another process's client thread
+    is about to ask for it; that thread waits (`wait_for_step`) until every server holds or has staged step 1."""
+    from grpo.engines.vllm_fleet import VLLMFleet
+
+    model = torch.nn.Linear(3, 2)
+    with stub_servers(SeededEngine(), SeededEngine()) as urls:
+        fleet = VLLMFleet(urls, [0], timeout=60, transport="http")
+        fleet.update_weights(model, step=0)
+        seen = []
+        waiter = threading.Thread(target=lambda: seen.append(fleet.wait_for_step(1) or [
+            m._call("/health")["staged_step"] for m in fleet.members]))
+        waiter.start()
+        waiter.join(timeout=1.0)
+        assert waiter.is_alive() and seen == []  # (no push of step 1 yet)
+        fleet.update_weights(model, step=1, queued=True)
+        waiter.join(timeout=60)
+        assert seen == [[1, 1]]
+        fleet.wait_for_step(0)  # (held: at once)
+        fleet.close()

@@ -151,11 +151,11 @@ def test_a_failed_request_thread_stops_every_process_together(here, there):
     pushed = []
     source = object.__new__(ServerRollouts)
     source.pushed, source.step, source.policy, source.pushing = 0, 1, "policy", 0.0
-    source.copy = None  # (two processes: the main process pushes on the trainer's path)
-    source.worker = types.SimpleNamespace(who="vLLM server requests", failure="my rewards raised" if here else None)
+    source.copy = "the host copy"
+    source.worker = types.SimpleNamespace(who="vLLM server requests", failure="my rewards raised" if here else None,
+                                          push=lambda version, host, policy: pushed.append((policy, version, host)))
     source.worker.error = lambda: Answers.error(source.worker)
-    source.client = types.SimpleNamespace(barrier=lambda: None, update_weights=lambda policy, step, queued:
-                                          pushed.append((policy, step, queued)))
+    source.client = types.SimpleNamespace(push=True, barrier=lambda: None)  # (the main process of two)
     source.rollouts = types.SimpleNamespace(procs=_Procs(others_failed=there))
     if here or there:
         with pytest.raises(RuntimeError, match="my rewards raised" if here else
@@ -164,7 +164,7 @@ def test_a_failed_request_thread_stops_every_process_together(here, there):
         assert pushed == []
     else:
         source._send_weights(1)
-        assert pushed == [("policy", 1, True)]
+        assert pushed == [("policy", 1, "the host copy")]
 
 
 def test_the_generate_records_round_trip_merge_split_and_name_a_missing_field():

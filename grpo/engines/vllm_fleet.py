@@ -25,6 +25,7 @@ import http.client
 import json
 import sys
 import threading
+import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 
@@ -115,6 +116,24 @@ class VLLMFleet(EngineDefaults):
             raise ServersDown(f"every vLLM server stopped answering ({', '.join(m.url for m in self.members)}) "
                               f"in {what}; restart them (`grpo vllm-serve`), then resume the run")
         return up
+
+    def wait_for_step(self, step: int, poll_s: float = 0.02) -> None:
+        """Return once every server up holds or has staged the weights of `step` (`/health`): a trainer process
+        that does not push, before its first request naming `step`, while the main process's push thread may still
+        be sending them. A server that does not answer is left to that request (which takes it out)."""
+        deadline = time.monotonic() + self.members[0].timeout
+        for member in self._live("the wait for a push"):
+            while time.monotonic() < deadline:
+                try:
+                    health = member._call("/health")
+                except OSError:
+                    break
+                if step in (health["policy_step"], health["staged_step"]):
+                    break
+                time.sleep(poll_s)
+            else:
+                raise TimeoutError(f"vLLM server {member.url}: the weights of step {step} did not arrive within "
+                                   f"{self.members[0].timeout:g} s (vllm_server_timeout)")
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seeds: list[int]) -> Completions:
         return self.generate_at(prompt_ids, params, seeds)[0]

@@ -9,12 +9,11 @@ At each rollout boundary (the last optimizer step of rollout t - 1, on every pro
     1. the main process pushes the weights (bucketed, grpo.engines.vllm_weights), tagged with their step
        t x steps-per-rollout and queued: the server reads them into host memory and loads them between requests,
        when the first request naming that step comes (grpo.engines.vllm_pushes), so the requests of older weights
-       still to run (rollouts t .. t + k - 1) keep theirs and the trainer does not wait for them. With one trainer
-       process the trainer only copies the weights into host memory (`HostCopy`; one version, pinned on a GPU) and
-       a thread of its own (the push thread) sends the copy while the next update runs; the client thread sends a
-       request naming step t only once that push has reached the server. Under several processes the main process
-       pushes on the trainer's path and every one waits at a barrier before and after (no process may ask for the
-       step before the server holds it);
+       still to run (rollouts t .. t + k - 1) keep theirs and the trainer does not wait for them. The trainer only
+       copies the weights into host memory (`HostCopy`; one version, pinned on a GPU; a sharded model's gather is
+       collective, so every process walks the weights) and a thread of its own (the push thread) sends the copy
+       while the next update runs; a client thread sends a request naming step t only once that push has reached
+       the server (the main process's waits for its push thread, the others ask the servers, `wait_for_step`);
     2. rollout t + k's request goes to the client thread, which sends it naming that step, and the trainer updates on
        rollout t while the server generates rollouts t + 1 .. t + k in order.
 
@@ -50,7 +49,7 @@ import torch
 
 from grpo.config import ConfigError
 from grpo.engines.base import EngineDefaults
-from grpo.engines.sharding import hf_weights
+from grpo.engines.sharding import hf_weights, sharding
 from grpo.engines.vllm_weights import HostCopy
 from grpo.engines.vllm_server import ServersDown
 from grpo.training.rollout.pipeline import Answers, LaggedRollouts
@@ -77,9 +76,7 @@ class ServerRollouts(LaggedRollouts):
         # now in order; its rollouts never reach the client directly.
         rollouts.generator = _InOrder(self)
         self.pushing = 0.0  # seconds pushing (a queued push waits while the server holds an older one staged)
-        # One process: the push thread sends a host copy of the weights while the update runs (module docstring).
-        # (Several: the barrier around the push keeps any process from asking for a step the server lacks.)
-        self.copy = HostCopy() if rollouts.procs.world == 1 else None
+        self.copy = HostCopy()  # the main process's push thread sends it while the update runs (module docstring)
         self.down: ServersDown | None = None  # every server stopped answering: the run stops at its next rollout
 
     def _ask(self, index: int) -> None:
@@ -92,7 +89,7 @@ class ServerRollouts(LaggedRollouts):
                 pass
 
     def _make_worker(self) -> _ClientThread:
-        return _ClientThread(self.rollouts, self.client, pushes=self.copy is not None)
+        return _ClientThread(self.rollouts, self.client)
 
     def _send_weights(self, version: int) -> None:
         if self.pushed == version:
@@ -103,13 +100,16 @@ class ServerRollouts(LaggedRollouts):
             failure = self.worker.error()
         # (a failure stops every process together). The push is queued at the server, which loads it when the
         # first request naming `version` comes, after the requests of older weights (grpo.engines.vllm_pushes):
-        # no wait for them here. Then the barrier: no process asks for `version` before the server holds it.
+        # no wait for them here; nor for the push, which the push thread sends (each client thread waits for it).
         self._agree(failure)
         try:
-            if self.copy is not None and self.worker is not None:  # (the push thread sends it: the update goes on)
-                self.worker.push(version, self.copy, self.policy)
-            else:
+            if self.worker is None:  # (an evaluation outside train(): pushed here, then the barrier)
                 self.client.update_weights(self.policy, step=version, queued=True)
+            elif self.client.push:
+                self.worker.push(version, self.copy, self.policy)
+            elif sharding(self.policy) is not None:  # (gathering a sharded model is collective)
+                for _ in hf_weights(self.policy):
+                    pass
         except ServersDown as err:  # (every process: update_weights hands the main process's to all)
             self.down = err
             raise
@@ -152,8 +152,8 @@ class ServerRollouts(LaggedRollouts):
         batch = super().next(index)
         batch.metrics["pipeline/weight_push"] = self.pushing
         self.pushing = 0.0
-        if self.copy is not None:  # (the push thread's seconds, beside the update: not on the trainer's path)
-            batch.metrics["pipeline/weight_push_thread"] = self.worker.take_push_seconds()
+        # (the push thread's seconds, beside the update: not on the trainer's path; 0 on a process that does not push)
+        batch.metrics["pipeline/weight_push_thread"] = self.worker.take_push_seconds()
         return batch
 
     def state_dict(self) -> dict:
@@ -190,6 +190,7 @@ class _InOrder(EngineDefaults):
         if self.source.worker is not None:
             try:
                 self.source.worker.drain()
+                self.source.worker.follow(self.source.pushed)
             except ServersDown as err:
                 self.source.down = err
                 raise
@@ -223,12 +224,13 @@ class _Pinned(EngineDefaults):
 class _ClientThread(Answers):
     """Sends the requests to the server in the order they were asked for, one at a time, and scores the answers:
     the forked worker's calls (`send`, `result`, `stop`) and `drain`. It works on its own shallow copy of the
-    rollouts, so what reward functions log and the times it takes are its own until the trainer takes them.
-    `pushes`: a push thread sends the weights (`push`), and a request waits until the push of its step is done."""
+    rollouts, so what reward functions log and the times it takes are its own until the trainer takes them. On the
+    main process (the client's `push`) a push thread sends the weights (`push`); a request waits until the push
+    of its step is at the server (`_wait_pushed`)."""
 
     who = "vLLM server requests"
 
-    def __init__(self, rollouts: Rollouts, client, pushes: bool = False):
+    def __init__(self, rollouts: Rollouts, client):
         self.rollouts = copy.copy(rollouts)
         self.rollouts.engine_stale = False  # (the trainer's pushes are the only ones)
         self.engine = self.rollouts.generator = _Pinned(client)
@@ -248,7 +250,7 @@ class _ClientThread(Answers):
         self.pushed: int | None = None  # the step of the last push at the server
         self.push_seconds = 0.0
         threading.Thread(target=self._run, daemon=True, name="grpo-vllm-requests").start()
-        if pushes:
+        if client.push:
             threading.Thread(target=self._push_all, daemon=True, name="grpo-vllm-push").start()
 
     def push(self, version: int, host: HostCopy, policy) -> None:
@@ -292,13 +294,23 @@ class _ClientThread(Answers):
                 self.lock.notify_all()
 
     def _wait_pushed(self, version: int) -> None:
-        """Before a request naming step `version`: its push has reached the server (a no-op without a push
-        thread: the trainer pushed before it asked)."""
+        """Before a request naming step `version`: its push has reached the server. The main process waits for its
+        push thread; the others ask the servers (`follow`)."""
+        if not self.client.push:
+            return self.follow(version)
         with self.lock:
             while self.unpushed and (self.pushed is None or self.pushed < version) and self.failure is None:
                 self.lock.wait()
             if self.failure is not None:
                 raise self.error()
+
+    def follow(self, version: int | None) -> None:
+        """On a process that does not push: return once the servers hold or have staged the weights of `version`
+        (the main process's push thread sends them)."""
+        if self.client.push or version is None or (self.pushed is not None and self.pushed >= version):
+            return
+        self.client.wait_for_step(version)
+        self.pushed = version
 
     def send(self, message: Generate) -> None:
         with self.lock:
