@@ -245,3 +245,35 @@ def test_a_process_that_does_not_push_waits_until_the_servers_have_the_step():
         assert seen == [[1, 1]]
         fleet.wait_for_step(0)  # (held: at once)
         fleet.close()
+
+
+def test_multi_turn_processes_meet_after_each_rollout_before_asking_for_newer_weights():
+    """Two trainer processes with multi-turn rollouts (each process's turns go alone): the fence after rollout 0 (a
+    request of no rows naming its step, joined over the processes) returns to neither process until both have sent
+    it, so the first to finish cannot ask for step 1's weights (which the server would load) while the other still
+    has turns of step 0 to send."""
+    from grpo.engines.vllm_fleet import VLLMFleet
+    from grpo.training.rollout.pipeline_server import _Pinned
+
+    model, params = torch.nn.Linear(3, 2), SamplingParams(2)
+    engine = SeededEngine()
+    with stub_servers(engine) as [url]:
+        first, second = (VLLMFleet([url], [0], timeout=60, push=rank == 0, transport="http", rank=rank, processes=2)
+                         for rank in (0, 1))
+        first.update_weights(model, step=0)
+        first.update_weights(model, step=1, queued=True)
+        pinned = [_Pinned(first), _Pinned(second)]
+        for p in pinned:
+            p.step = 0
+        fenced = threading.Thread(target=pinned[0].fence, args=(0, params))
+        fenced.start()
+        fenced.join(timeout=1.0)
+        assert fenced.is_alive()  # (process 1 has not finished rollout 0)
+        assert pinned[1].generate([[5]], params, [3]).ids == [[5, 5]]  # (its last turn: step 0's weights, still held)
+        pinned[1].fence(0, params)
+        fenced.join(timeout=60)
+        assert not fenced.is_alive()
+        assert first.generate_at([[5]], params, [4], step=1)[1] == 1  # (now step 1's weights load)
+        assert first.members[0]._call("/health")["policy_step"] == 1
+        first.close()
+        second.close()

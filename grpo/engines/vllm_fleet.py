@@ -149,7 +149,7 @@ class VLLMFleet(EngineDefaults):
         n = len(prompt_ids)
         ids, truncated, logprobs = [None] * n, [None] * n, [None] * n
         todo, served, attempt = list(range(n)), None, 0
-        while todo:
+        while todo or attempt == 0:  # (a request of no rows still goes, as empty parts, when it names a step or key)
             up = self._live("generation")
             parts = spread([prompt_ids[i] for i in todo], len(up), params.max_new_tokens)
             key = together if together is None or attempt == 0 else f"{together} (again, {attempt})"

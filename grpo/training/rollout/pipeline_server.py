@@ -212,6 +212,13 @@ class _Pinned(EngineDefaults):
         out, self.served = self.client.generate_at(prompt_ids, params, seeds, step=self.step)
         return out
 
+    def fence(self, index: int, params) -> None:
+        """Return once every process's thread has finished rollout `index`: a request of no rows naming its step,
+        joined over the processes. Multi-turn rollouts send each process's turns alone, and without it a process
+        that finished first would ask for the next rollout's weights, which the server then loads, while another
+        still had turns of the older ones to send (refused: the server no longer holds them)."""
+        self.client.generate_at([], params, [], step=self.step, together=f"rollout {index} done")
+
     def generate_together(self, prompt_ids, params, seeds):
         """A rollout's rows of every process in one request: each process's thread sends its part under the
         rollout's key and the server runs them together (the threads cannot gather over the process group, which
@@ -352,6 +359,8 @@ class _ClientThread(Answers):
                 if self.rollouts.trainer_state is not None:
                     self.rollouts.trainer_state.global_step = version
                 sampled, logs = self.rollouts.sample_request(request)
+                if self.rollouts.agent is not None and self.rollouts.procs.world > 1:  # (turns went alone)
+                    self.engine.fence(index, self.rollouts.params)
                 info = {"version": self.engine.served, "idle": idle, "ref_logp": None}
                 with self.lock:
                     self.results[index] = (vars(sampled), logs, info)
