@@ -185,3 +185,95 @@ def test_with_lag_2_the_server_runs_two_rollouts_ahead_and_resume_is_exact(tmp_p
     got = load_file(str(tmp_path / "run" / "final" / "model.safetensors"))
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert [r["pipeline/weight_version"] for r in read_rows(tmp_path / "run")] == [0, 0, 0, 1, 2, 3]
+
+
+def test_with_one_process_the_push_goes_out_while_the_next_update_runs(tmp_path, tiny_model_dir, monkeypatch):
+    """Lag 1, one optimizer step a rollout: the server takes in the push of step 1 only once the trainer has taken
+    optimizer step 2 (its update on rollout 1, which names step 0's weights). The push thread sends the push meanwhile and
+    the request for rollout 2 waits for it; a trainer that pushed on its own path would wait in that push for its
+    own step 2 (the server gives up after 60 s, and records that it did). Each rollout names the weights of
+    step t - 1, and the push's seconds are the thread's (`pipeline/weight_push_thread`)."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+
+    from grpo import GRPOConfig, GRPOTrainer
+    from grpo.engines import vllm_pushes
+    from rewards_for_tests import count_a
+
+    ended, taken = {step: threading.Event() for step in range(1, 7)}, []
+    came, stage = [], vllm_pushes.PushQueue.stage
+
+    def stage_late(self, weights, step, state):
+        if step == 1:
+            came.append(ended[2].wait(60))
+        return stage(self, weights, step, state)
+
+    class Steps(TrainerCallback):
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            taken.append(1)
+            ended[len(taken)].set()
+
+    monkeypatch.setattr(vllm_pushes.PushQueue, "stage", stage_late)
+    with stub_servers(SeededEngine()) as [url]:
+        cfg = config(tiny_model_dir, url, tmp_path / "run", max_staleness=1, max_steps=4, save_steps=0)
+        trainer = GRPOTrainer(reward_funcs=[count_a], args=GRPOConfig(**cfg), callbacks=[Steps()],
+                              train_dataset=Dataset.from_dict({"prompt": [f"q{i}\n" for i in range(8)]}))
+        trainer.train()
+    assert came == [True]
+    rows = read_rows(tmp_path / "run")
+    assert [r["pipeline/weight_version"] for r in rows] == [0, 0, 1, 2]
+    assert all(r["pipeline/weight_push_thread"] >= 0 for r in rows)
+
+
+def test_a_process_that_does_not_push_waits_until_the_servers_have_the_step():
+    """Several trainer processes: the main one's push thread sends step 1 while another process's client thread
+    is about to ask for it; that thread waits (`wait_for_step`) until every server holds or has staged step 1."""
+    from grpo.engines.vllm_fleet import VLLMFleet
+
+    model = torch.nn.Linear(3, 2)
+    with stub_servers(SeededEngine(), SeededEngine()) as urls:
+        fleet = VLLMFleet(urls, [0], timeout=60, transport="http")
+        fleet.update_weights(model, step=0)
+        seen = []
+        waiter = threading.Thread(target=lambda: seen.append(fleet.wait_for_step(1) or [
+            m._call("/health")["staged_step"] for m in fleet.members]))
+        waiter.start()
+        waiter.join(timeout=1.0)
+        assert waiter.is_alive() and seen == []  # (no push of step 1 yet)
+        fleet.update_weights(model, step=1, queued=True)
+        waiter.join(timeout=60)
+        assert seen == [[1, 1]]
+        fleet.wait_for_step(0)  # (held: at once)
+        fleet.close()
+
+
+def test_multi_turn_processes_meet_after_each_rollout_before_asking_for_newer_weights():
+    """Two trainer processes with multi-turn rollouts (each process's turns go alone): the fence after rollout 0 (a
+    request of no rows naming its step, joined over the processes) returns to neither process until both have sent
+    it, so the first to finish cannot ask for step 1's weights (which the server would load) while the other still
+    has turns of step 0 to send."""
+    from grpo.engines.vllm_fleet import VLLMFleet
+    from grpo.training.rollout.pipeline_server import _Pinned
+
+    model, params = torch.nn.Linear(3, 2), SamplingParams(2)
+    engine = SeededEngine()
+    with stub_servers(engine) as [url]:
+        first, second = (VLLMFleet([url], [0], timeout=60, push=rank == 0, transport="http", rank=rank, processes=2)
+                         for rank in (0, 1))
+        first.update_weights(model, step=0)
+        first.update_weights(model, step=1, queued=True)
+        pinned = [_Pinned(first), _Pinned(second)]
+        for p in pinned:
+            p.step = 0
+        fenced = threading.Thread(target=pinned[0].fence, args=(0, params))
+        fenced.start()
+        fenced.join(timeout=1.0)
+        assert fenced.is_alive()  # (process 1 has not finished rollout 0)
+        assert pinned[1].generate([[5]], params, [3]).ids == [[5, 5]]  # (its last turn: step 0's weights, still held)
+        pinned[1].fence(0, params)
+        fenced.join(timeout=60)
+        assert not fenced.is_alive()
+        assert first.generate_at([[5]], params, [4], step=1)[1] == 1  # (now step 1's weights load)
+        assert first.members[0]._call("/health")["policy_step"] == 1
+        first.close()
+        second.close()

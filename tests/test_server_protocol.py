@@ -151,10 +151,11 @@ def test_a_failed_request_thread_stops_every_process_together(here, there):
     pushed = []
     source = object.__new__(ServerRollouts)
     source.pushed, source.step, source.policy, source.pushing = 0, 1, "policy", 0.0
-    source.worker = types.SimpleNamespace(who="vLLM server requests", failure="my rewards raised" if here else None)
+    source.copy = "the host copy"
+    source.worker = types.SimpleNamespace(who="vLLM server requests", failure="my rewards raised" if here else None,
+                                          push=lambda version, host, policy: pushed.append((policy, version, host)))
     source.worker.error = lambda: Answers.error(source.worker)
-    source.client = types.SimpleNamespace(barrier=lambda: None, update_weights=lambda policy, step, queued:
-                                          pushed.append((policy, step, queued)))
+    source.client = types.SimpleNamespace(push=True, barrier=lambda: None)  # (the main process of two)
     source.rollouts = types.SimpleNamespace(procs=_Procs(others_failed=there))
     if here or there:
         with pytest.raises(RuntimeError, match="my rewards raised" if here else
@@ -163,7 +164,7 @@ def test_a_failed_request_thread_stops_every_process_together(here, there):
         assert pushed == []
     else:
         source._send_weights(1)
-        assert pushed == [("policy", 1, True)]
+        assert pushed == [("policy", 1, "the host copy")]
 
 
 def test_the_generate_records_round_trip_merge_split_and_name_a_missing_field():
@@ -186,3 +187,17 @@ def test_the_generate_records_round_trip_merge_split_and_name_a_missing_field():
     del body["eos_ids"]
     with pytest.raises(ValueError, match="/generate: the body lacks eos_ids"):
         GenerateRequest.from_json(body)
+
+
+def test_the_host_copy_of_the_weights_holds_them_as_they_were_and_reuses_its_buffers():
+    """HostCopy (the push thread's copy, grpo.training.rollout.pipeline_server): floating tensors in the engine's
+    dtype (1/3 in bfloat16 is 0.333984375: 8 bits of mantissa), integer ones as they are; an in-place change of the
+    weights after the copy does not reach it; the next copy reuses the same buffers (one version in host memory)."""
+    weights = {"w": torch.full((2, 3), 1 / 3), "steps": torch.tensor([7, 8], dtype=torch.int64)}
+    host = vllm_weights.HostCopy()
+    first = dict(host.take(weights.items(), torch.bfloat16))
+    weights["w"].add_(1.0)
+    assert first["w"].dtype == torch.bfloat16 and first["w"].tolist() == [[0.333984375] * 3] * 2
+    assert first["steps"].dtype == torch.int64 and first["steps"].tolist() == [7, 8]
+    second = dict(host.take(weights.items(), torch.bfloat16))
+    assert second["w"].data_ptr() == first["w"].data_ptr() and second["w"][0, 0].item() == 1.3359375

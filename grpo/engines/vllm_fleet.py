@@ -25,6 +25,7 @@ import http.client
 import json
 import sys
 import threading
+import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 
@@ -85,6 +86,8 @@ class VLLMFleet(EngineDefaults, ReturnsRoutes):
         self.route_layers = layers.pop() if len(layers) == 1 else None
         self.routes_missing = next((f"{m.url}: {m.routes_missing}" for m in self.members if m.route_layers is None),
                                    "the servers record different numbers of MoE layers")
+        # (what a push sends: the engines' dtype, from the device of the collective groups; None: http)
+        self.dtype, self.device = self.members[0].dtype, getattr(self.members[0], "device", None)
         self.lock = threading.Lock()
         self.pool = ThreadPoolExecutor(len(self.members), thread_name_prefix="grpo-fleet")
         # Pushes have threads of their own: a queued push waits at a server until a request loads the push staged
@@ -119,6 +122,24 @@ class VLLMFleet(EngineDefaults, ReturnsRoutes):
                               f"in {what}; restart them (`grpo vllm-serve`), then resume the run")
         return up
 
+    def wait_for_step(self, step: int, poll_s: float = 0.02) -> None:
+        """Return once every server up holds or has staged the weights of `step` (`/health`): a trainer process
+        that does not push, before its first request naming `step`, while the main process's push thread may still
+        be sending them. A server that does not answer is left to that request (which takes it out)."""
+        deadline = time.monotonic() + self.members[0].timeout
+        for member in self._live("the wait for a push"):
+            while time.monotonic() < deadline:
+                try:
+                    health = member._call("/health")
+                except OSError:
+                    break
+                if step in (health["policy_step"], health["staged_step"]):
+                    break
+                time.sleep(poll_s)
+            else:
+                raise TimeoutError(f"vLLM server {member.url}: the weights of step {step} did not arrive within "
+                                   f"{self.members[0].timeout:g} s (vllm_server_timeout)")
+
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seeds: list[int]) -> Completions:
         return self.generate_at(prompt_ids, params, seeds)[0]
 
@@ -133,7 +154,7 @@ class VLLMFleet(EngineDefaults, ReturnsRoutes):
         n = len(prompt_ids)
         ids, truncated, logprobs, routes = [None] * n, [None] * n, [None] * n, [None] * n
         todo, served, attempt = list(range(n)), None, 0
-        while todo:
+        while todo or attempt == 0:  # (a request of no rows still goes, as empty parts, when it names a step or key)
             up = self._live("generation")
             parts = spread([prompt_ids[i] for i in todo], len(up), params.max_new_tokens)
             key = together if together is None or attempt == 0 else f"{together} (again, {attempt})"

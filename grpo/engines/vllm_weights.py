@@ -91,6 +91,34 @@ def unpack(header: bytes, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+class HostCopy:
+    """A copy of the policy's weights in host memory, taken on the trainer's path and pushed later by a thread
+    (grpo.training.rollout.pipeline_server), while the update changes the weights themselves. Floating tensors are
+    kept in the engine's `dtype` (what the push sends anyway). The buffers are kept and reused from push to push
+    (one version in host memory), pinned when the weights are on a GPU, so each copy off the device is
+    asynchronous and `take` waits once, for all of them."""
+
+    def __init__(self):
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None
+             ) -> list[tuple[str, torch.Tensor]]:
+        copies, devices = [], set()
+        for name, tensor in weights:
+            tensor = tensor.detach()
+            want = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+            buffer = self.buffers.get(name)
+            if buffer is None or buffer.shape != tensor.shape or buffer.dtype != want:
+                buffer = self.buffers[name] = torch.empty(tensor.shape, dtype=want, pin_memory=tensor.is_cuda)
+            buffer.copy_(tensor, non_blocking=tensor.is_cuda)  # (a gathered temporary: its stream orders the reuse)
+            if tensor.is_cuda:
+                devices.add(tensor.device)
+            copies.append((name, buffer))
+        for device in devices:  # (one wait per device: every copy has landed before a thread reads the buffers)
+            torch.cuda.current_stream(device).synchronize()
+        return copies
+
+
 # ---- collective ------------------------------------------------------------------------------------------------
 
 def device_uuid(device: torch.device) -> str | None:

@@ -9,8 +9,11 @@ At each rollout boundary (the last optimizer step of rollout t - 1, on every pro
     1. the main process pushes the weights (bucketed, grpo.engines.vllm_weights), tagged with their step
        t x steps-per-rollout and queued: the server reads them into host memory and loads them between requests,
        when the first request naming that step comes (grpo.engines.vllm_pushes), so the requests of older weights
-       still to run (rollouts t .. t + k - 1) keep theirs and the trainer does not wait for them; under several
-       processes every one waits at a barrier before and after;
+       still to run (rollouts t .. t + k - 1) keep theirs and the trainer does not wait for them. The trainer only
+       copies the weights into host memory (`HostCopy`; one version, pinned on a GPU; a sharded model's gather is
+       collective, so every process walks the weights) and a thread of its own (the push thread) sends the copy
+       while the next update runs; a client thread sends a request naming step t only once that push has reached
+       the server (the main process's waits for its push thread, the others ask the servers, `wait_for_step`);
     2. rollout t + k's request goes to the client thread, which sends it naming that step, and the trainer updates on
        rollout t while the server generates rollouts t + 1 .. t + k in order.
 
@@ -34,6 +37,7 @@ flight at that step, whichever had already come back.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import queue
 import sys
@@ -41,8 +45,12 @@ import threading
 import time
 import traceback
 
+import torch
+
 from grpo.config import ConfigError
 from grpo.engines.base import EngineDefaults
+from grpo.engines.sharding import hf_weights, sharding
+from grpo.engines.vllm_weights import HostCopy
 from grpo.engines.vllm_server import ServersDown
 from grpo.training.rollout.pipeline import Answers, LaggedRollouts
 from grpo.training.rollout.rollouts import Rollouts
@@ -68,6 +76,7 @@ class ServerRollouts(LaggedRollouts):
         # now in order; its rollouts never reach the client directly.
         rollouts.generator = _InOrder(self)
         self.pushing = 0.0  # seconds pushing (a queued push waits while the server holds an older one staged)
+        self.copy = HostCopy()  # the main process's push thread sends it while the update runs (module docstring)
         self.down: ServersDown | None = None  # every server stopped answering: the run stops at its next rollout
 
     def _ask(self, index: int) -> None:
@@ -91,10 +100,16 @@ class ServerRollouts(LaggedRollouts):
             failure = self.worker.error()
         # (a failure stops every process together). The push is queued at the server, which loads it when the
         # first request naming `version` comes, after the requests of older weights (grpo.engines.vllm_pushes):
-        # no wait for them here. Then the barrier: no process asks for `version` before the server holds it.
+        # no wait for them here; nor for the push, which the push thread sends (each client thread waits for it).
         self._agree(failure)
         try:
-            self.client.update_weights(self.policy, step=version, queued=True)
+            if self.worker is None:  # (an evaluation outside train(): pushed here, then the barrier)
+                self.client.update_weights(self.policy, step=version, queued=True)
+            elif self.client.push:
+                self.worker.push(version, self.copy, self.policy)
+            elif sharding(self.policy) is not None:  # (gathering a sharded model is collective)
+                for _ in hf_weights(self.policy):
+                    pass
         except ServersDown as err:  # (every process: update_weights hands the main process's to all)
             self.down = err
             raise
@@ -137,6 +152,8 @@ class ServerRollouts(LaggedRollouts):
         batch = super().next(index)
         batch.metrics["pipeline/weight_push"] = self.pushing
         self.pushing = 0.0
+        # (the push thread's seconds, beside the update: not on the trainer's path; 0 on a process that does not push)
+        batch.metrics["pipeline/weight_push_thread"] = self.worker.take_push_seconds()
         return batch
 
     def state_dict(self) -> dict:
@@ -173,6 +190,7 @@ class _InOrder(EngineDefaults):
         if self.source.worker is not None:
             try:
                 self.source.worker.drain()
+                self.source.worker.follow(self.source.pushed)
             except ServersDown as err:
                 self.source.down = err
                 raise
@@ -194,6 +212,13 @@ class _Pinned(EngineDefaults):
         out, self.served = self.client.generate_at(prompt_ids, params, seeds, step=self.step)
         return out
 
+    def fence(self, index: int, params) -> None:
+        """Return once every process's thread has finished rollout `index`: a request of no rows naming its step,
+        joined over the processes. Multi-turn rollouts send each process's turns alone, and without it a process
+        that finished first would ask for the next rollout's weights, which the server then loads, while another
+        still had turns of the older ones to send (refused: the server no longer holds them)."""
+        self.client.generate_at([], params, [], step=self.step, together=f"rollout {index} done")
+
     def generate_together(self, prompt_ids, params, seeds):
         """A rollout's rows of every process in one request: each process's thread sends its part under the
         rollout's key and the server runs them together (the threads cannot gather over the process group, which
@@ -206,7 +231,9 @@ class _Pinned(EngineDefaults):
 class _ClientThread(Answers):
     """Sends the requests to the server in the order they were asked for, one at a time, and scores the answers:
     the forked worker's calls (`send`, `result`, `stop`) and `drain`. It works on its own shallow copy of the
-    rollouts, so what reward functions log and the times it takes are its own until the trainer takes them."""
+    rollouts, so what reward functions log and the times it takes are its own until the trainer takes them. On the
+    main process (the client's `push`) a push thread sends the weights (`push`); a request waits until the push
+    of its step is at the server (`_wait_pushed`)."""
 
     who = "vLLM server requests"
 
@@ -225,7 +252,72 @@ class _ClientThread(Answers):
         self.inbox: queue.Queue = queue.Queue()
         self.waiting = 0  # requests sent and not yet answered
         self.down: ServersDown | None = None  # the failure, when it was every server gone
+        self.client, self.pushes = client, queue.Queue()
+        self.unpushed = 0  # pushes handed to the push thread and not yet at the server
+        self.pushed: int | None = None  # the step of the last push at the server
+        self.push_seconds = 0.0
         threading.Thread(target=self._run, daemon=True, name="grpo-vllm-requests").start()
+        if client.push:
+            threading.Thread(target=self._push_all, daemon=True, name="grpo-vllm-push").start()
+
+    def push(self, version: int, host: HostCopy, policy) -> None:
+        """Hand the push thread the weights of step `version`: copied into `host` once the previous push is done
+        (its buffers are reused: one version in host memory), so the trainer waits only for the copy."""
+        with self.lock:
+            while self.unpushed and self.failure is None:
+                self.lock.wait()
+            if self.failure is not None:
+                raise self.error()
+            self.unpushed += 1
+        self.pushes.put((version, host.take(hf_weights(policy), getattr(self.client, "dtype", None))))
+
+    def take_push_seconds(self) -> float:
+        with self.lock:
+            seconds, self.push_seconds = self.push_seconds, 0.0
+        return seconds
+
+    def _push_all(self) -> None:
+        """The push thread: each copy to the server, in order (queued: loaded when a request names its step). On a
+        GPU the collective push packs and sends on a stream of its own, beside the update's kernels."""
+        device = getattr(self.client, "device", None)
+        on_gpu = device is not None and torch.device(device).type == "cuda"
+        while (item := self.pushes.get()) is not None:
+            version, weights = item
+            t0 = time.perf_counter()
+            try:
+                with torch.cuda.stream(torch.cuda.Stream(device)) if on_gpu else contextlib.nullcontext():
+                    self.client.push_weights(weights, step=version, queued=True)
+                    if on_gpu:
+                        torch.cuda.current_stream(device).synchronize()
+            except BaseException as err:  # noqa: BLE001 - the trainer and the requests' thread raise it
+                with self.lock:
+                    self.down = err if isinstance(err, ServersDown) else self.down
+                    self.failure = self.failure or f"(the weight push of step {version})\n{traceback.format_exc()}"
+                    self.lock.notify_all()
+                return
+            with self.lock:
+                self.unpushed -= 1
+                self.pushed, self.push_seconds = version, self.push_seconds + time.perf_counter() - t0
+                self.lock.notify_all()
+
+    def _wait_pushed(self, version: int) -> None:
+        """Before a request naming step `version`: its push has reached the server. The main process waits for its
+        push thread; the others ask the servers (`follow`)."""
+        if not self.client.push:
+            return self.follow(version)
+        with self.lock:
+            while self.unpushed and (self.pushed is None or self.pushed < version) and self.failure is None:
+                self.lock.wait()
+            if self.failure is not None:
+                raise self.error()
+
+    def follow(self, version: int | None) -> None:
+        """On a process that does not push: return once the servers hold or have staged the weights of `version`
+        (the main process's push thread sends them)."""
+        if self.client.push or version is None or (self.pushed is not None and self.pushed >= version):
+            return
+        self.client.wait_for_step(version)
+        self.pushed = version
 
     def send(self, message: Generate) -> None:
         with self.lock:
@@ -234,9 +326,9 @@ class _ClientThread(Answers):
         self.inbox.put((message.index, message.version, message.request))
 
     def drain(self) -> None:
-        """Wait until every request sent has its answer."""
+        """Wait until every request sent has its answer, and every push is at the server."""
         with self.lock:
-            while self.waiting and self.failure is None:
+            while (self.waiting or self.unpushed) and self.failure is None:
                 self.lock.wait()
             if self.failure is not None:
                 raise self.error()
@@ -246,8 +338,10 @@ class _ClientThread(Answers):
         return ServersDown(str(self.down)) if self.down is not None else super().error(index)
 
     def stop(self) -> None:
-        """The thread ends after the request it is in (the server finishes it; nobody takes the answer)."""
+        """The thread ends after the request it is in (the server finishes it; nobody takes the answer), and the
+        push thread after its push."""
         self.inbox.put(None)
+        self.pushes.put(None)
 
     def _run(self) -> None:
         index = None
@@ -259,11 +353,14 @@ class _ClientThread(Answers):
                 if item is None:
                     return
                 index, version, request = item
+                self._wait_pushed(version)
                 # (with dynamic sampling each process decides its refill rounds alone: its requests go alone)
                 self.engine.step, self.engine.index = version, None if isinstance(request, int) else index
                 if self.rollouts.trainer_state is not None:
                     self.rollouts.trainer_state.global_step = version
                 sampled, logs = self.rollouts.sample_request(request)
+                if self.rollouts.agent is not None and self.rollouts.procs.world > 1:  # (turns went alone)
+                    self.engine.fence(index, self.rollouts.params)
                 info = {"version": self.engine.served, "idle": idle, "ref_logp": None}
                 with self.lock:
                     self.results[index] = (vars(sampled), logs, info)
