@@ -31,17 +31,20 @@ from grpo.engines.moe import NOT_ROUTED
 
 def routes_support() -> str | None:
     """How this vLLM build can return an MoE rollout's routes: "vllm" (its own record: Model Runner V2, which
-    needs Triton), "hook" (grpo's hook on the CPU build's V1 model runner), or None (neither)."""
-    import vllm.config
-    from vllm import envs
-    from vllm.platforms import current_platform
-    from vllm.triton_utils import HAS_TRITON
-
+    needs Triton), "hook" (grpo's hook on the CPU build's V1 model runner), or None (neither, or a vLLM whose
+    modules are laid out otherwise than 0.32.0's)."""
+    try:
+        import vllm.config
+        from vllm import envs
+        from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+        from vllm.platforms import current_platform
+        from vllm.triton_utils import HAS_TRITON
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:
+        return None
     own = hasattr(getattr(vllm.config, "AuxOutputConfig", None), "enable_return_routed_experts")
-    if own and HAS_TRITON and envs.VLLM_USE_V2_MODEL_RUNNER is not False:
+    if own and HAS_TRITON and getattr(envs, "VLLM_USE_V2_MODEL_RUNNER", None) is not False:
         return "vllm"
-    from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     if current_platform.is_cpu() and hasattr(BaseRouter, "set_capture_fn") and hasattr(GPUModelRunner,
                                                                                       "_model_forward"):
@@ -55,12 +58,18 @@ def route_plan(vllm, model_name_or_path: str, wanted: bool | None) -> tuple[str 
     on for an MoE where the build can, False: off, True: on or an error)."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_name_or_path)
+    unread = ""
+    try:
+        config = AutoConfig.from_pretrained(model_name_or_path)
+    except (OSError, ValueError, KeyError) as err:  # (a config only its own code reads: no router grpo knows)
+        config, unread = None, f"{model_name_or_path}'s config does not load in transformers ({err})"
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     experts = (getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
                if hasattr(config, "output_router_logits") else None)
     how, why = routes_support(), ""
-    if wanted is False:
+    if config is None:
+        how, why = None, unread
+    elif wanted is False:
         how, why = None, "the engine was started with enable_return_routed_experts: false"
     elif experts is None:
         how, why = None, f"{model_name_or_path} is not a Mixture-of-Experts model"
