@@ -324,7 +324,7 @@ def test_the_tiny_moe_build_script_is_deterministic_at_miniature_size(tmp_path):
 
 def test_r3_refuses_what_it_cannot_combine_with():
     """make_routing refuses R3, by name, beside a rollout engine that records no routes (a user's; vLLM's that
-    return none: tests/test_vllm_moe.py) and padded passes; sequence parallelism and a rollout worker (max_staleness) take it (tests/test_moe_pipeline.py)."""
+    return none: tests/test_vllm_moe.py), padded passes, multi-turn rollouts and more experts than a byte names; sequence parallelism and a rollout worker (max_staleness) take it (tests/test_moe_pipeline.py)."""
     from types import SimpleNamespace
 
     model = tiny_moe("qwen3_moe")
@@ -335,6 +335,16 @@ def test_r3_refuses_what_it_cannot_combine_with():
     for overrides, generator, packs, message in cases:
         with pytest.raises(ConfigError, match=message):
             moe.make_routing(SimpleNamespace(**{**cfg, **overrides}), model, generator, packs, lambda t: t)
+    with pytest.raises(ConfigError, match="R3 replays the routes of single-turn rollouts; multi-turn"):
+        moe.make_routing(SimpleNamespace(**cfg), model, sampler, packing, lambda t: t, multi_turn=True)
+    # (a route cell is a byte and 255 marks a token not routed: 300 experts cannot be recorded, R3 or not)
+    many = tiny_moe("qwen3_moe")
+    many.config.num_experts = 300
+    with pytest.raises(ConfigError, match="holds ids below 255, and Qwen3MoeForCausalLM has 300 experts"):
+        moe.make_routing(SimpleNamespace(**cfg), many, TransformersSampler(many, 1, [0]), packing, lambda t: t)
+    unrecorded = TransformersSampler(many, 1, [0])
+    moe.make_routing(SimpleNamespace(**{**cfg, "router_replay": "off"}), many, unrecorded, packing, lambda t: t)
+    assert unrecorded.routes is None
     routing = moe.make_routing(SimpleNamespace(**cfg), model, sampler, packing, lambda t: t)
     assert routing.replay and routing.coef == model.config.router_aux_loss_coef  # (null: the model's own)
     for overrides in (dict(sequence_parallel_size=2), dict(max_staleness=1)):

@@ -349,10 +349,11 @@ def pass_weights(micro, tokens: int) -> torch.Tensor | None:
     return None
 
 
-def make_routing(cfg, policy, generator, packing, gather, sp=None) -> Routing | None:
+def make_routing(cfg, policy, generator, packing, gather, sp=None, multi_turn: bool = False) -> Routing | None:
     """The run's `Routing` for `policy`, or None for a dense model; the sampler `generator` records routes when it
     is grpo's own (in a rollout worker, max_staleness > 0, its forked copy records), or returns vLLM's. `sp`: the process's
-    sequence-parallel group, or None. What cannot combine is refused by name (a ConfigError)."""
+    sequence-parallel group, or None; `multi_turn`: the rollouts are multi-turn (their rows carry no routes). What
+    cannot combine is refused by name (a ConfigError)."""
     from grpo.config import ConfigError
     from grpo.engines.base import ReturnsRoutes
     from grpo.engines.sampling import TransformersSampler
@@ -379,9 +380,13 @@ def make_routing(cfg, policy, generator, packing, gather, sp=None) -> Routing | 
     if layers is not None and layers != len(routers(policy)):
         raise ConfigError(f"use_vllm: the vLLM engine returns routes of {layers} MoE layers but {name} has "
                           f"{len(routers(policy))} routers; serve the same model as the policy.")
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
     if mode == "R3":
         missing = generator.routes_missing if from_vllm else ""
-        refusals = [(from_vllm and layers is None, f"needs vLLM's routed experts, which this engine does not return "
+        refusals = [(experts >= NOT_ROUTED, f"records an expert's id in a byte, which holds ids below {NOT_ROUTED}, "
+                                            f"and {name} has {experts} experts"),
+                    (multi_turn, "replays the routes of single-turn rollouts; multi-turn rollouts (tools, "
+                                 "environments, rollout_func, agents) do not record them"),(from_vllm and layers is None, f"needs vLLM's routed experts, which this engine does not return "
                                                    f"({missing}); set use_vllm: false"),
                     (not from_vllm and not isinstance(generator, TransformersSampler),
                      "records routes in grpo's own samplers and vLLM's, not in a user's engine"),
@@ -390,6 +395,6 @@ def make_routing(cfg, policy, generator, packing, gather, sp=None) -> Routing | 
         for refused, why in refusals:
             if refused:
                 raise ConfigError(f"router_replay: R3 {why}, or router_replay: off.")
-    if isinstance(generator, TransformersSampler):
+    if isinstance(generator, TransformersSampler) and experts < NOT_ROUTED:  # (a byte a route cell: ids < 255)
         generator.routes = RouteRecorder(policy)
     return Routing(mode == "R3", float(coef), gather, sp)

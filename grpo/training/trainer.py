@@ -194,7 +194,7 @@ class GRPOTrainer(TRLSurface):
         self.updates = Update(cfg, self.accel, self.model, self.backend, self.objective, self.procs, self.layout,
                               self.micro)
         self.updates.routing = make_routing(cfg, self.policy, self.generator, packing, self.procs.gather,
-                                            self.procs.sp)  # (MoE)
+                                            self.procs.sp, multi_turn=bool(self.agents))  # (MoE)
         self.control = RunControl(cfg, callbacks, self.layout, self.accel.is_main_process)
         self.rollouts.trainer_state = self.control.state
         self.health = HealthMonitor(accuracy=self.reward_names[0],
