@@ -374,3 +374,36 @@ def test_the_scoring_passes_replay_too():
     known = micro.packed.source >= 0
     for layer, experts in seen.items():
         assert torch.equal(experts[known].sort(-1).values, micro.routes[known, layer].long().sort(-1).values)
+
+
+def test_a_vllm_that_refuses_its_routed_experts_record_still_starts_without_routes(monkeypatch):
+    """vLLM's own record (enable_return_routed_experts) needs its Model Runner V2, which some settings turn off: vLLM
+    then refuses the option when it checks its config. The engine starts again without it and records no routes
+    (R3 refused with vLLM's reason), rather than failing for an MoE with router_replay off. A fake vLLM here: the
+    real GPU build is not installed on this machine."""
+    import sys
+    from types import ModuleType, SimpleNamespace
+
+    from grpo.engines import vllm as vllm_engine
+    from grpo.engines import vllm_routes
+
+    starts = []
+
+    class LLM:
+        def __init__(self, **kwargs):
+            starts.append(kwargs)
+            if kwargs.get("enable_return_routed_experts"):
+                raise ValueError("AuxOutput Connector requires Model Runner V2; set VLLM_USE_V2_MODEL_RUNNER=1.")
+            self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(get_vocab_size=lambda: 32))
+
+    fake = ModuleType("vllm")
+    fake.LLM, fake.__version__ = LLM, "0.32.0"
+    platforms = ModuleType("vllm.platforms")
+    platforms.current_platform = SimpleNamespace(is_sleep_mode_available=lambda: True)
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+    monkeypatch.setattr(vllm_engine, "import_vllm", lambda: fake)
+    monkeypatch.setattr(vllm_routes, "route_plan", lambda vllm, model, wanted: ("vllm", ""))
+    engine = vllm_engine.VLLMEngine("some-moe", eos_ids=[0])
+    assert [s.get("enable_return_routed_experts") for s in starts] == [True, None]
+    assert engine.route_layers is None and "AuxOutput Connector requires Model Runner V2" in engine.routes_missing

@@ -10,6 +10,7 @@ vLLM is imported only when an engine is built. On a GPU: `pip install "grpo[vllm
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import socket
 
@@ -109,10 +110,21 @@ class VLLMEngine(EngineDefaults, ReturnsRoutes):
         options.update(llm_kwargs)
         launcher = (launcher_environment() if options.get("distributed_executor_backend") == "external_launcher"
                     else contextlib.nullcontext())
+        start = functools.partial(vllm.LLM, model=model_name_or_path, dtype=dtype, seed=seed,
+                                  gpu_memory_utilization=gpu_memory_utilization, model_impl=model_impl,
+                                  tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
+                                  enable_sleep_mode=enable_sleep_mode)
         with launcher:
-            self.llm = vllm.LLM(model=model_name_or_path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
-                                tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
-                                enable_sleep_mode=enable_sleep_mode, model_impl=model_impl, seed=seed, **options)
+            try:
+                self.llm = start(**options)
+            except ValueError as err:  # (vLLM checks its config before it loads anything: a retry costs little)
+                if how != "vllm" or wanted or "AuxOutput" not in str(err):
+                    raise
+                # vLLM's record needs its Model Runner V2, which a setting may have turned off (speculative decoding
+                # of some kinds, pipeline stages under external_launcher): no routes, rather than no engine
+                options.pop("enable_return_routed_experts")
+                how, self.routes_missing = None, f"vLLM refused to record them here ({err})"
+                self.llm = start(**options)
         # Token ids the model has no logit for cannot be sampled, and vLLM refuses them as stop ids.
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         self.routes_via, self.route_layers, self.moe_layers = None, None, None
