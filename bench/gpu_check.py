@@ -379,7 +379,7 @@ CHECKS = {"A_env": check_env, "B1": check_packed_numerics, "B2": check_kernels_a
 # Seconds each check takes on one H200 (measured 2026-11-28 where known, else estimated from its work), and with
 # --quick; --budget skips a check whose estimate no longer fits. CPU runs (--cpu) are not budgeted.
 ESTIMATE_S = {"A_env": (15, 15), "B1": (5, 5), "B2": (8, 8), "B3": (1, 1), "B4": (5, 5), "B5": (1, 1),
-              "B6": (15, 15), "B7": (5, 5), "C1": (105, 45), "C2": (15, 12), "C2b": (7, 5), "C3": (18, 18),
+              "B6": (15, 15), "B7": (5, 5), "B8": (5, 5), "C1": (105, 45), "C2": (15, 12), "C2b": (7, 5), "C3": (18, 18),
               "C4": (25, 25), "C5": (12, 12), "E1": (60, 60), "D": (140, 140)}
 
 

@@ -1,5 +1,6 @@
 """The GPU check's engine checks (bench/gpu_check.py runs them) beside those in gpu_check.py: host syncs (B4), and
-for the code that came after the first GPU review, activation offload (B6) and the float32 LM head (B7), on a
+for the code that came after the first GPU review, activation offload (B6), the float32 LM head (B7) and the lag
+pipeline's host copy of the weights (B8), on a
 randomly initialised model of Qwen2.5-0.5B's shape (B6, B7: float32 weights under bf16 autocast, the GPU recipe's
 precision; tiny shapes on the CPU). Each returns its JSON
 record's fields; bench/gpu_check.py adds the check's name, status and seconds."""
@@ -201,4 +202,36 @@ def check_float32_head(ctx: Context) -> dict:
     return {"tokens": int(real.sum()), "results": results, **criteria(checks)}
 
 
-ENGINE_CHECKS = {"B4": check_host_syncs, "B6": check_activation_offload, "B7": check_float32_head}
+def check_host_copy(ctx: Context) -> dict:
+    """B8: the lag pipeline's host copy of the weights (grpo.engines.vllm_weights.HostCopy, which the push thread
+    sends while the next update runs): float32 weights of Qwen2.5-0.5B's shape copied off the device into bf16 host
+    buffers, pinned on a GPU, with one wait for all of them (no synchronising copy per tensor), the buffers reused by
+    the next copy, and the values those of the weights cast to bf16."""
+    from grpo.engines.sharding import hf_weights
+    from grpo.engines.vllm_weights import HostCopy
+
+    model = qwen_like(ctx, torch.float32, "sdpa")
+    host, seconds = HostCopy(), []
+    first = dict(host.take(hf_weights(model), torch.bfloat16))
+    if ctx.cuda:
+        syncs = count_syncs(lambda: host.take(hf_weights(model), torch.bfloat16))
+    t0 = time.perf_counter()
+    second = dict(host.take(hf_weights(model), torch.bfloat16))
+    seconds.append(time.perf_counter() - t0)
+    weights = dict(hf_weights(model))
+    nbytes = sum(t.numel() * t.element_size() for t in second.values())
+    checks = {"the values are the weights in bf16": all(torch.equal(second[n], w.detach().to(torch.bfloat16).cpu())
+                                                         for n, w in weights.items()),
+              "the next copy reuses the buffers": all(second[n].data_ptr() == first[n].data_ptr() for n in first)}
+    result = {"tensors": len(second), "mib": round(nbytes / 2**20, 1), "copy_s": round(seconds[0], 4),
+              "gib_per_s": round(nbytes / 2**30 / seconds[0], 2)}
+    if ctx.cuda:
+        checks["pinned host buffers"] = all(t.is_pinned() for t in second.values())
+        checks["at most one synchronisation a copy"] = syncs["total"] <= 1
+        result["syncs"] = syncs
+    del model
+    return {**result, **criteria(checks)}
+
+
+ENGINE_CHECKS = {"B4": check_host_syncs, "B6": check_activation_offload, "B7": check_float32_head,
+                 "B8": check_host_copy}

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKS = ["A_env", "B1", "B2", "B3", "B4", "B5", "B6", "B7", "C1", "C2", "C2b", "C3", "C4", "C5", "E1", "D"]
+CHECKS = ["A_env", "B1", "B2", "B3", "B4", "B5", "B6", "B7", "B8", "C1", "C2", "C2b", "C3", "C4", "C5", "E1", "D"]
 
 
 def run(*args: str, tmp_path) -> subprocess.CompletedProcess:
@@ -48,6 +48,7 @@ def test_every_check_runs_on_the_cpu_and_passes_or_says_why_not(tmp_path):
         assert by_name[name]["sampler_logp_gap"]["worst_step_mean"] <= 1e-2, by_name[name]
     assert by_name["B6"]["passes"]["plain: gradient_rel_diff"] == 0.0  # (the CPU: the hooks move nothing)
     assert by_name["B7"]["results"]["float32 head"]["max_abs"] <= 1e-4
+    assert by_name["B8"]["status"] == "ok" and by_name["B8"]["tensors"] > 0
     assert by_name["C4"]["weights_max_abs_diff"] == 0.0
     assert by_name["E1"]["memory_peak_gib_per_step"] == [None, None]  # (no accelerator: no memory/peak_gib)
     untested = by_name["untested"]
