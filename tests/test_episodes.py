@@ -433,7 +433,7 @@ def test_an_episode_using_cuda_in_a_forked_worker_stops_the_run_saying_so(tmp_pa
 
 def test_episodes_in_a_worker_process_under_a_lag_train_what_the_trainers_process_does(tmp_path):
     """max_staleness 1: the rollout worker serves the endpoint and forks the episodes' worker from itself; the
-    batches trained are those of processes 0, rollout by rollout."""
+    batches trained are those of processes 0, rollout by rollout (window_s 30 s: see the test above)."""
     from test_async import recording
 
     async def episode(client, row):
@@ -443,7 +443,8 @@ def test_episodes_in_a_worker_process_under_a_lag_train_what_the_trainers_proces
     batches = {}
     for n in (0, 1):
         trainer = GRPOTrainer(model=ASSET, args=config(tmp_path / str(n), max_staleness=1, max_steps=3, num_threads=1),
-                              train_dataset=problems(16), reward_funcs=[], rollout_func=Episodes(episode, processes=n))
+                              train_dataset=problems(16), reward_funcs=[],
+                              rollout_func=Episodes(episode, processes=n, window_s=30.0))
         batches[n] = recording(trainer)[1]
         trainer.train()
     assert sorted(batches[1]) == sorted(batches[0]) == [0, 1, 2]
@@ -453,3 +454,29 @@ def test_episodes_in_a_worker_process_under_a_lag_train_what_the_trainers_proces
         assert batches[0][t].metrics["episode/parent"] == os.getpid() != batch.metrics["episode/parent"]
         for name in ("input_ids", "completion_mask", "sampling_logp", "advantages"):
             assert torch.equal(getattr(batch, name), getattr(batches[0][t], name)), (t, name)
+
+
+def test_a_batch_waits_while_a_worker_process_is_busy_building_requests(tmp_path):
+    """processes 1, two episodes: e0 asks at once; e1 works on the CPU for 6 windows first (in the worker, not in
+    the trainer's process). The worker's CPU counts as busy, as the episodes' threads do in the trainer's process:
+    the batch stays open and both requests are one engine call. Without the workers' clock it closed after a quiet
+    window: [1, 1]."""
+    def episode(client, row):
+        if episode_index(client) == 1:
+            end = time.monotonic() + 6 * 0.25
+            while time.monotonic() < end:
+                sum(range(1000))
+        client.chat.completions.create(model="policy", messages=messages(row), max_tokens=3)
+        return 1.0
+
+    trainer = GRPOTrainer(model=ASSET, args=config(tmp_path, prompts_per_step=1), train_dataset=problems(),
+                          reward_funcs=[], rollout_func=Episodes(episode, window_s=0.25, processes=1))
+    calls, generate = [], trainer.generator.generate
+
+    def counted(prompt_ids, params, seeds):
+        calls.append(len(prompt_ids))
+        return generate(prompt_ids, params, seeds)
+
+    trainer.generator.generate = counted
+    batch = trainer.rollout()
+    assert calls == [2] and batch.metrics["episodes/model_calls"] == 2

@@ -118,6 +118,7 @@ class EpisodeRollout:
         rows = [{**{k: v[i] for k, v in columns.items()}, "prompt": p} for i, p in enumerate(prompts)]
         if self.workers is not None:
             self.workers.ready()  # (forked before the endpoint's threads start)
+            endpoint.clocks = [self.workers.cpu_seconds]  # (their CPU is the episodes' building requests)
         with endpoint:  # (serving while the episodes run: no port open between rollouts)
             jobs = [(key, endpoint.episode_url(key), row) for key, row in zip(keys, rows)]
             endpoint.waiting = len(keys)  # (the batcher waits for as many requests; one fewer as each ends)

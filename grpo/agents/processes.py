@@ -35,6 +35,7 @@ from typing import Callable
 logger = logging.getLogger(__name__)
 MARGIN_S = 10.0  # past the episodes' deadline, a worker that has not reported them all is killed
 WORKER_DIED = "worker_died"
+TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
@@ -151,6 +152,20 @@ class EpisodeWorkers:
         for key in unfinished:
             outcomes[where[key]] = (None, fault)
             ended()
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds the live workers have used (Linux; 0 elsewhere): the endpoint's batcher counts their work on
+        requests as busy, as it counts the episodes' threads in the trainer's process."""
+        total = 0.0
+        for worker in list(self.workers):
+            if worker is not None:
+                try:
+                    with open(f"/proc/{worker.pid}/stat", "rb") as f:
+                        fields = f.read().rsplit(b")", 1)[1].split()
+                    total += (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime, all its threads
+                except (OSError, IndexError, ValueError):
+                    pass
+        return total
 
     def close(self) -> None:
         _kill_all(self.workers)
