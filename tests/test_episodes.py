@@ -389,7 +389,8 @@ def test_faults_inside_worker_processes_are_counted_as_in_the_trainers(tmp_path,
 def test_a_worker_killed_mid_step_counts_its_unfinished_episodes_and_the_next_step_gets_a_new_one(tmp_path):
     """processes 2, four episodes: worker 0 runs e0 and e2, worker 1 e1 and e3. In the first rollout e1 kills its
     own process after its call while e3 waits (it could not end for 120 s): both are worker_died, e0 and e2 train.
-    The second rollout (e4..e7) runs whole, worker 1 forked again, worker 0 the same process."""
+    The second rollout (e4..e7) runs whole, worker 1 forked again, worker 0 the same process; worker 0 killed
+    between rollouts, the third runs whole too."""
     import signal
     import threading
 
@@ -413,6 +414,12 @@ def test_a_worker_killed_mid_step_counts_its_unfinished_episodes_and_the_next_st
     again = trainer.rollout()
     assert again.metrics["episodes/worker_died"] == 0 and again.metrics["episodes/model_calls"] == 4
     assert (again.completion_mask.sum(1) > 0).all() and workers[0].pid == pid and workers[1].pid != pid
+    # A worker that dies between rollouts (the OOM killer, say) is forked again before the next one.
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)  # (dead before the rollout: the signal's delivery is not the kill's return)
+    third = trainer.rollout()
+    assert third.metrics["episodes/worker_died"] == 0 and (third.completion_mask.sum(1) > 0).all()
+    assert workers[0].pid != pid
 
 
 def test_an_episode_using_cuda_in_a_forked_worker_stops_the_run_saying_so(tmp_path):

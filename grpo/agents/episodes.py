@@ -13,6 +13,8 @@ client whose `base_url` names the episode, so its calls are recorded token-exact
 seeded from the row's seed and the call's index. An episode's calls become its training row(s), its return value the
 reward `episode` (weight 1, beside any `reward_funcs`). An episode that raises, overruns `timeout_s` or never calls
 the model is counted and logged (`episodes/<fault>`) and trains nothing (reward None: advantage 0); the run goes on.
+The episodes run in the trainer's process (`processes=0`), or in worker processes of their own, off the interpreter
+lock the endpoint and the engine need (`processes=N`: grpo.agents.processes).
 """
 
 from __future__ import annotations

@@ -42,23 +42,30 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, si
 class _Worker:
     def __init__(self, pid: int, conn: Connection):
         self.pid, self.conn = pid, conn
+        self.status: int | None = None  # (its wait status, once reaped)
+
+    def alive(self) -> bool:
+        if self.status is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                pid, status = self.pid, 0
+            if pid:
+                self.status = status
+        return self.status is None
 
     def kill(self) -> str:
         """Kill it (if it still runs) and reap it; how it ended, in words."""
-        try:
-            os.kill(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            _, status = os.waitpid(self.pid, 0)
-        except ChildProcessError:
-            status = None
+        if self.alive():
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+                self.status = os.waitpid(self.pid, 0)[1]
+            except (ProcessLookupError, ChildProcessError):
+                self.status = 0
         self.conn.close()
-        if status is None:
-            return "ended"
-        if os.WIFSIGNALED(status):
-            return f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
-        return f"exit status {os.WEXITSTATUS(status)}"
+        if os.WIFSIGNALED(self.status):
+            return f"killed by {signal.Signals(os.WTERMSIG(self.status)).name}"
+        return f"ended (exit status {os.WEXITSTATUS(self.status)})"
 
 
 class EpisodeWorkers:
@@ -77,7 +84,10 @@ class EpisodeWorkers:
         if os.getpid() != self.owner:  # (a fork of the process that made them: theirs, not ours)
             self.workers[:] = [None] * self.n
             self.owner = os.getpid()
-        for w in range(self.n):
+        for w, worker in enumerate(self.workers):
+            if worker is not None and not worker.alive():  # (died between rollouts: killed, out of memory)
+                logger.warning("episodes: worker process %d %s between rollouts; forking a new one", w, worker.kill())
+                self.workers[w] = None
             if self.workers[w] is None:
                 self.workers[w] = self._fork()
 
@@ -118,8 +128,12 @@ class EpisodeWorkers:
         for w in range(self.n):
             part = jobs[w::self.n]
             if part:
-                self.workers[w].conn.send_bytes(_pickled_jobs(part, token))
-                running[self.workers[w].conn] = (w, {key for key, _, _ in part})
+                conn = self.workers[w].conn
+                running[conn] = (w, {key for key, _, _ in part})
+                try:
+                    conn.send_bytes(_pickled_jobs(part, token))
+                except OSError:  # (it died since `ready`)
+                    self._lost(conn, running, outcomes, where, ended, WORKER_DIED)
         deadline = time.monotonic() + self.spec.timeout_s + MARGIN_S
         while running:
             ready = wait(list(running), timeout=max(0.0, deadline - time.monotonic()))
