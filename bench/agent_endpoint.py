@@ -131,24 +131,33 @@ def run(side: str, steps: int, out: Path, seed: int, window_s: float, model: str
     cpu = rollout_cpu(trainer)
     trainer.train()
     log = [entry for entry in trainer.state.log_history if "time/step" in entry]
-    return [{**entry, "cpu/generation": c} for entry, c in zip(log, cpu)]
+    return [{**entry, **c} for entry, c in zip(log, cpu)]
 
 
-def rollout_cpu(trainer) -> list[float]:
-    """The CPU seconds this process and the episodes' worker processes spend in each rollout's generation (the loop's
-    turns, or the episodes and the endpoint), filled as the run goes: on a shared machine the wall clock measures
-    the load as much as the work. (The loop's tool processes are not counted: the calculator costs little.)"""
-    cpu, generate = [], trainer.rollouts._generate
+def rollout_cpu(trainer) -> list[dict]:
+    """Per rollout: the CPU seconds this process and the episodes' worker processes spend in its generation (the
+    loop's turns, or the episodes and the endpoint), of them this process's (the trainer's), and of those the
+    engine's `generate` calls; filled as the run goes: on a shared machine the wall clock measures the load as much
+    as the work. (The loop's tool processes are not counted: the calculator costs little.)"""
+    cpu, generate, engine, sample = [], trainer.rollouts._generate, [0.0], trainer.generator.generate
+
+    def engine_timed(*args, **kwargs):  # (in the calling thread: intra-op threads are 1)
+        t0 = time.thread_time()
+        try:
+            return sample(*args, **kwargs)
+        finally:
+            engine[0] += time.thread_time() - t0
 
     def timed(request):
-        t0, before = time.process_time(), workers_cpu(trainer)
+        t0, before, engine[0] = time.process_time(), workers_cpu(trainer), 0.0
         try:
             return generate(request)
         finally:
-            after = workers_cpu(trainer)
-            cpu.append(time.process_time() - t0 + after - before)
+            trainer_cpu = time.process_time() - t0
+            cpu.append({"cpu/generation": trainer_cpu + workers_cpu(trainer) - before, "cpu/trainer": trainer_cpu,
+                        "cpu/engine": engine[0]})
 
-    trainer.rollouts._generate = timed
+    trainer.rollouts._generate, trainer.generator.generate = timed, engine_timed
     return cpu
 
 
@@ -168,6 +177,9 @@ def figures(log: list[dict], warmup: int, completions: int) -> dict:
             "generation_s": statistics.median(e["time/generation"] for e in counted),
             "generation_cpu_s": statistics.median(e["cpu/generation"] for e in counted),
             "tokens_per_cpu_s": statistics.median(t / e["cpu/generation"] for t, e in zip(tokens, counted)),
+            "trainer_cpu_s": statistics.median(e["cpu/trainer"] for e in counted),
+            "trainer_cpu_outside_engine_s": statistics.median(e["cpu/trainer"] - e["cpu/engine"] for e in counted),
+            "requests": statistics.median(e.get("episodes/model_calls", 0) for e in counted),
             "step_s": statistics.median(e["time/step"] for e in counted)}
 
 
@@ -272,12 +284,14 @@ def main(argv=None) -> dict:
     print(json.dumps(result))
     if args.markdown:
         print("| side | generation tokens/s | x loop | tokens / CPU s | x loop | steps/s | model tokens / step | "
-              "generation s / step | s / step |\n|---|---|---|---|---|---|---|---|---|")
+              "generation s / step | s / step | trainer's CPU s / step (outside the engine) |\n"
+              "|---|---|---|---|---|---|---|---|---|---|")
         for name in names:
             f, ratio = result[name], result["ratio"].get(f"{name}/loop", {})
             print(f"| {name} | {f['generation_tokens_per_s']:.0f} | {ratio.get('generation_tokens_per_s', 1):.2f} | "
                   f"{f['tokens_per_cpu_s']:.0f} | {ratio.get('tokens_per_cpu_s', 1):.2f} | {f['steps_per_s']:.3f} | "
-                  f"{f['model_tokens_per_step']:.0f} | {f['generation_s']:.2f} | {f['step_s']:.2f} |")
+                  f"{f['model_tokens_per_step']:.0f} | {f['generation_s']:.2f} | {f['step_s']:.2f} | "
+                  f"{f['trainer_cpu_s']:.2f} ({f['trainer_cpu_outside_engine_s']:.2f}) |")
     return result
 
 
