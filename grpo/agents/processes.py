@@ -20,6 +20,7 @@ deadline plus MARGIN_S is killed, its unfinished episodes counted as `timeout`.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import pickle
@@ -108,6 +109,7 @@ class EpisodeWorkers:
                 _restore("TOKENIZERS_PARALLELISM", saved)
         if pid == 0:  # the worker: never returns into the trainer's code
             code = 0
+            gc.freeze()  # (the trainer's objects: its collections never walk them, so their pages stay shared)
             try:
                 for conn in [ours, *others]:  # (so that each worker sees its pipe's end when the trainer is gone)
                     conn.close()
