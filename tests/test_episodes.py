@@ -487,3 +487,27 @@ def test_a_batch_waits_while_a_worker_process_is_busy_building_requests(tmp_path
     trainer.generator.generate = counted
     batch = trainer.rollout()
     assert calls == [2] and batch.metrics["episodes/model_calls"] == 2
+
+
+def test_a_worker_stuck_past_the_deadline_is_killed_and_its_episodes_count_as_timeouts(tmp_path, monkeypatch):
+    """An async episode that blocks its event loop (time.sleep, not asyncio.sleep) cannot be stopped by its deadline
+    inside its worker: the trainer stops waiting at the deadline plus MARGIN_S (1 s here), kills that worker and
+    counts its episode as a timeout; the other worker's episode trains; the next rollout gets a new worker."""
+    from grpo.agents import processes
+
+    monkeypatch.setattr(processes, "MARGIN_S", 1.0)
+
+    async def episode(client, row):
+        await client.chat.completions.create(model="policy", messages=messages(row), max_tokens=3)
+        if episode_index(client) == 0:
+            time.sleep(120)
+        return float(episode_index(client) % 2)
+
+    trainer = GRPOTrainer(model=ASSET, args=config(tmp_path, prompts_per_step=1), train_dataset=problems(),
+                          reward_funcs=[], rollout_func=Episodes(episode, timeout_s=1.0, processes=2))
+    batch = trainer.rollout()
+    workers = trainer.rollouts.agent.workers.workers
+    assert batch.metrics["episodes/timeout"] == 1 and batch.metrics["episodes/worker_died"] == 0
+    assert (batch.completion_mask.sum(1) > 0).tolist() == [False, True] and workers[0] is None
+    again = trainer.rollout()
+    assert again.metrics["episodes/timeout"] == 0 and (again.completion_mask.sum(1) > 0).all()
