@@ -221,14 +221,17 @@ def test_dynamic_sampling_keeps_a_kept_episodes_extra_rows_with_it(tmp_path):
     assert not torch.equal(first_rows, batch.input_ids[2:, :])  # the extra rows are the second chains
 
 
-def test_an_openai_agents_sdk_agent_trains_through_the_endpoint(tmp_path):
+@pytest.mark.parametrize("processes", [0, 2])
+def test_an_openai_agents_sdk_agent_trains_through_the_endpoint(tmp_path, processes):
     """scripts/agents_sdk_calculator.py's agent (an Agents SDK Agent with a function tool, unchanged): its calls
-    extend one another, so each episode is one row, and nothing drifted from what was sampled."""
+    extend one another, so each episode is one row, and nothing drifted from what was sampled; in the trainer's
+    process and in two forked workers."""
     pytest.importorskip("agents")
 
     script = load_script("agents_sdk_calculator")
     trainer = GRPOTrainer(model=ASSET, args=config(tmp_path, num_generations=4, max_completion_length=128),
-                          train_dataset=problems(), reward_funcs=[], rollout_func=Episodes(script.episode))
+                          train_dataset=problems(), reward_funcs=[],
+                          rollout_func=Episodes(script.episode, processes=processes))
     batch = trainer.rollout()
     assert batch.input_ids.shape[0] == 8 and batch.metrics["episodes/extra_rows"] == 0
     assert batch.metrics["episodes/drift"] == 0 and batch.metrics["episodes/raised"] == 0
