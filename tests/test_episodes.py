@@ -364,28 +364,40 @@ def test_episodes_in_worker_processes_sample_what_the_trainers_process_does(tmp_
             assert batch.metrics["episodes/worker_died"] == 0
 
 
+def _refuse():
+    raise RuntimeError("this value cannot be loaded here")
+
+
+class Unloadable:
+    """Pickles, but raises when unpickled (as an object of a class the trainer's process cannot import)."""
+
+    def __reduce__(self):
+        return _refuse, ()
+
+
 @pytest.mark.parametrize("processes", [0, 2])
 def test_faults_inside_worker_processes_are_counted_as_in_the_trainers(tmp_path, processes):
-    """Of four episodes: one raises, one overruns its deadline, one never calls the model, one returns a value that
-    cannot be pickled (a lock: not a number either, so bad_return on both sides)."""
+    """Of five episodes: one raises, one overruns its deadline, one never calls the model, one returns a value that
+    cannot be pickled (a lock), one a value that cannot be unpickled; neither value is a number, so both are
+    bad_return on both sides."""
     import threading
 
     def episode(client, row):
-        kind = ["raise", "slow", "silent", "lock"][episode_index(client) % 4]
+        kind = ["raise", "slow", "silent", "lock", "unloadable"][episode_index(client) % 5]
         if kind != "silent":
             client.chat.completions.create(model="policy", messages=messages(row), max_tokens=3)
         if kind == "raise":
             raise ValueError("the agent's own bug")
         if kind == "slow":
             time.sleep(5)
-        return threading.Lock() if kind == "lock" else 1.0
+        return threading.Lock() if kind == "lock" else Unloadable() if kind == "unloadable" else 1.0
 
-    trainer = GRPOTrainer(model=ASSET, args=config(tmp_path, num_generations=4, prompts_per_step=1),
+    trainer = GRPOTrainer(model=ASSET, args=config(tmp_path, num_generations=5, prompts_per_step=1),
                           train_dataset=problems(), reward_funcs=[],
                           rollout_func=Episodes(episode, timeout_s=1.0, processes=processes))
     batch = trainer.rollout()
     assert {k: batch.metrics[f"episodes/{k}"] for k in ("raised", "timeout", "no_calls", "bad_return", "worker_died")} \
-        == {"raised": 1.0, "timeout": 1.0, "no_calls": 1.0, "bad_return": 1.0, "worker_died": 0.0}
+        == {"raised": 1.0, "timeout": 1.0, "no_calls": 1.0, "bad_return": 2.0, "worker_died": 0.0}
     assert batch.completion_mask.sum() == 0 and batch.advantages.abs().sum() == 0
 
 

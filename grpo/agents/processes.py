@@ -127,15 +127,14 @@ class EpisodeWorkers:
         where = {key: k for k, (key, _, _) in enumerate(jobs)}
         outcomes: list = [None] * len(jobs)
         running: dict[Connection, tuple[int, set]] = {}
-        for w in range(self.n):
-            part = jobs[w::self.n]
-            if part:
-                conn = self.workers[w].conn
-                running[conn] = (w, {key for key, _, _ in part})
-                try:
-                    conn.send_bytes(_pickled_jobs(part, token))
-                except OSError:  # (it died since `ready`)
-                    self._lost(conn, running, outcomes, where, ended, WORKER_DIED)
+        parts = {w: _pickled_jobs(jobs[w::self.n], token) for w in range(self.n) if jobs[w::self.n]}  # (all first)
+        for w, data in parts.items():
+            conn = self.workers[w].conn
+            running[conn] = (w, {key for key, _, _ in jobs[w::self.n]})
+            try:
+                conn.send_bytes(data)
+            except OSError:  # (it died since `ready`)
+                self._lost(conn, running, outcomes, where, ended, WORKER_DIED)
         deadline = time.monotonic() + self.spec.timeout_s + MARGIN_S
         while running:
             ready = wait(list(running), timeout=max(0.0, deadline - time.monotonic()))
@@ -145,11 +144,11 @@ class EpisodeWorkers:
                 break
             for conn in ready:
                 try:
-                    key, value, fault = pickle.loads(conn.recv_bytes())
+                    key, fault, value = pickle.loads(conn.recv_bytes())
                 except (EOFError, OSError):
                     self._lost(conn, running, outcomes, where, ended, WORKER_DIED)
                     continue
-                outcomes[where[key]] = (value, fault)
+                outcomes[where[key]] = _unpickled(key, value, fault)
                 ended()
                 unfinished = running[conn][1]
                 unfinished.discard(key)
@@ -201,6 +200,15 @@ def _pickled_jobs(jobs: list[tuple[str, str, dict]], token: str | None) -> bytes
         raise ValueError(f"Episodes(processes=...): a step's rows cannot be pickled ({err})") from None
 
 
+def _unpickled(key: str, value: bytes, fault: str | None) -> tuple[object, str | None]:
+    try:
+        return pickle.loads(value), fault
+    except Exception as err:  # noqa: BLE001 - the agent's value (a class the trainer cannot import); counted
+        logger.warning("episode %s: its return value cannot be unpickled in the trainer (%s: %s)", key,
+                       type(err).__name__, err)
+        return None, fault or "bad_return"
+
+
 def _serve(conn: Connection, spec, run: Callable) -> None:
     """The worker's loop: each message is a step's jobs, run as the trainer's process would run them; each
     episode's (key, value, fault) is sent as it ends (an unpicklable value: bad_return)."""
@@ -209,13 +217,13 @@ def _serve(conn: Connection, spec, run: Callable) -> None:
     _die_with_parent()
 
     def send(key: str, value, fault: str | None) -> None:
-        try:
-            data = pickle.dumps((key, value, fault), protocol=pickle.HIGHEST_PROTOCOL)
+        try:  # (the value pickled on its own: the trainer reads the key and fault whatever it holds)
+            value = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as err:  # noqa: BLE001 - the agent's value; the run goes on
             logger.warning("episode %s: its return value cannot be pickled back to the trainer (%s: %s)", key,
                            type(err).__name__, err)
-            data = pickle.dumps((key, None, "bad_return"))
-        conn.send_bytes(data)
+            value, fault = pickle.dumps(None), fault or "bad_return"
+        conn.send_bytes(pickle.dumps((key, fault, value), protocol=pickle.HIGHEST_PROTOCOL))
 
     while True:
         try:
