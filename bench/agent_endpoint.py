@@ -5,13 +5,20 @@ run in a process of its own, the sides alternating.
     python bench/agent_endpoint.py --steps 4 --rounds 2          # prints one JSON line; --markdown: a table too
     python bench/agent_endpoint.py --before 6489e61 --rounds 3   # and the endpoint as of a commit, interleaved
     python bench/agent_endpoint.py --model wider-512-4           # a larger random model (see wider_model)
+    python bench/agent_endpoint.py --processes 1,2 --markdown    # and the agent's episodes in 1 and 2 processes
+
+Sides: `loop`; `endpoint` (the sync agent, a thread an episode) and `endpoint_async` (one event loop), the episodes
+in the trainer's process; with `--processes N`, `endpoint_pN` and `endpoint_async_pN`: the same agents with
+`Episodes(processes=N)`, their episodes in N worker processes (grpo.agents.processes) while the endpoint and the
+engine stay in the trainer's.
 
 Both sides train the shipped tiny tools model (`recipes/calculator_tools.yaml`'s settings: 8 prompts x 8 completions,
 128 completion tokens, at most 2 rounds of calculator calls). The agent does what the loop does: it sends the
 conversation with the calculator's schema, runs the calls it gets back (the same exact calculator, in its own
 process rather than in the loop's tool workers) and goes on, at most 2 rounds. A step's model tokens are the
 tokens the model sampled (`completion/mean_length` x completions); generation tokens/s divides them by the step's
-`time/generation` (the rollout: the loop's turns, or the episodes through the endpoint), steps/s by `time/step`.
+`time/generation` (the rollout: the loop's turns, or the episodes through the endpoint), steps/s by `time/step`;
+tokens per CPU second divide them by the rollout's CPU time in the trainer's process and the episodes' workers.
 The first `--warmup` steps of each run are not counted; figures are medians over the counted steps of all rounds,
 and the load average is sampled before and after each run (the machine may be shared: report it).
 """
@@ -97,7 +104,8 @@ def wider_model(out: Path, hidden: int = 256, layers: int = 4) -> str:
 
 
 def run(side: str, steps: int, out: Path, seed: int, window_s: float, model: str = ASSET) -> list[dict]:
-    """One training run of `side` ("loop", "endpoint": the sync agent, "endpoint_async"); its per-step log."""
+    """One training run of `side` ("loop", "endpoint": the sync agent, "endpoint_async", either with "_pN": in N
+    worker processes); its per-step log."""
     from datasets import Dataset
 
     from grpo import GRPOConfig, GRPOTrainer
@@ -114,30 +122,49 @@ def run(side: str, steps: int, out: Path, seed: int, window_s: float, model: str
                           **common)
         trainer = GRPOTrainer(model=model, args=args, train_dataset=dataset)
     else:
+        agent, _, processes = side.partition("_p")
         args = GRPOConfig(task=None, **common)
         trainer = GRPOTrainer(model=model, args=args, train_dataset=dataset, reward_funcs=[],
-                              rollout_func=Episodes(async_episode if side == "endpoint_async" else episode,
-                                                    timeout_s=300, window_s=window_s))
+                              rollout_func=Episodes(async_episode if agent == "endpoint_async" else episode,
+                                                    timeout_s=300, window_s=window_s,
+                                                    processes=int(processes or 0)))
     cpu = rollout_cpu(trainer)
     trainer.train()
     log = [entry for entry in trainer.state.log_history if "time/step" in entry]
-    return [{**entry, "cpu/generation": c} for entry, c in zip(log, cpu)]
+    return [{**entry, **c} for entry, c in zip(log, cpu)]
 
 
-def rollout_cpu(trainer) -> list[float]:
-    """The CPU seconds this process spends in each rollout's generation (the loop's turns, or the episodes and the
-    endpoint), filled as the run goes: on a shared machine the wall clock measures the load as much as the work."""
-    cpu, generate = [], trainer.rollouts._generate
+def rollout_cpu(trainer) -> list[dict]:
+    """Per rollout: the CPU seconds this process and the episodes' worker processes spend in its generation (the
+    loop's turns, or the episodes and the endpoint), of them this process's (the trainer's), and of those the
+    engine's `generate` calls; filled as the run goes: on a shared machine the wall clock measures the load as much
+    as the work. (The loop's tool processes are not counted: the calculator costs little.)"""
+    cpu, generate, engine, sample = [], trainer.rollouts._generate, [0.0], trainer.generator.generate
+
+    def engine_timed(*args, **kwargs):  # (in the calling thread: intra-op threads are 1)
+        t0 = time.thread_time()
+        try:
+            return sample(*args, **kwargs)
+        finally:
+            engine[0] += time.thread_time() - t0
 
     def timed(request):
-        t0 = time.process_time()
+        t0, before, engine[0] = time.process_time(), workers_cpu(trainer), 0.0
         try:
             return generate(request)
         finally:
-            cpu.append(time.process_time() - t0)
+            trainer_cpu = time.process_time() - t0
+            cpu.append({"cpu/generation": trainer_cpu + workers_cpu(trainer) - before, "cpu/trainer": trainer_cpu,
+                        "cpu/engine": engine[0]})
 
-    trainer.rollouts._generate = timed
+    trainer.rollouts._generate, trainer.generator.generate = timed, engine_timed
     return cpu
+
+
+def workers_cpu(trainer) -> float:
+    """CPU seconds used so far by the live worker processes of the agent's episodes (Episodes(processes=N))."""
+    workers = getattr(trainer.rollouts.agent, "workers", None)
+    return workers.cpu_seconds() if workers is not None else 0.0
 
 
 def figures(log: list[dict], warmup: int, completions: int) -> dict:
@@ -150,6 +177,9 @@ def figures(log: list[dict], warmup: int, completions: int) -> dict:
             "generation_s": statistics.median(e["time/generation"] for e in counted),
             "generation_cpu_s": statistics.median(e["cpu/generation"] for e in counted),
             "tokens_per_cpu_s": statistics.median(t / e["cpu/generation"] for t, e in zip(tokens, counted)),
+            "trainer_cpu_s": statistics.median(e["cpu/trainer"] for e in counted),
+            "trainer_cpu_outside_engine_s": statistics.median(e["cpu/trainer"] - e["cpu/engine"] for e in counted),
+            "requests": statistics.median(e.get("episodes/model_calls", 0) for e in counted),
             "step_s": statistics.median(e["time/step"] for e in counted)}
 
 
@@ -163,12 +193,21 @@ def parse(argv):
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--model", default="tiny-tools", help="tiny-tools, or wider-H-L: a random model of hidden "
                         "H and L layers, one call an episode (see wider_model); wider is wider-256-4")
+    parser.add_argument("--processes", default="", help="comma-separated N: also the endpoint's sides with the "
+                        "episodes in N worker processes (endpoint_pN, endpoint_async_pN)")
+    parser.add_argument("--sides", default="", help="comma-separated: run only these sides (the loop always)")
     parser.add_argument("--before", metavar="REV", help="also run the endpoint's sides with grpo as of git "
                         "revision REV (extracted with git archive), interleaved with the rest")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # (a child: run this side, print its log)
     parser.add_argument("--tree", default=str(ROOT), help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    try:
+        args.processes = [int(n) for n in args.processes.split(",") if n.strip()]
+    except ValueError:
+        parser.error(f"--processes: comma-separated integers >= 1, got {args.processes!r}")
+    if any(n < 1 for n in args.processes):
+        parser.error(f"--processes: each N >= 1, got {args.processes}")
     if args.steps <= args.warmup:
         parser.error("--steps must be more than --warmup")
     if args.model == "wider":
@@ -211,6 +250,13 @@ def main(argv=None) -> dict:
         return child(args)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     sides = [("loop", str(ROOT)), ("endpoint", str(ROOT)), ("endpoint_async", str(ROOT))]
+    sides += [(f"{agent}_p{n}", str(ROOT)) for n in args.processes for agent in ("endpoint", "endpoint_async")]
+    if args.sides:
+        wanted = {"loop", *args.sides.split(",")}
+        unknown = wanted - {side for side, _ in sides}
+        if unknown:
+            raise SystemExit(f"--sides: no side {sorted(unknown)}; sides: {[side for side, _ in sides]}")
+        sides = [(side, tree) for side, tree in sides if side in wanted]
     if args.before:
         tree = before_tree(args.before, Path(args.out))
         sides += [("endpoint", tree), ("endpoint_async", tree)]
@@ -237,11 +283,15 @@ def main(argv=None) -> dict:
                       "wall_s": round(time.time() - started, 1)}
     print(json.dumps(result))
     if args.markdown:
+        print("| side | generation tokens/s | x loop | tokens / CPU s | x loop | steps/s | model tokens / step | "
+              "generation s / step | s / step | trainer's CPU s / step (outside the engine) |\n"
+              "|---|---|---|---|---|---|---|---|---|---|")
         for name in names:
             f, ratio = result[name], result["ratio"].get(f"{name}/loop", {})
             print(f"| {name} | {f['generation_tokens_per_s']:.0f} | {ratio.get('generation_tokens_per_s', 1):.2f} | "
                   f"{f['tokens_per_cpu_s']:.0f} | {ratio.get('tokens_per_cpu_s', 1):.2f} | {f['steps_per_s']:.3f} | "
-                  f"{f['model_tokens_per_step']:.0f} | {f['generation_s']:.2f} | {f['step_s']:.2f} |")
+                  f"{f['model_tokens_per_step']:.0f} | {f['generation_s']:.2f} | {f['step_s']:.2f} | "
+                  f"{f['trainer_cpu_s']:.2f} ({f['trainer_cpu_outside_engine_s']:.2f}) |")
     return result
 
 

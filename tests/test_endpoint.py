@@ -236,6 +236,22 @@ def test_a_batch_waits_while_the_process_is_busy_building_requests():
     assert engine.batches == [2]
 
 
+def test_an_episode_ending_closes_the_batch_that_waited_for_it_without_waiting_for_the_window():
+    """Two episodes running, one request waiting: when the other episode ends, the batch holds every running
+    episode's request and goes to the engine then, not when the quiet window (60 s) ends. (The 30 s bound is half
+    the window: without the wake the request waits the whole window.)"""
+    tokenizer = AutoTokenizer.from_pretrained(ASSET, local_files_only=True)
+    endpoint = Endpoint(ScriptedGenerator(lambda ids, rng: [5, 0], [0]), tokenizer, SamplingParams(4), window_s=60.0)
+    with endpoint:
+        endpoint.waiting = 2
+        answered = threading.Thread(target=endpoint.batcher.submit, args=([1], SamplingParams(4), 0))
+        answered.start()
+        time.sleep(0.2)  # (the request is in the open batch, which waits for a second one)
+        endpoint.episode_ended()
+        answered.join(timeout=30)
+        assert not answered.is_alive() and endpoint.batcher.engine_calls == 1
+
+
 def agent_turns(c, tools=TOOLS) -> list:
     """A two-call agent: ask, answer the tool call with 17834, ask again with the whole history."""
     first = c.chat.completions.create(model="m", messages=QUESTION, tools=tools).choices[0].message
@@ -332,3 +348,38 @@ def test_many_clients_at_once_are_all_served():
 
         answers = asyncio.run(all_of_them())
     assert answers == [tokenizer.decode([7, 8])] * 120
+
+
+def test_a_conversation_rendered_again_is_taken_from_the_cache_as_the_template_gave_it(tiny):
+    """The G episodes of a prompt send the same first request: the template renders it once (the endpoint keeps
+    the last RENDERED renderings); the ids are the template's; a caller changing its copy changes no other; the
+    oldest rendering leaves first."""
+    from grpo.agents import endpoint as module
+
+    tokenizer, engine = tiny
+    endpoint = Endpoint(engine, tokenizer, SamplingParams(8))
+    applied = []
+    real = tokenizer.apply_chat_template
+
+    class Counting:  # (the tokenizer, its template counted)
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def __call__(self, *args, **kwargs):
+            return tokenizer(*args, **kwargs)
+
+        def apply_chat_template(self, messages, **kwargs):
+            applied.append(len(messages))
+            return real(messages, **kwargs)
+
+    endpoint.tokenizer = Counting()
+    want = tokenizer(real(QUESTION, tools=TOOLS, tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False)["input_ids"]
+    first = endpoint.render(QUESTION, TOOLS, True)
+    first.append(-1)
+    assert endpoint.render(QUESTION, TOOLS, True) == want and applied == [1]
+    assert endpoint.render(QUESTION, TOOLS, False) != want and applied == [1, 1]  # (another key: rendered)
+    for k in range(module.RENDERED):
+        endpoint.render([{"role": "user", "content": str(k)}], None, True)
+    endpoint.render(QUESTION, TOOLS, True)
+    assert len(applied) == 3 + module.RENDERED  # (dropped: rendered again)

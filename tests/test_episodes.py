@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -220,14 +221,17 @@ def test_dynamic_sampling_keeps_a_kept_episodes_extra_rows_with_it(tmp_path):
     assert not torch.equal(first_rows, batch.input_ids[2:, :])  # the extra rows are the second chains
 
 
-def test_an_openai_agents_sdk_agent_trains_through_the_endpoint(tmp_path):
+@pytest.mark.parametrize("processes", [0, 2])
+def test_an_openai_agents_sdk_agent_trains_through_the_endpoint(tmp_path, processes):
     """scripts/agents_sdk_calculator.py's agent (an Agents SDK Agent with a function tool, unchanged): its calls
-    extend one another, so each episode is one row, and nothing drifted from what was sampled."""
+    extend one another, so each episode is one row, and nothing drifted from what was sampled; in the trainer's
+    process and in two forked workers."""
     pytest.importorskip("agents")
 
     script = load_script("agents_sdk_calculator")
     trainer = GRPOTrainer(model=ASSET, args=config(tmp_path, num_generations=4, max_completion_length=128),
-                          train_dataset=problems(), reward_funcs=[], rollout_func=Episodes(script.episode))
+                          train_dataset=problems(), reward_funcs=[],
+                          rollout_func=Episodes(script.episode, processes=processes))
     batch = trainer.rollout()
     assert batch.input_ids.shape[0] == 8 and batch.metrics["episodes/extra_rows"] == 0
     assert batch.metrics["episodes/drift"] == 0 and batch.metrics["episodes/raised"] == 0
@@ -327,3 +331,198 @@ def test_an_agent_on_two_processes_matches_one(tmp_path):
     recipe = TOOLS_RECIPE.replace(tools, "agent: test_episodes:tool_calling_episode\n")
     logs = two_match_one(tmp_path, recipe, ["reward/total", "completion/mean_length"])
     assert len(logs[0]) == 2 and all(row["train/grad_norm"] > 0 for row in logs[0])
+
+
+# ---- episodes in processes of their own (Episodes(processes=N), grpo.agents.processes) ----------------------------
+def episode_index(client) -> int:
+    """The episode's number: its key e<k> in its base_url (episodes open in row order, numbered across rollouts)."""
+    return int(str(client.base_url).split("/episodes/e")[1].split("/")[0])
+
+
+def test_episodes_in_worker_processes_sample_what_the_trainers_process_does(tmp_path):
+    """processes 1 and 2: the same trajectories (ids, masks, the engine's log-probs, rewards, advantages) as
+    processes 0, on two rollouts of the same seeds, a sync agent; the workers persist across rollouts."""
+    def run(n: int):
+        episodes = Episodes(calculator_agent(), processes=n)
+        trainer = GRPOTrainer(model=ASSET, args=config(tmp_path / str(n), num_generations=4), train_dataset=problems(),
+                              reward_funcs=[], rollout_func=episodes)
+        first = trainer.rollout()
+        pids = [w.pid for w in trainer.rollouts.agent.workers.workers] if n else []
+        second = trainer.rollout()
+        if n:
+            assert [w.pid for w in trainer.rollouts.agent.workers.workers] == pids and len(set(pids)) == n
+            assert os.getpid() not in pids
+        return first, second
+
+    want = run(0)
+    for n in (1, 2):
+        for batch, base in zip(run(n), want):
+            for name in ("input_ids", "attention_mask", "completion_mask", "sampling_logp", "advantages"):
+                assert torch.equal(getattr(batch, name), getattr(base, name)), (n, name)
+            assert [s["reward"] for s in batch.samples] == [s["reward"] for s in base.samples]
+            assert batch.metrics["episodes/model_calls"] == base.metrics["episodes/model_calls"] >= 8
+            assert batch.metrics["episodes/worker_died"] == 0
+
+
+def _refuse():
+    raise RuntimeError("this value cannot be loaded here")
+
+
+class Unloadable:
+    """Pickles, but raises when unpickled (as an object of a class the trainer's process cannot import)."""
+
+    def __reduce__(self):
+        return _refuse, ()
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+def test_faults_inside_worker_processes_are_counted_as_in_the_trainers(tmp_path, processes):
+    """Of five episodes: one raises, one overruns its deadline, one never calls the model, one returns a value that
+    cannot be pickled (a lock), one a value that cannot be unpickled; neither value is a number, so both are
+    bad_return on both sides."""
+    import threading
+
+    def episode(client, row):
+        kind = ["raise", "slow", "silent", "lock", "unloadable"][episode_index(client) % 5]
+        if kind != "silent":
+            client.chat.completions.create(model="policy", messages=messages(row), max_tokens=3)
+        if kind == "raise":
+            raise ValueError("the agent's own bug")
+        if kind == "slow":
+            time.sleep(5)
+        return threading.Lock() if kind == "lock" else Unloadable() if kind == "unloadable" else 1.0
+
+    trainer = GRPOTrainer(model=ASSET, args=config(tmp_path, num_generations=5, prompts_per_step=1),
+                          train_dataset=problems(), reward_funcs=[],
+                          rollout_func=Episodes(episode, timeout_s=1.0, processes=processes))
+    batch = trainer.rollout()
+    assert {k: batch.metrics[f"episodes/{k}"] for k in ("raised", "timeout", "no_calls", "bad_return", "worker_died")} \
+        == {"raised": 1.0, "timeout": 1.0, "no_calls": 1.0, "bad_return": 2.0, "worker_died": 0.0}
+    assert batch.completion_mask.sum() == 0 and batch.advantages.abs().sum() == 0
+
+
+def test_a_worker_killed_mid_step_counts_its_unfinished_episodes_and_the_next_step_gets_a_new_one(tmp_path):
+    """processes 2, four episodes: worker 0 runs e0 and e2, worker 1 e1 and e3. In the first rollout e1 kills its
+    own process after its call while e3 waits (it could not end for 120 s): both are worker_died, e0 and e2 train.
+    The second rollout (e4..e7) runs whole, worker 1 forked again, worker 0 the same process; worker 0 killed
+    between rollouts, the third runs whole too."""
+    import signal
+    import threading
+
+    def episode(client, row):
+        client.chat.completions.create(model="policy", messages=messages(row), max_tokens=3)
+        if episode_index(client) == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if episode_index(client) == 3:
+            threading.Event().wait(120)
+        return float(episode_index(client) % 2)
+
+    trainer = GRPOTrainer(model=ASSET, args=config(tmp_path, num_generations=4, prompts_per_step=1),
+                          train_dataset=problems(), reward_funcs=[],
+                          rollout_func=Episodes(episode, timeout_s=300, processes=2))
+    batch = trainer.rollout()
+    workers = trainer.rollouts.agent.workers.workers
+    assert batch.metrics["episodes/worker_died"] == 2 and batch.metrics["episodes/model_calls"] == 4
+    assert workers[1] is None and workers[0] is not None
+    pid = workers[0].pid
+    assert (batch.completion_mask.sum(1) > 0).tolist() == [True, False, True, False]  # (e1, e3 train nothing)
+    again = trainer.rollout()
+    assert again.metrics["episodes/worker_died"] == 0 and again.metrics["episodes/model_calls"] == 4
+    assert (again.completion_mask.sum(1) > 0).all() and workers[0].pid == pid and workers[1].pid != pid
+    # A worker that dies between rollouts (the OOM killer, say) is forked again before the next one.
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)  # (dead before the rollout: the signal's delivery is not the kill's return)
+    third = trainer.rollout()
+    assert third.metrics["episodes/worker_died"] == 0 and (third.completion_mask.sum(1) > 0).all()
+    assert workers[0].pid != pid
+
+
+def test_an_episode_using_cuda_in_a_forked_worker_stops_the_run_saying_so(tmp_path):
+    """torch's refusal in a fork of a process that initialised CUDA (its message, raised as torch raises it) is not
+    an episode's fault to count: the run stops, naming the cause and what to do."""
+    def episode(client, row):
+        client.chat.completions.create(model="policy", messages=messages(row), max_tokens=3)
+        raise RuntimeError("Cannot re-initialize CUDA in forked subprocess. To use CUDA with multiprocessing, you "
+                           "must use the 'spawn' start method")
+
+    trainer = GRPOTrainer(model=ASSET, args=config(tmp_path), train_dataset=problems(), reward_funcs=[],
+                          rollout_func=Episodes(episode, processes=1))
+    with pytest.raises(RuntimeError, match="^Episodes: an episode used CUDA in its worker process.*processes=0"):
+        trainer.rollout()
+    with pytest.raises(ConfigError, match="^Episodes: processes must be an integer >= 0"):
+        Episodes(episode, processes=-1)
+
+
+def test_episodes_in_a_worker_process_under_a_lag_train_what_the_trainers_process_does(tmp_path):
+    """max_staleness 1: the rollout worker serves the endpoint and forks the episodes' worker from itself; the
+    batches trained are those of processes 0, rollout by rollout (window_s 30 s: see the test above)."""
+    from test_async import recording
+
+    async def episode(client, row):
+        await client.chat.completions.create(model="policy", messages=messages(row), tools=TOOLS, max_tokens=24)
+        return {"reward": float(episode_index(client) % 2 == 0), "parent": os.getppid()}
+
+    batches = {}
+    for n in (0, 1):
+        trainer = GRPOTrainer(model=ASSET, args=config(tmp_path / str(n), max_staleness=1, max_steps=3, num_threads=1),
+                              train_dataset=problems(16), reward_funcs=[],
+                              rollout_func=Episodes(episode, processes=n, window_s=30.0))
+        batches[n] = recording(trainer)[1]
+        trainer.train()
+    assert sorted(batches[1]) == sorted(batches[0]) == [0, 1, 2]
+    for t, batch in batches[1].items():
+        assert batch.metrics["episodes/model_calls"] == 4 and batch.metrics["episodes/worker_died"] == 0
+        # (processes 0: the episodes ran in the rollout worker, this process's child; 1: in its child)
+        assert batches[0][t].metrics["episode/parent"] == os.getpid() != batch.metrics["episode/parent"]
+        for name in ("input_ids", "completion_mask", "sampling_logp", "advantages"):
+            assert torch.equal(getattr(batch, name), getattr(batches[0][t], name)), (t, name)
+
+
+def test_a_batch_waits_while_a_worker_process_is_busy_building_requests(tmp_path):
+    """processes 1, two episodes: e0 asks at once; e1 works on the CPU for 6 windows first (in the worker, not in
+    the trainer's process). The worker's CPU counts as busy, as the episodes' threads do in the trainer's process:
+    the batch stays open and both requests are one engine call. Without the workers' clock it closed after a quiet
+    window: [1, 1]."""
+    def episode(client, row):
+        if episode_index(client) == 1:
+            end = time.monotonic() + 6 * 0.25
+            while time.monotonic() < end:
+                sum(range(1000))
+        client.chat.completions.create(model="policy", messages=messages(row), max_tokens=3)
+        return 1.0
+
+    trainer = GRPOTrainer(model=ASSET, args=config(tmp_path, prompts_per_step=1), train_dataset=problems(),
+                          reward_funcs=[], rollout_func=Episodes(episode, window_s=0.25, processes=1))
+    calls, generate = [], trainer.generator.generate
+
+    def counted(prompt_ids, params, seeds):
+        calls.append(len(prompt_ids))
+        return generate(prompt_ids, params, seeds)
+
+    trainer.generator.generate = counted
+    batch = trainer.rollout()
+    assert calls == [2] and batch.metrics["episodes/model_calls"] == 2
+
+
+def test_a_worker_stuck_past_the_deadline_is_killed_and_its_episodes_count_as_timeouts(tmp_path, monkeypatch):
+    """An async episode that blocks its event loop (time.sleep, not asyncio.sleep) cannot be stopped by its deadline
+    inside its worker: the trainer stops waiting at the deadline plus MARGIN_S (1 s here), kills that worker and
+    counts its episode as a timeout; the other worker's episode trains; the next rollout gets a new worker."""
+    from grpo.agents import processes
+
+    monkeypatch.setattr(processes, "MARGIN_S", 1.0)
+
+    async def episode(client, row):
+        await client.chat.completions.create(model="policy", messages=messages(row), max_tokens=3)
+        if episode_index(client) == 0:
+            time.sleep(120)
+        return float(episode_index(client) % 2)
+
+    trainer = GRPOTrainer(model=ASSET, args=config(tmp_path, prompts_per_step=1), train_dataset=problems(),
+                          reward_funcs=[], rollout_func=Episodes(episode, timeout_s=1.0, processes=2))
+    batch = trainer.rollout()
+    workers = trainer.rollouts.agent.workers.workers
+    assert batch.metrics["episodes/timeout"] == 1 and batch.metrics["episodes/worker_died"] == 0
+    assert (batch.completion_mask.sum(1) > 0).tolist() == [False, True] and workers[0] is None
+    again = trainer.rollout()
+    assert again.metrics["episodes/timeout"] == 0 and (again.completion_mask.sum(1) > 0).all()

@@ -7,7 +7,8 @@
 - `template.py`: tool answers as the chat template renders them, appended token-exactly
 - `loop.py`: the multi-turn loop over any rollout engine; `custom.py`: a user's `rollout_func`
 - `endpoint.py` (`api.py`): an OpenAI-compatible endpoint on the rollout engine; `recording.py`: its calls,
-  token-exact, and the training rows made of them; `episodes.py`: a user's `episode(client, row)` as the rollout
+  token-exact, and the training rows made of them; `episodes.py`: a user's `episode(client, row)` as the rollout;
+  `processes.py`: those episodes in worker processes of their own (`Episodes(..., processes=N)`)
 - `spec.py`: what a run's rollouts use, settled before the model loads
 
 See docs/agents.md.

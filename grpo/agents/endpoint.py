@@ -21,6 +21,7 @@ request must then bear (`Authorization: Bearer <token>`, the openai client's `ap
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import hmac
@@ -45,6 +46,8 @@ logger = logging.getLogger(__name__)
 LOCAL = ("127.0.0.1", "localhost", "::1")
 MAX_BODY = 16 * 2**20
 MAX_WAIT_WINDOWS = 40  # a batch waits for late requests at most this many windows after its first
+RENDERED = 512  # chat template renderings kept (by messages, tools and generation prompt)
+WAKE = object()  # put in a batcher's queue: look again at what the open batch waits for
 BUSY_CPU = 0.1  # a window in which the process used more CPU time than this share of it is not quiet
 ROUTE = re.compile(r"^(?:/episodes/(?P<key>[A-Za-z0-9_-]+))?/v1/(?P<what>chat/completions|completions|models)/?$")
 
@@ -65,9 +68,12 @@ class EngineBatcher:
     machine 64 episodes' requests trickle in over longer than a window while their threads wait for a core, and a
     wall-clock window alone split one turn's requests into two engine calls.)"""
 
-    def __init__(self, engine, window_s: float = 0.05, expected=lambda: 0, context=contextlib.nullcontext):
-        # `context()`: entered around each engine call, in this thread (autocast is per thread: the trainer's)
+    def __init__(self, engine, window_s: float = 0.05, expected=lambda: 0, context=contextlib.nullcontext,
+                 clocks=()):
+        # `context()`: entered around each engine call, in this thread (autocast is per thread: the trainer's);
+        # `clocks`: more CPU clocks that count as busy (the episodes' worker processes, grpo.agents.processes)
         self.engine, self.window_s, self.expected, self.context = engine, window_s, expected, context
+        self.clocks = list(clocks)
         self.queue: queue.Queue = queue.Queue()
         self.engine_calls = 0
         self.last = time.monotonic()  # the last request or response (the quiet window runs from it)
@@ -87,6 +93,12 @@ class EngineBatcher:
         """A response was sent: an episode is on its way to its next request, so the quiet window starts again."""
         self.last = time.monotonic()
 
+    def wake(self) -> None:
+        """An episode ended: the open batch may now hold every running episode's request; look again now (not when
+        the quiet window ends, which every turn in which an episode ended would otherwise wait for)."""
+        self.last = time.monotonic()
+        self.queue.put(WAKE)
+
     def close(self) -> None:
         self.queue.put(None)
         self.thread.join(timeout=60)
@@ -96,13 +108,15 @@ class EngineBatcher:
             first = self.queue.get()
             if first is None:
                 return
+            if first is WAKE:
+                continue
             batch = [first]
-            self.last, cpu = time.monotonic(), _busy_clock()
+            self.last, cpu = time.monotonic(), self._busy()
             cap = self.last + MAX_WAIT_WINDOWS * self.window_s
             while len(batch) < max(1, self.expected()):  # (until the running episodes all wait, or a quiet window)
                 left = min(self.last + self.window_s, cap) - time.monotonic()
-                if left <= 0 and time.monotonic() < cap and _busy_clock() - cpu > BUSY_CPU * self.window_s:
-                    self.last, cpu = time.monotonic(), _busy_clock()  # (the process is busy: not quiet)
+                if left <= 0 and time.monotonic() < cap and self._busy() - cpu > BUSY_CPU * self.window_s:
+                    self.last, cpu = time.monotonic(), self._busy()  # (the process is busy: not quiet)
                     continue
                 if left <= 0:
                     break
@@ -113,6 +127,8 @@ class EngineBatcher:
                 if item is None:
                     self.queue.put(None)
                     break
+                if item is WAKE:
+                    continue
                 self.last = time.monotonic()
                 batch.append(item)
             groups: dict[tuple, list[_Pending]] = {}
@@ -120,6 +136,9 @@ class EngineBatcher:
                 groups.setdefault(dataclasses.astuple(item.params)[1:], []).append(item)
             for items in groups.values():
                 self._generate(items[0].params, items)
+
+    def _busy(self) -> float:
+        return _busy_clock() + sum(clock() for clock in self.clocks)
 
     def _generate(self, settings: SamplingParams, items: list[_Pending]) -> None:
         try:
@@ -166,12 +185,14 @@ class Endpoint:
         self.host, self.port, self.token, self.window_s, self.model_name = host, port, token, window_s, model_name
         self.bind_port = port  # (0: a free port at each start)
         self.context = context  # entered around each engine call (the trainer's autocast)
+        self.clocks = []  # more CPU clocks the batcher counts as busy (the episodes' worker processes)
         self.eos = tokenizer.eos_token_id
         self.episodes: dict[str, Episode] = {}
         self.waiting = 0  # episodes running (the batcher waits for as many requests, or window_s)
         self.errors = 0  # requests answered with an error
         self._keys = itertools.count()
         self._lock = threading.Lock()
+        self._rendered: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
         self.server = self.batcher = None
 
     @property
@@ -188,7 +209,7 @@ class Endpoint:
     def start(self) -> "Endpoint":
         if self.server is not None:
             return self
-        self.batcher = EngineBatcher(self.engine, self.window_s, lambda: self.waiting, self.context)
+        self.batcher = EngineBatcher(self.engine, self.window_s, lambda: self.waiting, self.context, self.clocks)
         handler = type("Handler", (_Handler,), {"endpoint": self})
         self.server = _Server((self.host, self.bind_port), handler)
         self.server.daemon_threads = True
@@ -227,7 +248,7 @@ class Endpoint:
             self.waiting -= 1
         batcher = self.batcher
         if batcher is not None:
-            batcher.touch()
+            batcher.wake()
 
     def close_episode(self, key: str) -> Episode:
         """The episode's record; later calls under its key are refused (an agent that overran its deadline)."""
@@ -317,7 +338,22 @@ class Endpoint:
         return out
 
     def render(self, messages: list[dict], tools, generation_prompt: bool) -> list[int]:
-        """The chat template's token ids of a conversation (with the tools' schemas)."""
+        """The chat template's token ids of a conversation (with the tools' schemas). The last RENDERED renderings are
+        kept (the G episodes of a prompt send the same first request; the template is ~half a request's cost)."""
+        key = json.dumps([messages, tools, generation_prompt])
+        with self._lock:
+            ids = self._rendered.get(key)
+            if ids is not None:
+                self._rendered.move_to_end(key)
+                return list(ids)
+        ids = self._render(messages, tools, generation_prompt)
+        with self._lock:
+            self._rendered[key] = ids
+            if len(self._rendered) > RENDERED:
+                self._rendered.popitem(last=False)
+        return list(ids)
+
+    def _render(self, messages: list[dict], tools, generation_prompt: bool) -> list[int]:
         try:
             text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                                       add_generation_prompt=generation_prompt)

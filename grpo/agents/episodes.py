@@ -13,6 +13,8 @@ client whose `base_url` names the episode, so its calls are recorded token-exact
 seeded from the row's seed and the call's index. An episode's calls become its training row(s), its return value the
 reward `episode` (weight 1, beside any `reward_funcs`). An episode that raises, overruns `timeout_s` or never calls
 the model is counted and logged (`episodes/<fault>`) and trains nothing (reward None: advantage 0); the run goes on.
+The episodes run in the trainer's process (`processes=0`), or in worker processes of their own, off the interpreter
+lock the endpoint and the engine need (`processes=N`: grpo.agents.processes).
 """
 
 from __future__ import annotations
@@ -26,25 +28,32 @@ from typing import Callable
 
 from grpo.agents.endpoint import Endpoint
 from grpo.agents.loop import Trajectories
+from grpo.agents.processes import WORKER_DIED, EpisodeWorkers
 from grpo.agents.recording import assemble
 from grpo.config import ConfigError
 
 logger = logging.getLogger(__name__)
-FAULTS = ("raised", "timeout", "no_calls", "bad_return")
+FAULTS = ("raised", "timeout", "no_calls", "bad_return", WORKER_DIED)
+FORKED_CUDA = "forked_cuda"  # an episode used CUDA in a worker process forked after the trainer initialised it
 
 
 class Episodes:
     """The rollout of an agent's `episode(client, row) -> float | dict` (see the module's docstring). `timeout_s`:
     each episode's deadline; `host`, `port`, `token`: where the endpoint listens (a token is needed off
     127.0.0.1); `window_s`: how long the endpoint waits to batch requests; `client_kwargs`: more arguments for the
-    openai client."""
+    openai client; `processes`: 0 runs the episodes in the trainer's process, N >= 1 in N worker processes of their
+    own (grpo.agents.processes), off the interpreter lock the engine and the endpoint need."""
 
     def __init__(self, episode: Callable, timeout_s: float = 300.0, host: str = "127.0.0.1", port: int = 0,
-                 token: str | None = None, window_s: float = 0.05, client_kwargs: dict | None = None):
+                 token: str | None = None, window_s: float = 0.05, client_kwargs: dict | None = None,
+                 processes: int = 0):
         if not callable(episode):
             raise ConfigError(f"Episodes: episode must be a function episode(client, row); got {episode!r}.")
         if not timeout_s > 0:
             raise ConfigError(f"Episodes: timeout_s must be > 0 seconds, got {timeout_s!r}.")
+        if isinstance(processes, bool) or not isinstance(processes, int) or processes < 0:
+            raise ConfigError(f"Episodes: processes must be an integer >= 0 (0: in the trainer's process), got "
+                              f"{processes!r}.")
         try:
             import openai  # noqa: F401 - (here, not in the first rollout: importing it takes seconds)
         except ImportError:
@@ -53,6 +62,7 @@ class Episodes:
         self.is_async = inspect.iscoroutinefunction(episode)
         self.host, self.port, self.token, self.window_s = host, port, token, window_s
         self.client_kwargs = dict(client_kwargs or {})
+        self.processes = processes
         self.__name__ = getattr(episode, "__name__", "episode")
         self.reads_rows = True  # the episode gets its row's columns (kept with remove_unused_columns)
 
@@ -90,6 +100,7 @@ class EpisodeRollout:
     def __init__(self, episodes: Episodes, endpoint: Endpoint, budget: int):
         self.episodes, self.endpoint, self.budget = episodes, endpoint, budget
         self.endpoint.params = None  # (set each step from the run's sampling settings)
+        self.workers = EpisodeWorkers(episodes, episodes.processes, run_episodes) if episodes.processes else None
 
     @property
     def generator(self):
@@ -107,55 +118,26 @@ class EpisodeRollout:
         endpoint.params = params
         keys = [endpoint.open_episode(seed, self.budget) for seed in seeds]
         rows = [{**{k: v[i] for k, v in columns.items()}, "prompt": p} for i, p in enumerate(prompts)]
+        if self.workers is not None:
+            self.workers.ready()  # (forked before the endpoint's threads start)
+            endpoint.clocks = [self.workers.cpu_seconds]  # (their CPU is the episodes' building requests)
         with endpoint:  # (serving while the episodes run: no port open between rollouts)
-            outcomes = _run_in_thread(self._all(rows, keys))
+            jobs = [(key, endpoint.episode_url(key), row) for key, row in zip(keys, rows)]
+            endpoint.waiting = len(keys)  # (the batcher waits for as many requests; one fewer as each ends)
+            try:
+                if self.workers is not None:
+                    outcomes = self.workers.run(jobs, endpoint.token, endpoint.episode_ended)
+                else:
+                    outcomes = _run_in_thread(run_episodes(self.episodes, jobs, endpoint.token,
+                                                           lambda *_: endpoint.episode_ended()))
+            finally:
+                endpoint.waiting = 0
             records = [endpoint.close_episode(k) for k in keys]
+        if any(fault == FORKED_CUDA for _, fault in outcomes):
+            raise RuntimeError("Episodes: an episode used CUDA in its worker process, which was forked from a "
+                               "trainer that had initialised CUDA (a fork cannot use it); an episode must not use "
+                               "CUDA with processes >= 1: keep its work on the CPU, or set processes=0.")
         return self._trajectories(prompts, prompt_ids, records, outcomes)
-
-    async def _all(self, rows: list[dict], keys: list[str]) -> list[tuple[object, str | None]]:
-        import openai
-
-        self.endpoint.waiting = len(keys)
-        # One HTTP client for the step's episodes (an openai client making its own costs ~0.1 s of CPU: its
-        # connection pool and TLS context), unless the user's client_kwargs give one. verify=False: the endpoint is
-        # plain HTTP, and the certificate store a verifying client loads costs 0.13-0.17 s of CPU a step.
-        shared = None if "http_client" in self.episodes.client_kwargs else (
-            openai.DefaultAsyncHttpxClient(verify=False) if self.episodes.is_async
-            else openai.DefaultHttpxClient(verify=False))
-        try:
-            return await asyncio.gather(*(self._one(row, key, shared) for row, key in zip(rows, keys)))
-        finally:
-            self.endpoint.waiting = 0
-            if shared is not None:
-                await shared.aclose() if self.episodes.is_async else shared.close()
-
-    async def _one(self, row: dict, key: str, http_client) -> tuple[object, str | None]:
-        """(the episode's return, None) or (None, its fault)."""
-        import openai
-
-        spec = self.episodes
-        kwargs = {"base_url": self.endpoint.episode_url(key), "api_key": self.endpoint.token or "grpo",
-                  "max_retries": 0, "timeout": spec.timeout_s, **spec.client_kwargs}
-        if http_client is not None:
-            kwargs["http_client"] = http_client
-        client = (openai.AsyncOpenAI if spec.is_async else openai.OpenAI)(**kwargs)
-        try:
-            if spec.is_async:
-                value = await asyncio.wait_for(spec.episode(client, row), spec.timeout_s)
-            else:
-                value = await asyncio.wait_for(_in_thread(spec.episode, client, row), spec.timeout_s)
-            return value, None
-        except asyncio.TimeoutError:
-            logger.warning("episode %s: over its deadline of %g s; abandoned, its calls refused from now on",
-                           key, spec.timeout_s)
-            return None, "timeout"
-        except Exception as err:  # noqa: BLE001 - the agent's own errors are counted, the run goes on
-            logger.warning("episode %s raised %s: %s", key, type(err).__name__, err)
-            return None, "raised"
-        finally:
-            self.endpoint.episode_ended()
-            if http_client is None:  # (its own client: closed before its event loop ends; a shared one in _all)
-                await client.close() if spec.is_async else client.close()
 
     def _trajectories(self, prompts, prompt_ids, records, outcomes) -> Trajectories:
         ids, masks, logprobs, truncated, completions, stats, rewards, extra = [], [], [], [], [], [], [], []
@@ -187,6 +169,54 @@ class EpisodeRollout:
         return Trajectories(list(prompts), list(prompt_ids), ids, masks, truncated, logprobs, completions,
                             [{k: v for k, v in s.items() if k != "logged"} for s in stats],
                             {"episode_reward": rewards, "episode_stats": stats}, extra_rows=extra)
+
+
+async def run_episodes(spec: Episodes, jobs: list[tuple[str, str, dict]], token: str | None,
+                       ended: Callable[[str, object, str | None], None]) -> list[tuple[object, str | None]]:
+    """Run the episodes of `jobs` (key, base_url, row) concurrently: (the return value, None) or (None, a fault)
+    of each; `ended(key, value, fault)` as each ends. In the trainer's process or in a worker process."""
+    import openai
+
+    # One HTTP client for the step's episodes (an openai client making its own costs ~0.1 s of CPU: its connection
+    # pool and TLS context), unless the user's client_kwargs give one. verify=False: the endpoint is plain HTTP,
+    # and the certificate store a verifying client loads costs 0.13-0.17 s of CPU a step.
+    shared = None if "http_client" in spec.client_kwargs else (
+        openai.DefaultAsyncHttpxClient(verify=False) if spec.is_async else openai.DefaultHttpxClient(verify=False))
+    try:
+        return await asyncio.gather(*(_one(spec, key, url, row, token, shared, ended) for key, url, row in jobs))
+    finally:
+        if shared is not None:
+            await shared.aclose() if spec.is_async else shared.close()
+
+
+async def _one(spec: Episodes, key: str, url: str, row: dict, token: str | None, http_client,
+               ended: Callable) -> tuple[object, str | None]:
+    """(the episode's return, None) or (None, its fault)."""
+    import openai
+
+    kwargs = {"base_url": url, "api_key": token or "grpo", "max_retries": 0, "timeout": spec.timeout_s,
+              **spec.client_kwargs}
+    if http_client is not None:
+        kwargs["http_client"] = http_client
+    client = (openai.AsyncOpenAI if spec.is_async else openai.OpenAI)(**kwargs)
+    value, fault = None, None
+    try:
+        if spec.is_async:
+            value = await asyncio.wait_for(spec.episode(client, row), spec.timeout_s)
+        else:
+            value = await asyncio.wait_for(_in_thread(spec.episode, client, row), spec.timeout_s)
+    except asyncio.TimeoutError:
+        logger.warning("episode %s: over its deadline of %g s; abandoned, its calls refused from now on", key,
+                       spec.timeout_s)
+        fault = "timeout"
+    except Exception as err:  # noqa: BLE001 - the agent's own errors are counted, the run goes on
+        logger.warning("episode %s raised %s: %s", key, type(err).__name__, err)
+        fault = FORKED_CUDA if "CUDA in forked subprocess" in str(err) else "raised"
+    finally:
+        if http_client is None:  # (its own client: closed before its event loop ends; a shared one in run_episodes)
+            await client.close() if spec.is_async else client.close()
+    ended(key, value, fault)
+    return value, fault
 
 
 def one_row_each(procs, extra_rows) -> None:
