@@ -167,7 +167,8 @@ def version_gaps(trainer, snapshots: dict, batch, want: int) -> tuple[dict[int, 
 
 
 @pytest.mark.parametrize("lag, point, kill_step, mu", [
-    (1, "micro_step", 3, 1), (2, "save", 3, 1), (1, "micro_step", 4, 2),
+    (2, "save", 3, 1), (1, "micro_step", 4, 2),
+    pytest.param(1, "micro_step", 3, 1, marks=pytest.mark.slow),  # (lag 1 mid-update: the mu 2 case kills there too)
     pytest.param(2, "micro_step", 4, 1, marks=pytest.mark.slow)])
 def test_kill_mid_pipeline_and_resume_matches_uninterrupted(tiny_model_dir, tmp_path, lag, point, kill_step, mu):
     """Checkpoints every step hold the rollouts generated ahead; a kill -9 and a resume reach the uninterrupted

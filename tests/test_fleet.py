@@ -281,7 +281,8 @@ def test_two_machine_ranks_against_two_servers_match_one_launch_against_one(tmp_
     assert all(torch.equal(one[k], two[k]) for k in one)
 
 
-@pytest.mark.parametrize("lag, die_on, stop, versions", [(1, 3, 2, [0, 0, 2, 2]), (2, 4, 3, [0, 0, 0, 3])])
+@pytest.mark.parametrize("lag, die_on, stop, versions", [
+    (1, 3, 2, [0, 0, 2, 2]), pytest.param(2, 4, 3, [0, 0, 0, 3], marks=pytest.mark.slow)])  # (lag 2: the slow tier)
 def test_with_a_lag_every_server_gone_stops_with_a_checkpoint_that_resumes(lag, die_on, stop, versions, tmp_path,
                                                                         tiny_model_dir):
     """max_staleness 1 and 2, one optimizer step a rollout, each engine one prompt of each rollout. Lag 1: rollout

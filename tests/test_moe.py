@@ -403,7 +403,7 @@ def test_a_vllm_that_refuses_its_routed_experts_record_still_starts_without_rout
     monkeypatch.setitem(sys.modules, "vllm", fake)
     monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
     monkeypatch.setattr(vllm_engine, "import_vllm", lambda: fake)
-    monkeypatch.setattr(vllm_routes, "route_plan", lambda vllm, model, wanted: ("vllm", ""))
+    monkeypatch.setattr(vllm_routes, "route_plan", lambda vllm, model, wanted, config=None: ("vllm", ""))
     engine = vllm_engine.VLLMEngine("some-moe", eos_ids=[0])
     assert [s.get("enable_return_routed_experts") for s in starts] == [True, None]
     assert engine.route_layers is None and "AuxOutput Connector requires Model Runner V2" in engine.routes_missing

@@ -47,7 +47,8 @@ def read_rows(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("point, kill_step", [("generation", 3), ("micro_step", 3), ("save", 3), ("micro_step", 2)])
+@pytest.mark.parametrize("point, kill_step", [("generation", 3), ("micro_step", 3), ("save", 3),
+                                              pytest.param("micro_step", 2, marks=pytest.mark.slow)])  # (CI's time)
 def test_kill_and_resume_matches_uninterrupted(straight, tmp_path, point, kill_step):
     cfg, want, want_rows = straight
     cfg = {**cfg, "output_dir": str(tmp_path / "run")}

@@ -102,7 +102,8 @@ class VLLMEngine(EngineDefaults, ReturnsRoutes):
             generation_config="vllm",
         )
         wanted = llm_kwargs.pop("enable_return_routed_experts", None)
-        how, self.routes_missing = vllm_routes.route_plan(vllm, model_name_or_path, wanted)
+        how, self.routes_missing = vllm_routes.route_plan(vllm, model_name_or_path, wanted,
+                                                          getattr(model, "config", None))
         if how == "vllm":
             options["enable_return_routed_experts"] = True
         elif how == "hook":  # (a prompt block taken from the prefix cache is not run, so not routed; a compiled

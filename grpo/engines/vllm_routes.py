@@ -52,21 +52,27 @@ def routes_support() -> str | None:
     return None
 
 
-def route_plan(vllm, model_name_or_path: str, wanted: bool | None) -> tuple[str | None, str]:
+def route_plan(vllm, model_name_or_path: str, wanted: bool | None, config=None) -> tuple[str | None, str]:
     """How an engine for `model_name_or_path` records routes ("vllm", "hook" or None: `routes_support`), and when
     it does not, why (for the refusal of R3). `wanted`: the engine's `enable_return_routed_experts` setting (None:
-    on for an MoE where the build can, False: off, True: on or an error)."""
+    on for an MoE where the build can, False: off, True: on or an error). `config`: the model's (the policy's, when
+    the engine is given it), else read from `model_name_or_path`, only when the build can record at all (a Hub name
+    is fetched over the network)."""
     from transformers import AutoConfig
 
-    unread = ""
-    try:
-        config = AutoConfig.from_pretrained(model_name_or_path)
-    except (OSError, ValueError, KeyError) as err:  # (a config only its own code reads: no router grpo knows)
-        config, unread = None, f"{model_name_or_path}'s config does not load in transformers ({err})"
+    how, why, unread = routes_support(), "", ""
+    if how is None and not wanted:
+        version = getattr(vllm, "__version__", "")
+        return None, (f"vLLM {version} returns them from its Model Runner V2 only, which needs Triton, and grpo's "
+                      f"hook needs the CPU build's V1 model runner")
+    if config is None:
+        try:
+            config = AutoConfig.from_pretrained(model_name_or_path)
+        except (OSError, ValueError, KeyError) as err:  # (a config only its own code reads: no router grpo knows)
+            unread = f"{model_name_or_path}'s config does not load in transformers ({err})"
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     experts = (getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
                if hasattr(config, "output_router_logits") else None)
-    how, why = routes_support(), ""
     if config is None:
         how, why = None, unread
     elif wanted is False:
