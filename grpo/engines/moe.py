@@ -155,6 +155,11 @@ def token_weights(packed) -> torch.Tensor:
     return torch.where(prompt, members[unit], real.long()).float()
 
 
+def num_experts(config) -> int | None:
+    """The experts per MoE layer a model's config declares (Mixtral's and OLMoE's name, or Qwen's), or None."""
+    return getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+
+
 def aux_loss(model, logits: list[torch.Tensor], weights: torch.Tensor | None) -> torch.Tensor:
     """The model's own load-balancing loss (its modeling module's `load_balancing_loss_func`, which TRL's
     `outputs.aux_loss` is) of each layer's router logits (T, E), each token weighted by `weights` (T,) (None: 1)."""
@@ -163,7 +168,7 @@ def aux_loss(model, logits: list[torch.Tensor], weights: torch.Tensor | None) ->
     base = extract_model_from_parallel(model)
     base = base.get_base_model() if hasattr(base, "get_base_model") else base
     config = moe_config(base)
-    experts = getattr(config, "num_local_experts", None) or config.num_experts
+    experts = num_experts(config)
     # (the class's own modeling module: FSDP2 makes a subclass, FSDP<name>, in a module of its own)
     func = next(f for f in (getattr(sys.modules[c.__module__], "load_balancing_loss_func", None)
                             for c in type(base).__mro__) if f is not None)
@@ -380,7 +385,7 @@ def make_routing(cfg, policy, generator, packing, gather, sp=None, multi_turn: b
     if layers is not None and layers != len(routers(policy)):
         raise ConfigError(f"use_vllm: the vLLM engine returns routes of {layers} MoE layers but {name} has "
                           f"{len(routers(policy))} routers; serve the same model as the policy.")
-    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
+    experts = num_experts(config) or 0
     if mode == "R3":
         missing = generator.routes_missing if from_vllm else ""
         refusals = [(experts >= NOT_ROUTED, f"records an expert's id in a byte, which holds ids below {NOT_ROUTED}, "

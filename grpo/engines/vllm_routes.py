@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from grpo.engines.moe import NOT_ROUTED
+from grpo.engines.moe import NOT_ROUTED, num_experts
 
 
 def routes_support() -> str | None:
@@ -71,8 +71,7 @@ def route_plan(vllm, model_name_or_path: str, wanted: bool | None, config=None) 
         except (OSError, ValueError, KeyError) as err:  # (a config only its own code reads: no router grpo knows)
             unread = f"{model_name_or_path}'s config does not load in transformers ({err})"
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    experts = (getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
-               if hasattr(config, "output_router_logits") else None)
+    experts = num_experts(config) if hasattr(config, "output_router_logits") else None
     if config is None:
         how, why = None, unread
     elif wanted is False:

@@ -269,7 +269,7 @@ class _ClientThread(Answers):
             if self.failure is not None:
                 raise self.error()
             self.unpushed += 1
-        self.pushes.put((version, host.take(hf_weights(policy), getattr(self.client, "dtype", None))))
+        self.pushes.put((version, host.take(hf_weights(policy), self.client.dtype)))
 
     def take_push_seconds(self) -> float:
         with self.lock:
@@ -279,16 +279,16 @@ class _ClientThread(Answers):
     def _push_all(self) -> None:
         """The push thread: each copy to the server, in order (queued: loaded when a request names its step). On a
         GPU the collective push packs and sends on a stream of its own, beside the update's kernels."""
-        device = getattr(self.client, "device", None)
-        on_gpu = device is not None and torch.device(device).type == "cuda"
+        device = self.client.device
+        stream = torch.cuda.Stream(device) if device is not None and torch.device(device).type == "cuda" else None
         while (item := self.pushes.get()) is not None:
             version, weights = item
             t0 = time.perf_counter()
             try:
-                with torch.cuda.stream(torch.cuda.Stream(device)) if on_gpu else contextlib.nullcontext():
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                     self.client.push_weights(weights, step=version, queued=True)
-                    if on_gpu:
-                        torch.cuda.current_stream(device).synchronize()
+                    if stream is not None:
+                        stream.synchronize()
             except BaseException as err:  # noqa: BLE001 - the trainer and the requests' thread raise it
                 with self.lock:
                     self.down = err if isinstance(err, ServersDown) else self.down
