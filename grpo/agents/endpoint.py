@@ -370,6 +370,7 @@ class _Server(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     endpoint: Endpoint
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # (grpo.engines.vllm_server.send_json)
 
     def do_GET(self):  # noqa: N802 - http.server's name
         self._answer(*self.endpoint.handle(self.path, None, self.headers.get("Authorization")))
