@@ -317,6 +317,28 @@ def test_a_config_trains_an_agent_by_its_path_with_the_tasks_data_and_the_episod
                     train_dataset=problems())
 
 
+def test_agent_kwargs_set_the_episodes_from_a_config_and_bad_ones_are_named(tmp_path):
+    """A recipe's `agent_kwargs` are the settings of its agent's Episodes: here its episodes run in a worker process
+    (processes 1) with a deadline of 60 s; a setting Episodes lacks, and agent_kwargs without an agent, are refused
+    by name."""
+    args = config(tmp_path, task="calculator", agent="test_episodes:calculator_episode",
+                  agent_kwargs='{"processes": 1, "timeout_s": 60}')
+    trainer = GRPOTrainer(model=ASSET, args=args)
+    episodes = trainer.agents.rollout_func
+    assert (episodes.processes, episodes.timeout_s) == (1, 60.0)
+    batch = trainer.rollout()
+    workers = [w.pid for w in trainer.rollouts.agent.workers.workers]
+    assert len(workers) == 1 and os.getpid() not in workers
+    assert batch.metrics["episodes/model_calls"] >= 4
+    trainer.rollouts.agent.workers.close()
+    with pytest.raises(ConfigError, match="agent_kwargs: 'workers' is not a setting of an agent's episodes; they "
+                                          "are timeout_s, host, port, token, window_s, client_kwargs, processes"):
+        GRPOTrainer(model=ASSET, args=config(tmp_path, task="calculator", agent="test_episodes:calculator_episode",
+                                             agent_kwargs={"workers": 2}))
+    with pytest.raises(ConfigError, match="agent_kwargs: settings of an agent's episodes; name the episode function"):
+        GRPOTrainer(model=ASSET, args=config(tmp_path, task="calculator", agent_kwargs={"processes": 2}))
+
+
 @pytest.mark.slow  # (two training runs, one of two processes: 35 s on an idle machine, 3 min on a loaded one)
 def test_an_agent_on_two_processes_matches_one(tmp_path):
     """DDP (2 processes, gloo): each process serves its own endpoint and runs the episodes of its rows (seeds belong

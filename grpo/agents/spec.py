@@ -9,6 +9,7 @@ are forked here, while the process is still small (grpo.agents.worker).
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Callable
 
@@ -89,6 +90,18 @@ class AgentSpec:
             self.workers.close()
 
 
+def _episodes(episode, settings: dict):
+    """`Episodes(episode, **settings)` of the keys `agent` and `agent_kwargs`; a setting it lacks is named."""
+    from grpo.agents.episodes import Episodes
+
+    allowed = [name for name in inspect.signature(Episodes).parameters if name != "episode"]
+    unknown = sorted(set(settings) - set(allowed))
+    if unknown:
+        raise ConfigError(f"agent_kwargs: {unknown[0]!r} is not a setting of an agent's episodes; they are "
+                          f"{', '.join(allowed)} (docs/agents.md).")
+    return Episodes(episode, **settings)
+
+
 def make_agent_spec(cfg, tools=None, environment_factory=None, rollout_func=None, task=None,
                     accelerator=None) -> AgentSpec | None:
     """The run's AgentSpec, or None for single-turn rollouts. Raises ConfigError naming the key. Forks the tool
@@ -98,12 +111,13 @@ def make_agent_spec(cfg, tools=None, environment_factory=None, rollout_func=None
     factory = environment_factory if environment_factory is not None else _factories(cfg.environment_factory)
     rollout = rollout_func if rollout_func is not None else (
         import_object(cfg.rollout_func, "rollout_func") if cfg.rollout_func else None)
+    if cfg.agent_kwargs and not cfg.agent:
+        raise ConfigError("agent_kwargs: settings of an agent's episodes; name the episode function too (agent: "
+                          "module:function).")
     if cfg.agent:
         if rollout is not None:
             raise ConfigError("agent: an agent's episodes are the rollout; give agent or rollout_func, not both.")
-        from grpo.agents.episodes import Episodes
-
-        rollout = Episodes(import_object(cfg.agent, "agent"))
+        rollout = _episodes(import_object(cfg.agent, "agent"), cfg.agent_kwargs or {})
     if not tools and factory is None and rollout is None:
         return None
     if rollout is not None and (tools or factory is not None):

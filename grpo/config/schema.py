@@ -234,12 +234,13 @@ class GRPOConfig(TrlKeys):  # (TrlKeys: TRL's keys that are not settings of ours
                           "paths (functions with type hints and an Args: docstring; the Python API takes the "
                           "functions too). Default: the task's. Needs a chat template that renders tool calls; tool "
                           "answers are left out of the loss.")
-    environment_factory: Paths = _f(None, "TRL's environment_factory: a 'module:Class' path whose instances' public "
-                                  "methods are the model's tools, or a map of such paths by the rows' environment "
-                                  "column.")
+    environment_factory: Paths = _f(None, "TRL's environment_factory: a 'module:Class' path whose instances' "
+                                  "public methods are the tools, or a map of such paths by the environment column.")
     rollout_func: str | None = _f(None, "TRL's rollout_func: a 'module:function' path of a rollout of your own "
                                   "(called with this process's prompts and the trainer).")
     agent: str | None = _f(None, "'module:function' of an agent's episode(client, row), trained via the endpoint.")
+    agent_kwargs: Kwargs = _f(None, "Settings of agent's Episodes: processes (worker processes for the episodes; "
+                              "0: the trainer's), timeout_s, window_s, host, port, token, client_kwargs.")
     max_tool_calling_iterations: int | None = _f(None, "Most rounds of tool calls per completion (TRL's key); null: "
                                                  "until max_completion_length, which counts tool answers too.")
     tool_timeout: float = _f(10.0, "Seconds one tool call may take; past it the model is answered with an error "
@@ -374,8 +375,7 @@ class GRPOConfig(TrlKeys):  # (TrlKeys: TRL's keys that are not settings of ours
     save_total_limit: int | None = _f(2, "Checkpoints kept (oldest deleted first; null: all).")
     save_only_model: bool = _f(False, "Checkpoints hold the model only (no optimizer, schedule or RNG: they "
                                "cannot be resumed).")
-    push_to_hub: bool = _f(False, "Upload the model to the Hugging Face Hub (hub_model_id) at each save and at the "
-                           "end.")
+    push_to_hub: bool = _f(False, "Upload the model to the Hugging Face Hub (hub_model_id) at each save and end.")
     hub_model_id: str | None = _f(None, "Hub repository, 'user/name' or 'name' (default: output_dir's name).")
     hub_token: str | None = _f(None, "Hub token (default: the logged-in one).")
     hub_private_repo: bool | None = _f(None, "Create the repository private.")
