@@ -18,6 +18,7 @@ from test_resume import read_rows
 from test_vllm import needs_vllm
 from test_vllm_async import settings
 from test_vllm_server import serving
+from test_vllm_training import VLLM
 
 openai = pytest.importorskip("openai")
 
@@ -57,8 +58,29 @@ def test_an_agent_trains_through_the_endpoint_on_a_vllm_server(tools_server, tmp
 
     trainer = GRPOTrainer(model=ASSET, args=config(tools_server, tmp_path / "run", max_steps=1),
                           train_dataset=problems(), reward_funcs=[], rollout_func=Episodes(recorded))
+    trains_on_vllms_rows(trainer)
+    assert len(seen) == 8  # (4 episodes in the rollout checked, 4 in the training step's)
+
+
+@needs_vllm
+def test_an_agent_trains_through_the_endpoint_on_a_colocated_vllm_engine(tmp_path):
+    """use_vllm with vllm_mode colocate: the endpoint's engine thread calls the trainer's own vLLM engine (not the
+    thread that made it); the rows trained are vLLM's, as on the server."""
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), task=None, num_generations=2, prompts_per_step=2,
+                      per_device_train_batch_size=4, max_completion_length=64, learning_rate=1e-2, beta=0.0, seed=3,
+                      max_steps=1, save_steps=0, report_to=[], log_completions_steps=0, vllm_mode="colocate", **VLLM)
+    trainer = GRPOTrainer(model=ASSET, args=args, train_dataset=problems(), reward_funcs=[],
+                          rollout_func=Episodes(episode))
+    assert type(trainer.generator).__name__ == "VLLMEngine"
+    trains_on_vllms_rows(trainer)
+
+
+def trains_on_vllms_rows(trainer) -> None:
+    """One rollout of `episode`'s 4 episodes (8 calls, 8 rows): the trained ids are the engine's, its log-probs
+    within 2e-3 of the update pass's (the float32 tolerance test_vllm_async holds vLLM to) on every trained
+    token, extra rows included; then a training step."""
     batch = trainer.rollout()
-    assert len(seen) == 4 and batch.input_ids.shape[0] == 8 and batch.metrics["episodes/model_calls"] == 8
+    assert batch.input_ids.shape[0] == 8 and batch.metrics["episodes/model_calls"] == 8
     mask = batch.completion_mask.bool()
     update = trainer.updates.score(trainer.policy, batch).cpu()
     assert mask.sum() > 0 and torch.allclose(update[mask], batch.sampling_logp[mask], atol=2e-3, rtol=0)
