@@ -340,17 +340,19 @@ def test_agent_kwargs_set_the_episodes_from_a_config_and_bad_ones_are_named(tmp_
 
 
 @pytest.mark.slow  # (two training runs, one of two processes: 35 s on an idle machine, 3 min on a loaded one)
-def test_an_agent_on_two_processes_matches_one(tmp_path):
+@pytest.mark.parametrize("processes", [0, 1])
+def test_an_agent_on_two_processes_matches_one(tmp_path, processes):
     """DDP (2 processes, gloo): each process serves its own endpoint and runs the episodes of its rows (seeds belong
     to rows), rewards are gathered before the groups' statistics: the two processes' run is the one process's,
     rewards and lengths equal, weights within 1e-4 (adam_epsilon 1e-4: test_distributed's tool run says why). The
     calculator agent's calls extend one another (one row an episode); extra rows on several processes are an error
-    (grpo.agents.episodes.one_row_each)."""
+    (grpo.agents.episodes.one_row_each). processes 1: each DDP process forks its own episode worker."""
     from test_distributed import TOOLS_RECIPE, two_match_one
 
     tools = 'reward_funcs: ["math_accuracy", "rewards_for_tests:called_a_tool"]\n'
     assert tools in TOOLS_RECIPE  # (the tool run's recipe, the agent in place of the loop's tools and rewards)
-    recipe = TOOLS_RECIPE.replace(tools, "agent: test_episodes:tool_calling_episode\n")
+    recipe = TOOLS_RECIPE.replace(tools, f"agent: test_episodes:tool_calling_episode\n"
+                                         f"agent_kwargs: {{{{processes: {processes}}}}}\n")
     logs = two_match_one(tmp_path, recipe, ["reward/total", "completion/mean_length"])
     assert len(logs[0]) == 2 and all(row["train/grad_norm"] > 0 for row in logs[0])
 
