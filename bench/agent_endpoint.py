@@ -172,6 +172,9 @@ def figures(log: list[dict], warmup: int, completions: int) -> dict:
     tokens = [e["completion/mean_length"] * completions for e in counted]
     return {"steps": len(counted),
             "generation_tokens_per_s": statistics.median(t / e["time/generation"] for t, e in zip(tokens, counted)),
+            # (all counted steps' tokens over their generation time: steadier than the median of a few steps when
+            # the steps' lengths differ, as a random model's do; the sides sample the same tokens step by step)
+            "generation_tokens_per_s_all": sum(tokens) / sum(e["time/generation"] for e in counted),
             "steps_per_s": statistics.median(1 / e["time/step"] for e in counted),
             "model_tokens_per_step": statistics.median(tokens),
             "generation_s": statistics.median(e["time/generation"] for e in counted),
@@ -276,19 +279,21 @@ def main(argv=None) -> dict:
             loads.append(os.getloadavg()[0])
     result = {name: figures(log, 0, 64) for name, log in logs.items()}
     result["ratio"] = {f"{name}/loop": {key: result[name][key] / result["loop"][key]
-                                        for key in ("generation_tokens_per_s", "tokens_per_cpu_s", "steps_per_s")}
+                                        for key in ("generation_tokens_per_s", "generation_tokens_per_s_all",
+                                                    "tokens_per_cpu_s", "steps_per_s")}
                        for name in names[1:]}
     result["load"] = {"loadavg_1min": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)},
                       "cpus": os.cpu_count(), "threads": 1, "model": args.model,
                       "wall_s": round(time.time() - started, 1)}
     print(json.dumps(result))
     if args.markdown:
-        print("| side | generation tokens/s | x loop | tokens / CPU s | x loop | steps/s | model tokens / step | "
-              "generation s / step | s / step | trainer's CPU s / step (outside the engine) |\n"
-              "|---|---|---|---|---|---|---|---|---|---|")
+        print("| side | generation tokens/s | x loop | all steps' tokens / generation s | x loop | tokens / CPU s | "
+              "x loop | steps/s | model tokens / step | generation s / step | s / step | trainer's CPU s / step "
+              "(outside the engine) |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
         for name in names:
             f, ratio = result[name], result["ratio"].get(f"{name}/loop", {})
             print(f"| {name} | {f['generation_tokens_per_s']:.0f} | {ratio.get('generation_tokens_per_s', 1):.2f} | "
+                  f"{f['generation_tokens_per_s_all']:.0f} | {ratio.get('generation_tokens_per_s_all', 1):.2f} | "
                   f"{f['tokens_per_cpu_s']:.0f} | {ratio.get('tokens_per_cpu_s', 1):.2f} | {f['steps_per_s']:.3f} | "
                   f"{f['model_tokens_per_step']:.0f} | {f['generation_s']:.2f} | {f['step_s']:.2f} | "
                   f"{f['trainer_cpu_s']:.2f} ({f['trainer_cpu_outside_engine_s']:.2f}) |")
