@@ -49,6 +49,8 @@ MAX_WAIT_WINDOWS = 40  # a batch waits for late requests at most this many windo
 RENDERED = 512  # chat template renderings kept (by messages, tools and generation prompt)
 WAKE = object()  # put in a batcher's queue: look again at what the open batch waits for
 BUSY_CPU = 0.1  # a window in which the process used more CPU time than this share of it is not quiet
+POLL_S = 0.01  # the server's loop looks for `shutdown` this often: at http.server's 0.5 s, closing the endpoint at
+# each rollout's end waited up to 0.5 s (the calculator agent's rollouts: 1.23 -> 0.79 s, bench/README.md)
 ROUTE = re.compile(r"^(?:/episodes/(?P<key>[A-Za-z0-9_-]+))?/v1/(?P<what>chat/completions|completions|models)/?$")
 
 
@@ -214,7 +216,7 @@ class Endpoint:
         self.server = _Server((self.host, self.bind_port), handler)
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, name="grpo-endpoint", daemon=True).start()
+        threading.Thread(target=self.server.serve_forever, args=(POLL_S,), name="grpo-endpoint", daemon=True).start()
         return self
 
     def serving(self, engine) -> "Endpoint":
