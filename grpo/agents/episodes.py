@@ -30,11 +30,11 @@ from grpo.agents.endpoint import Endpoint
 from grpo.agents.loop import Trajectories
 from grpo.agents.processes import WORKER_DIED, EpisodeWorkers
 from grpo.agents.recording import assemble
+from grpo.agents.worker import FORKED_CUDA, used_cuda_in_fork
 from grpo.config import ConfigError
 
 logger = logging.getLogger(__name__)
 FAULTS = ("raised", "timeout", "no_calls", "bad_return", WORKER_DIED)
-FORKED_CUDA = "forked_cuda"  # an episode used CUDA in a worker process forked after the trainer initialised it
 
 
 class Episodes:
@@ -211,7 +211,7 @@ async def _one(spec: Episodes, key: str, url: str, row: dict, token: str | None,
         fault = "timeout"
     except Exception as err:  # noqa: BLE001 - the agent's own errors are counted, the run goes on
         logger.warning("episode %s raised %s: %s", key, type(err).__name__, err)
-        fault = FORKED_CUDA if "CUDA in forked subprocess" in str(err) else "raised"
+        fault = FORKED_CUDA if used_cuda_in_fork(err) else "raised"
     finally:
         if http_client is None:  # (its own client: closed before its event loop ends; a shared one in run_episodes)
             await client.close() if spec.is_async else client.close()

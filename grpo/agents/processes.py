@@ -25,19 +25,18 @@ import logging
 import os
 import pickle
 import signal
-import sys
 import time
-import warnings
 import weakref
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection, wait
 from typing import Callable
 
+from grpo.agents.worker import fork, leave_stops_to_the_trainer
+
 logger = logging.getLogger(__name__)
 MARGIN_S = 10.0  # past the episodes' deadline, a worker that has not reported them all is killed
 WORKER_DIED = "worker_died"
 TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
 class _Worker:
@@ -95,15 +94,11 @@ class EpisodeWorkers:
     def _fork(self) -> _Worker:
         ours, theirs = Pipe()
         others = [w.conn for w in self.workers if w is not None]
-        sys.stdout.flush()
-        sys.stderr.flush()
         saved = os.environ.get("TOKENIZERS_PARALLELISM")
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # (the child's copy: no warning, no pool it lacks threads for)
         pid = -1
         try:
-            with warnings.catch_warnings():  # (Python 3.12 warns when other threads exist; the child starts its own)
-                warnings.filterwarnings("ignore", message=".*multi-threaded.*fork", category=DeprecationWarning)
-                pid = os.fork()
+            pid = fork()
         finally:
             if pid != 0:
                 _restore("TOKENIZERS_PARALLELISM", saved)
@@ -212,9 +207,7 @@ def _unpickled(key: str, value: bytes, fault: str | None) -> tuple[object, str |
 def _serve(conn: Connection, spec, run: Callable) -> None:
     """The worker's loop: each message is a step's jobs, run as the trainer's process would run them; each
     episode's (key, value, fault) is sent as it ends (an unpicklable value: bad_return)."""
-    for sig in STOP_SIGNALS:  # (the trainer's to handle: it checkpoints; its death kills this process)
-        signal.signal(sig, signal.SIG_IGN)
-    _die_with_parent()
+    leave_stops_to_the_trainer()  # (dies when the thread that forked it ends: the trainer's, or its rollouts')
 
     def send(key: str, value, fault: str | None) -> None:
         try:  # (the value pickled on its own: the trainer reads the key and fault whatever it holds)
@@ -231,17 +224,6 @@ def _serve(conn: Connection, spec, run: Callable) -> None:
         except (EOFError, OSError):
             return
         asyncio.run(run(spec, jobs, token, send))
-
-
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when the thread that forked it ends (the trainer's main thread, or the thread
-    that runs its rollouts), however it ends."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def _restore(name: str, value: str | None) -> None:

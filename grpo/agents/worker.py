@@ -112,30 +112,52 @@ def _stop(conn: Connection | None, pid: int | None) -> None:
             pass
 
 
-def _fork(inherited: list[Connection]) -> int:
-    """os.fork, with Python's buffers flushed first (a child would write the parent's pending output again). The
-    child closes `inherited` and every pool's pipe to its keeper, so that each process at the other end of one sees
-    EOF when its owner is gone."""
+def fork() -> int:
+    """os.fork for grpo's worker processes (tools, episodes, the rollout worker), with Python's buffers flushed
+    first (a child would write the parent's pending output again) and Python 3.12's warning about a fork of a
+    process with other threads (torch's) silenced: each child starts the threads it needs."""
     sys.stdout.flush()
     sys.stderr.flush()
-    with warnings.catch_warnings():  # Python 3.12 warns when other threads exist (torch's); the children run no torch
+    with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*multi-threaded.*fork", category=DeprecationWarning)
-        pid = os.fork()
-    if pid == 0:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        for conn in inherited + [pool._conn for pool in list(_OPEN_POOLS) if pool._conn is not None]:
-            conn.close()
-    return pid
+        return os.fork()
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when its parent (the keeper, one thread) dies, even by SIGKILL."""
+def used_cuda_in_fork(err: BaseException) -> bool:
+    """torch's error in a fork of a process that had initialised CUDA (a GPU run): the work needs CUDA there."""
+    return "CUDA in forked subprocess" in str(err)
+
+
+def leave_stops_to_the_trainer() -> None:
+    """In a worker process: the signals a run may stop on (`stop_signals`' choices), sent to the whole process group,
+    are the trainer's to handle (it checkpoints); the worker ignores them and dies with the trainer
+    (`die_with_parent`), or when the trainer kills it."""
+    from grpo.config.validate import STOP_SIGNALS
+
+    for name in STOP_SIGNALS:
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
+    die_with_parent()
+
+
+def die_with_parent() -> None:
+    """Linux: SIGKILL this process when the thread that forked it ends (its parent dies), even by SIGKILL."""
     try:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def _fork(inherited: list[Connection]) -> int:
+    """`fork`; the child closes `inherited` and every pool's pipe to its keeper, so that each process at the other
+    end of one sees EOF when its owner is gone."""
+    pid = fork()
+    if pid == 0:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for conn in inherited + [pool._conn for pool in list(_OPEN_POOLS) if pool._conn is not None]:
+            conn.close()
+    return pid
 
 
 # ---- the keeper ---------------------------------------------------------------------------------------------------
@@ -145,7 +167,7 @@ class _Worker:
         self.pid = _fork(inherited + [ours])
         if self.pid == 0:
             try:
-                _die_with_parent()
+                die_with_parent()
                 _work(theirs, functions)
             finally:
                 os._exit(0)
@@ -218,7 +240,7 @@ def _work(conn: Connection, functions: dict[str, Callable]) -> None:
             answer = (clip(as_text(value), max_chars), None)
         except BaseException as err:  # noqa: BLE001 - SystemExit and KeyboardInterrupt of a tool are its errors too
             answer = (clip(f"Error: {name} raised {type(err).__name__}: {err}", max_chars), "raised")
-            if "CUDA in forked subprocess" in str(err):  # (torch's error in a fork of a process that used CUDA)
+            if used_cuda_in_fork(err):
                 answer = (f"the tool {name} uses CUDA, but tools run in processes forked from the trainer's, where "
                           "CUDA cannot start once the trainer has (a GPU run); keep tools on the CPU (move any "
                           "model a tool calls to device 'cpu', or serve it from another process)", FORKED_CUDA)

@@ -25,16 +25,15 @@ import os
 import pickle
 import queue
 import signal
-import sys
 import threading
 import time
 import traceback
-import warnings
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 
 import torch
 
+from grpo.agents.worker import fork, leave_stops_to_the_trainer
 from grpo.config import ConfigError
 from grpo.training.rollout.assembly import rollout_routes, rollout_tensors
 from grpo.training.rollout.batch import RolloutBatch, SampleRequest, Sampled
@@ -200,11 +199,7 @@ class _Worker(Answers):
 
     def __init__(self, rollouts: Rollouts, policy, reference=None):
         ours, theirs = Pipe()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        with warnings.catch_warnings():  # (Python 3.12 warns when other threads exist; the child starts its own)
-            warnings.filterwarnings("ignore", message=".*multi-threaded.*fork", category=DeprecationWarning)
-            pid = os.fork()
+        pid = fork()
         if pid == 0:  # the worker: never returns into the trainer's code
             code = 0
             try:
@@ -251,11 +246,7 @@ def _serve(conn: Connection, rollouts: Rollouts, policy, reference=None) -> None
     """The worker's loop: weights are copied into its model; each request is generated and scored with the
     weights last copied (and its rows' reference log-probs taken, with `reference`), and answered with its Sampled
     fields, what reward functions logged and its times."""
-    # A stop signal sent to the whole process group is the trainer's to handle (it checkpoints, with this worker's
-    # rollouts in flight): the worker ignores them; the trainer ends it with SIGKILL, and so does its death.
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(sig, signal.SIG_IGN)
-    _die_with_parent()
+    leave_stops_to_the_trainer()  # (it checkpoints, with this worker's rollouts in flight, and ends it with SIGKILL)
     torch.set_num_threads(1)  # its own core: the trainer's process keeps its threads
     inbox: queue.Queue = queue.Queue()
 
@@ -304,11 +295,3 @@ def _serve(conn: Connection, rollouts: Rollouts, policy, reference=None) -> None
         raise
 
 
-def _die_with_parent() -> None:
-    """Linux: the worker is killed when the trainer's process dies, however it dies."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
